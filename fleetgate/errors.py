@@ -1,0 +1,67 @@
+"""The fleetgate exception tree.
+
+    FleetgateError
+     ├── Overloaded          the gate's wait list is full; the work was never started (never retried)
+     ├── DeadlineExceeded    the total deadline fired (also a TimeoutError)
+     ├── LeaseLost           a held lease could not be renewed and expired in Redis
+     ├── ConfigError         bad configuration or gate name (also a ValueError)
+     └── RedisUnavailable    Redis unreachable and the gate is configured to fail (on_redis_error="fail")
+
+Redis errors are translated where they enter fleetgate (``raise ... from exc``) so callers only
+need to catch these.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DeadlineExceeded",
+    "FleetgateError",
+    "LeaseLost",
+    "Overloaded",
+    "RedisUnavailable",
+]
+
+
+class FleetgateError(Exception):
+    """Base class of every error fleetgate raises on purpose."""
+
+
+class Overloaded(FleetgateError):
+    """The gate's fleet-wide wait list is full: rejected at once, the work was never invoked.
+
+    Retrying an overload deepens it, so fleetgate never retries this error itself.
+    """
+
+    def __init__(self, gate: str, max_queued: int) -> None:
+        super().__init__(
+            f"gate {gate!r} is overloaded: its fleet-wide wait list is full "
+            f"(max_queued={max_queued}); the call was not started"
+        )
+        self.gate = gate
+        self.max_queued = max_queued
+
+
+class DeadlineExceeded(FleetgateError, TimeoutError):
+    """The total deadline of a request fired (queue wait, calls and retries included)."""
+
+    def __init__(self, gate: str, deadline_ms: int, *, where: str = "") -> None:
+        tail = f" ({where})" if where else ""
+        super().__init__(
+            f"gate {gate!r}: total deadline of {deadline_ms} ms exceeded{tail}; "
+            "the deadline covers queue wait, calls and retries"
+        )
+        self.gate = gate
+        self.deadline_ms = deadline_ms
+
+
+class LeaseLost(FleetgateError):
+    """A held lease could not be renewed and is no longer counted by the gate."""
+
+
+class ConfigError(FleetgateError, ValueError):
+    """Invalid configuration: the message names the field and the problem."""
+
+
+class RedisUnavailable(FleetgateError, ConnectionError):
+    """Redis could not be reached and the fleet is configured with ``on_redis_error="fail"``."""
