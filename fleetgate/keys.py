@@ -1,0 +1,159 @@
+"""The Redis key layout, named once.
+
+Every key of one gate carries the gate's hash tag ``{G}`` so the whole gate lives in one Redis
+Cluster slot and every script touches a single slot. The registry of gates and the leadership
+keys are outside any gate's slot and are written by separate commands.
+
+    {prefix}:{G}:cfg       hash    floor, ceiling, max_queued, lease_ms, waiter_ms
+    {prefix}:{G}:target    hash    value, epoch, expires_at (server ms)
+    {prefix}:{G}:holders   zset    lease id  -> lease expiry (server ms)
+    {prefix}:{G}:queue     zset    waiter id -> sequence number (FIFO order, fencing token)
+    {prefix}:{G}:waiters   zset    waiter id -> waiter expiry (server ms)
+    {prefix}:{G}:seq       string  counter for FIFO order and fencing tokens
+    {prefix}:{G}:stats     hash    granted, rejected, expired_leases, abandoned_waiters, ...
+    {prefix}:{G}:pods      zset    pod id -> liveness expiry (for the fair-share fallback)
+    {prefix}:{G}:util      hash    the coordinator's last utilisation snapshot
+    {prefix}:{G}:wake:<pod> list   ids granted by hand-off, popped by the owner pod
+    {prefix}:gates         set     registry of gate names
+    {prefix}:leader        string  coordinator leadership lease
+    {prefix}:epoch         string  coordinator epoch counter
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fleetgate.errors import ConfigError
+
+__all__ = ["GateKeys", "MAX_GATE_NAME_BYTES", "fleet_keys", "validate_gate_name", "validate_prefix"]
+
+MAX_GATE_NAME_BYTES = 200
+# Braces would break the hash tag; control characters make keys unreadable in redis-cli.
+_FORBIDDEN = re.compile(r"[{}\x00-\x1f\x7f]")
+
+
+def validate_gate_name(name: object) -> str:
+    """Return ``name`` if it is a usable gate name, else raise :class:`ConfigError` saying why."""
+    if not isinstance(name, str):
+        raise ConfigError(f"gate name must be a string, got {type(name).__name__}")
+    if not name:
+        raise ConfigError("gate name must not be empty")
+    if len(name.encode("utf-8")) > MAX_GATE_NAME_BYTES:
+        raise ConfigError(f"gate name {name[:40]!r}... is longer than {MAX_GATE_NAME_BYTES} bytes")
+    bad = _FORBIDDEN.search(name)
+    if bad:
+        raise ConfigError(
+            f"gate name {name!r} contains {bad.group()!r}: braces and control characters "
+            "are not allowed (they would break the Redis hash tag or the key layout)"
+        )
+    return name
+
+
+def validate_prefix(prefix: object) -> str:
+    """Return ``prefix`` if usable as the key prefix, else raise :class:`ConfigError`."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ConfigError("prefix must be a non-empty string")
+    if _FORBIDDEN.search(prefix) or ":" in prefix or len(prefix) > 64:
+        raise ConfigError(
+            f"prefix {prefix!r} must be at most 64 bytes without ':', braces or control characters"
+        )
+    return prefix
+
+
+@dataclass(frozen=True)
+class GateKeys:
+    """All key names of one gate."""
+
+    prefix: str
+    name: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.prefix}:{{{self.name}}}"
+
+    @property
+    def cfg(self) -> str:
+        return f"{self.base}:cfg"
+
+    @property
+    def target(self) -> str:
+        return f"{self.base}:target"
+
+    @property
+    def holders(self) -> str:
+        return f"{self.base}:holders"
+
+    @property
+    def queue(self) -> str:
+        return f"{self.base}:queue"
+
+    @property
+    def waiters(self) -> str:
+        return f"{self.base}:waiters"
+
+    @property
+    def seq(self) -> str:
+        return f"{self.base}:seq"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.base}:stats"
+
+    @property
+    def pods(self) -> str:
+        return f"{self.base}:pods"
+
+    @property
+    def util(self) -> str:
+        return f"{self.base}:util"
+
+    @property
+    def wake_prefix(self) -> str:
+        """Prefix of the per-pod wake lists; the scripts append the pod id."""
+        return f"{self.base}:wake:"
+
+    def wake(self, pod_id: str) -> str:
+        return f"{self.wake_prefix}{pod_id}"
+
+    def script_keys(self) -> list[str]:
+        """KEYS passed to every gate script, in the order the Lua library expects."""
+        return [
+            self.cfg,
+            self.target,
+            self.holders,
+            self.queue,
+            self.waiters,
+            self.seq,
+            self.stats,
+            self.pods,
+            self.wake_prefix,
+        ]
+
+    @classmethod
+    def of(cls, prefix: str, name: str) -> GateKeys:
+        return cls(validate_prefix(prefix), validate_gate_name(name))
+
+
+@dataclass(frozen=True)
+class FleetKeys:
+    """Keys outside any gate's slot."""
+
+    prefix: str
+
+    @property
+    def gates(self) -> str:
+        return f"{self.prefix}:gates"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.prefix}:leader"
+
+    @property
+    def epoch(self) -> str:
+        return f"{self.prefix}:epoch"
+
+
+def fleet_keys(prefix: str) -> FleetKeys:
+    """Keys of the fleet (registry and leadership) under ``prefix``."""
+    return FleetKeys(validate_prefix(prefix))
