@@ -127,6 +127,7 @@ class GateKeys:
             self.seq,
             self.stats,
             self.pods,
+            self.util,
             self.wake_prefix,
         ]
 

@@ -1,0 +1,127 @@
+"""Start and stop private ``redis-server`` processes (tests, benchmarks, the demo).
+
+A private server listens on a free loopback port, keeps nothing on disk and is waited for by
+PING, never by sleeping. It can be killed and restarted on the same port for fault tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+__all__ = ["RedisProcess", "RedisServerMissing", "free_port"]
+
+INSTALL_HINT = (
+    "redis-server was not found on PATH. Install Redis 7 (Debian/Ubuntu: "
+    "`apt-get install redis-server`; macOS: `brew install redis`), or point the tests at a "
+    "server you own with FLEETGATE_TEST_REDIS_URL=redis://host:port/db"
+)
+
+
+class RedisServerMissing(RuntimeError):
+    """No ``redis-server`` binary is available."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProcess:
+    """One private redis-server process on 127.0.0.1."""
+
+    def __init__(self, port: int | None = None, *, extra_args: list[str] | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisServerMissing(INSTALL_HINT)
+        self.binary = binary
+        self.port = port or free_port()
+        self.extra_args = list(extra_args or [])
+        self.dir = Path(tempfile.mkdtemp(prefix="fleetgate-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisProcess:
+        """Start the server and wait until it answers PING."""
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.dir),
+            "--logfile", str(self.dir / "redis.log"),
+            "--maxmemory-policy", "noeviction",
+            *self.extra_args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        try:
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > end:
+                    raise TimeoutError(f"redis-server on port {self.port} not ready in {timeout}s")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server (state is lost: nothing is persisted)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        """Terminate the server and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("redis-server") is not None
+
+

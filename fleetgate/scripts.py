@@ -1,0 +1,181 @@
+"""The gate scripts: loaded once from ``fleetgate.lua``, called by SHA, replies typed.
+
+Each state transition of a gate is one Lua file under ``lua/`` with a header stating its KEYS,
+ARGV and reply. ``lib.lua`` (time, limit, reaping, hand-off) is prepended to each script so those
+rules exist once. redis-py ``Script`` objects call EVALSHA and reload on NOSCRIPT by themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from fleetgate.keys import GateKeys
+
+__all__ = [
+    "SCRIPT_NAMES",
+    "AcquireReply",
+    "GateDefaults",
+    "GateScripts",
+    "HeartbeatReply",
+    "Snapshot",
+    "script_source",
+]
+
+SCRIPT_NAMES = ("acquire", "release", "cancel", "heartbeat", "set_target", "inspect")
+
+GRANTED, PARKED, REJECTED = 1, 2, 0
+LEFT_QUEUE, RELEASED_RACE, UNKNOWN = 1, 2, 0
+
+
+@functools.cache
+def script_source(name: str) -> str:
+    """The full source of script ``name``: the shared library followed by the script."""
+    if name not in SCRIPT_NAMES:
+        raise ValueError(f"unknown script {name!r}")
+    pkg = importlib.resources.files("fleetgate.lua")
+    lib = pkg.joinpath("lib.lua").read_text(encoding="utf-8")
+    body = pkg.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    return f"{lib}\n{body}"
+
+
+@dataclass(frozen=True)
+class GateDefaults:
+    """The configuration a client registers for a gate that has none yet."""
+
+    floor: int = 1
+    ceiling: int = 512
+    max_queued: int = 1000
+    lease_ms: int = 10_000
+    waiter_ms: int = 5_000
+
+    def argv(self) -> list[int]:
+        return [self.floor, self.ceiling, self.max_queued, self.lease_ms, self.waiter_ms]
+
+
+@dataclass(frozen=True)
+class AcquireReply:
+    status: int  # GRANTED, PARKED or REJECTED
+    token: int
+    limit: int
+    n: int  # holders when granted, 1-based position when parked, max_queued when rejected
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    limit: int
+    live_pods: int
+    lost_leases: list[str]
+    granted_waiters: list[str]
+    lost_waiters: list[str]
+    queued: int
+    holders: int
+
+
+class Waiter(msgspec.Struct):
+    id: str
+    token: int
+    expires_at: int | None = None
+
+
+class Holder(msgspec.Struct):
+    id: str
+    expires_at: int
+
+
+class Snapshot(msgspec.Struct):
+    """A consistent view of one gate (the ``inspect`` script)."""
+
+    now: int
+    limit: int
+    floor: int
+    ceiling: int
+    max_queued: int
+    holders: int
+    queued: int
+    live_pods: int
+    cfg: dict[str, str] = {}
+    target: dict[str, str] = {}
+    stats: dict[str, str] = {}
+    util: dict[str, str] = {}
+    head: list[Waiter] = []
+    leases: list[Holder] = []
+
+
+def _empty_tables_as_lists(raw: bytes | str) -> Any:
+    # Redis' cjson encodes an empty Lua table as {}; the list fields are normalised here.
+    obj = msgspec.json.decode(raw)
+    for k in ("head", "leases"):
+        if obj.get(k) == {}:
+            obj[k] = []
+    for k in ("cfg", "target", "stats", "util"):
+        if obj.get(k) == []:
+            obj[k] = {}
+    return obj
+
+
+@dataclass
+class GateScripts:
+    """The scripts registered on one redis-py client (standalone or cluster, asyncio)."""
+
+    client: Any
+    _scripts: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in SCRIPT_NAMES:
+            self._scripts[name] = self.client.register_script(script_source(name))
+
+    async def _call(self, name: str, keys: GateKeys, args: list[Any]) -> Any:
+        return await self._scripts[name](keys=keys.script_keys(), args=args)
+
+    async def acquire(
+        self, keys: GateKeys, lease_id: str, wait_ms: int, defaults: GateDefaults
+    ) -> AcquireReply:
+        r = await self._call("acquire", keys, [lease_id, max(1, wait_ms), *defaults.argv()])
+        return AcquireReply(int(r[0]), int(r[1]), int(r[2]), int(r[3]))
+
+    async def release(self, keys: GateKeys, lease_id: str) -> bool:
+        r = await self._call("release", keys, [lease_id])
+        return int(r[0]) == 1
+
+    async def cancel(self, keys: GateKeys, waiter_id: str) -> int:
+        r = await self._call("cancel", keys, [waiter_id])
+        return int(r[0])
+
+    async def heartbeat(
+        self,
+        keys: GateKeys,
+        pod_id: str,
+        pod_ttl_ms: int,
+        leases: list[str],
+        waiters: list[tuple[str, int]],
+    ) -> HeartbeatReply:
+        args: list[Any] = [pod_id, pod_ttl_ms, len(leases), *leases, len(waiters)]
+        for wid, remaining_ms in waiters:
+            args += [wid, max(1, remaining_ms)]
+        r = await self._call("heartbeat", keys, args)
+        return HeartbeatReply(
+            limit=int(r[0]),
+            live_pods=int(r[1]),
+            lost_leases=[_s(x) for x in r[2]],
+            granted_waiters=[_s(x) for x in r[3]],
+            lost_waiters=[_s(x) for x in r[4]],
+            queued=int(r[5]),
+            holders=int(r[6]),
+        )
+
+    async def set_target(self, keys: GateKeys, value: int, epoch: int, ttl_ms: int) -> bool:
+        r = await self._call("set_target", keys, [value, epoch, ttl_ms])
+        return int(r[0]) == 1
+
+    async def inspect(self, keys: GateKeys, n: int = 10) -> Snapshot:
+        raw = await self._call("inspect", keys, [n])
+        return msgspec.convert(_empty_tables_as_lists(raw), Snapshot)
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x

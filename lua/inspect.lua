@@ -1,0 +1,43 @@
+-- inspect: a consistent, read-only snapshot of one gate for the CLI and utilization().
+-- KEYS: the gate keys (see lib.lua)
+-- ARGV: 1 how many head waiters and holders to list
+-- Returns a JSON object: now, cfg, target, limit, holders, queued, live_pods, stats, util,
+--   head (first waiters: id, token, expires_at), leases (first holders: id, expires_at).
+-- Expired entries that nobody reaped yet are not counted (the snapshot applies the same rule
+-- as the next write would).
+local n = tonumber(ARGV[1])
+local now = now_ms()
+local cfg = load_cfg()
+
+local function pairs_to_map(flat)
+  local m = {}
+  for j = 1, #flat, 2 do m[flat[j]] = flat[j + 1] end
+  return m
+end
+
+local head = {}
+local q = redis.call('ZRANGE', K_QUEUE, 0, n - 1, 'WITHSCORES')
+for j = 1, #q, 2 do
+  head[#head + 1] = {id = q[j], token = tonumber(q[j + 1]),
+    expires_at = tonumber(redis.call('ZSCORE', K_WAITERS, q[j]))}
+end
+local leases = {}
+local h = redis.call('ZRANGEBYSCORE', K_HOLDERS, '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, n)
+for j = 1, #h, 2 do leases[#leases + 1] = {id = h[j], expires_at = tonumber(h[j + 1])} end
+
+return cjson.encode({
+  now = now,
+  cfg = pairs_to_map(redis.call('HGETALL', K_CFG)),
+  target = pairs_to_map(redis.call('HGETALL', K_TARGET)),
+  limit = current_limit(now, cfg),
+  floor = cfg.floor,
+  ceiling = cfg.ceiling,
+  max_queued = cfg.max_queued,
+  holders = redis.call('ZCOUNT', K_HOLDERS, '(' .. now, '+inf'),
+  queued = redis.call('ZCOUNT', K_WAITERS, '(' .. now, '+inf'),
+  live_pods = redis.call('ZCOUNT', K_PODS, '(' .. now, '+inf'),
+  stats = pairs_to_map(redis.call('HGETALL', K_STATS)),
+  util = pairs_to_map(redis.call('HGETALL', K_UTIL)),
+  head = head,
+  leases = leases,
+})

@@ -1,0 +1,114 @@
+-- fleetgate shared library: prepended to every gate script when it is loaded (scripts.py), so the
+-- rules for time, limit, reaping and hand-off are written once.
+--
+-- KEYS (the same for every gate script, built by fleetgate.keys.GateKeys.script_keys):
+--   1 cfg  2 target  3 holders  4 queue  5 waiters  6 seq  7 stats  8 pods  9 util
+--   10 wake-list prefix
+-- All keys share the gate's hash tag; the wake list of a pod is KEYS[10] .. pod_id, in the same
+-- slot, and is the only key a script derives (the owner pod is known only inside the script).
+local K_CFG, K_TARGET, K_HOLDERS, K_QUEUE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_WAITERS, K_SEQ, K_STATS, K_PODS = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_UTIL, K_WAKE = KEYS[9], KEYS[10]
+
+-- Expired entries removed per call, per kind. A bound keeps every call O(log n) even after a
+-- mass crash; the coordinator's reaper and every later call sweep the rest.
+local REAP_MAX = 64
+-- Grants handed to head waiters per call; a larger limit jump is finished by the next calls.
+local HANDOFF_MAX = 256
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function num(v, default)
+  local n = tonumber(v)
+  if n == nil or n ~= n then return default end
+  return n
+end
+
+-- Register the caller's defaults only where the gate has no configuration yet.
+local function ensure_cfg(floor, ceiling, max_queued, lease_ms, waiter_ms)
+  if redis.call('EXISTS', K_CFG) == 0 then
+    redis.call('HSET', K_CFG, 'floor', floor, 'ceiling', ceiling, 'max_queued', max_queued,
+      'lease_ms', lease_ms, 'waiter_ms', waiter_ms)
+  end
+end
+
+-- Half-written or garbled configuration falls back to safe values instead of failing the call.
+local function load_cfg()
+  local v = redis.call('HMGET', K_CFG, 'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms')
+  local cfg = {
+    floor = math.max(1, math.floor(num(v[1], 1))),
+    max_queued = math.max(0, math.floor(num(v[3], 1000))),
+    lease_ms = math.max(100, math.floor(num(v[4], 10000))),
+    waiter_ms = math.max(100, math.floor(num(v[5], 5000))),
+  }
+  cfg.ceiling = math.max(cfg.floor, math.floor(num(v[2], cfg.floor)))
+  return cfg
+end
+
+-- limit = the unexpired target, else floor; clamped to [floor, ceiling].
+local function current_limit(now, cfg)
+  local t = redis.call('HMGET', K_TARGET, 'value', 'expires_at')
+  local lim = cfg.floor
+  local value, expires_at = tonumber(t[1]), tonumber(t[2])
+  if value and expires_at and expires_at > now then lim = math.floor(value) end
+  if lim < cfg.floor then lim = cfg.floor end
+  if lim > cfg.ceiling then lim = cfg.ceiling end
+  return lim
+end
+
+local function reap(now)
+  local leases = redis.call('ZRANGEBYSCORE', K_HOLDERS, '-inf', now, 'LIMIT', 0, REAP_MAX)
+  if #leases > 0 then
+    redis.call('ZREM', K_HOLDERS, unpack(leases))
+    redis.call('HINCRBY', K_STATS, 'expired_leases', #leases)
+  end
+  local waiters = redis.call('ZRANGEBYSCORE', K_WAITERS, '-inf', now, 'LIMIT', 0, REAP_MAX)
+  if #waiters > 0 then
+    redis.call('ZREM', K_WAITERS, unpack(waiters))
+    redis.call('ZREM', K_QUEUE, unpack(waiters))
+    redis.call('HINCRBY', K_STATS, 'abandoned_waiters', #waiters)
+  end
+  return #leases + #waiters
+end
+
+-- Ids are '<pod-id>:<n>'; the pod id is everything before the last colon.
+local function wake(id, cfg)
+  local pod = string.match(id, '^(.*):[^:]*$')
+  if pod then
+    local key = K_WAKE .. pod
+    redis.call('LPUSH', key, id)
+    -- A dead pod's list disappears by itself; a live pod pops it long before this.
+    redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
+  end
+end
+
+-- Hand free slots to the head waiters, in FIFO order, and wake their pods. Returns grants made.
+local function handoff(now, cfg, lim)
+  local free = lim - redis.call('ZCARD', K_HOLDERS)
+  if free <= 0 then return 0 end
+  if free > HANDOFF_MAX then free = HANDOFF_MAX end
+  local heads = redis.call('ZRANGE', K_QUEUE, 0, free - 1)
+  local expires = now + cfg.lease_ms
+  for _, id in ipairs(heads) do
+    redis.call('ZREM', K_QUEUE, id)
+    redis.call('ZREM', K_WAITERS, id)
+    redis.call('ZADD', K_HOLDERS, expires, id)
+    wake(id, cfg)
+  end
+  if #heads > 0 then
+    redis.call('HINCRBY', K_STATS, 'granted', #heads)
+    redis.call('HINCRBY', K_STATS, 'handed_off', #heads)
+  end
+  return #heads
+end
+
+-- Reap, then move the queue: the prologue of every state transition.
+local function settle(now, cfg)
+  reap(now)
+  local lim = current_limit(now, cfg)
+  handoff(now, cfg, lim)
+  return lim
+end

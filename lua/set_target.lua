@@ -1,0 +1,18 @@
+-- set_target: publish the coordinator's target for a gate, fenced by the leader's epoch, and hand
+-- any new room to the head waiters at once.
+-- KEYS: the gate keys (see lib.lua)
+-- ARGV: 1 value  2 epoch  3 ttl_ms (the target decays to the floor after it)
+-- Returns {accepted, limit, stored_epoch, granted}: accepted = 0 when epoch < the stored epoch
+--   (a deposed leader waking up cannot overwrite its successor).
+local value, epoch, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+local cfg = load_cfg()
+local stored = tonumber(redis.call('HGET', K_TARGET, 'epoch'))
+if stored and epoch < stored then
+  return {0, current_limit(now, cfg), stored, 0}
+end
+redis.call('HSET', K_TARGET, 'value', value, 'epoch', epoch, 'expires_at', now + ttl)
+reap(now)
+local lim = current_limit(now, cfg)
+local granted = handoff(now, cfg, lim)
+return {1, lim, epoch, granted}

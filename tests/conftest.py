@@ -1,0 +1,91 @@
+"""Fixtures: real, private Redis servers.
+
+Every test that runs a script talks to a real ``redis-server`` started here on a free port and
+stopped afterwards. A server we did not start is used only when FLEETGATE_TEST_REDIS_URL names it
+(then each test gets its own prefix and nothing is flushed). If ``redis-server`` is missing and a
+Docker engine is reachable, testcontainers starts one; otherwise the run fails saying how to
+install Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+import redis
+import redis.asyncio as aredis
+
+from fleetgate.redisproc import INSTALL_HINT, RedisProcess
+
+
+@dataclass
+class RedisUnderTest:
+    url: str
+    prefix: str
+    process: RedisProcess | None  # None when the server is not ours (no kill/restart)
+
+
+def _testcontainers_url() -> tuple[str, object] | None:
+    try:
+        from testcontainers.redis import RedisContainer
+
+        container = RedisContainer("redis:7")
+        container.start()
+    except Exception:
+        return None
+    host = container.get_container_host_ip()
+    port = container.get_exposed_port(6379)
+    return f"redis://{host}:{port}/0", container
+
+
+@pytest.fixture(scope="session")
+def shared_redis() -> Iterator[RedisUnderTest]:
+    """One server for the session; tests isolate themselves by prefix."""
+    external = os.environ.get("FLEETGATE_TEST_REDIS_URL")
+    if external:
+        yield RedisUnderTest(external, "", None)
+        return
+    if RedisProcess.available():
+        with RedisProcess() as proc:
+            yield RedisUnderTest(proc.url, "", proc)
+        return
+    started = _testcontainers_url()
+    if started is None:
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    url, container = started
+    try:
+        yield RedisUnderTest(url, "", None)
+    finally:
+        container.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def rut(shared_redis: RedisUnderTest) -> RedisUnderTest:
+    """The shared server with a fresh key prefix for this test."""
+    return RedisUnderTest(shared_redis.url, f"t{uuid.uuid4().hex[:10]}", shared_redis.process)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisProcess]:
+    """A private server for this test alone, which the test may kill and restart."""
+    if not RedisProcess.available():
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    with RedisProcess() as proc:
+        yield proc
+
+
+@pytest.fixture
+def sync_redis(rut: RedisUnderTest) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(rut.url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def async_redis(rut: RedisUnderTest) -> AsyncIterator[aredis.Redis]:
+    client = aredis.Redis.from_url(rut.url, decode_responses=True)
+    yield client
+    await client.aclose()

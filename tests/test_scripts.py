@@ -1,0 +1,151 @@
+"""The Lua scripts against a real redis-server, one transition at a time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aredis
+
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import GRANTED, PARKED, REJECTED, GateDefaults, GateScripts
+
+from .conftest import RedisUnderTest
+
+
+@pytest.fixture
+def keys(rut: RedisUnderTest) -> GateKeys:
+    return GateKeys.of(rut.prefix, "rerank/nemo-500m")
+
+
+@pytest.fixture
+def scripts(async_redis: aredis.Redis) -> GateScripts:
+    return GateScripts(async_redis)
+
+
+D2 = GateDefaults(floor=2, ceiling=8, max_queued=3, lease_ms=10_000, waiter_ms=5_000)
+
+
+async def test_grant_park_reject_and_fifo_handoff(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    a = await scripts.acquire(keys, "p1:1", 1000, D2)
+    b = await scripts.acquire(keys, "p2:1", 1000, D2)
+    assert (a.status, b.status) == (GRANTED, GRANTED)
+    assert b.token > a.token
+    parked = [await scripts.acquire(keys, f"p{i}:2", 1000, D2) for i in (1, 2, 3)]
+    assert [p.status for p in parked] == [PARKED] * 3
+    assert [p.n for p in parked] == [1, 2, 3]
+    full = await scripts.acquire(keys, "p4:1", 1000, D2)
+    assert full.status == REJECTED and full.n == 3
+    assert await async_redis.zcard(keys.queue) == 3
+    assert await async_redis.hget(keys.stats, "rejected") == "1"
+
+    # Releasing hands the slot to the head waiter inside the same script and wakes its pod.
+    assert await scripts.release(keys, "p1:1") is True
+    assert await async_redis.zscore(keys.holders, "p1:2") is not None
+    assert await async_redis.lrange(keys.wake("p1"), 0, -1) == ["p1:2"]
+    assert await async_redis.pttl(keys.wake("p1")) > 0
+    # Double release frees nothing more.
+    assert await scripts.release(keys, "p1:1") is False
+    assert await async_redis.zcard(keys.holders) == 2
+    assert await async_redis.zrange(keys.queue, 0, -1) == ["p2:2", "p3:2"]
+
+
+async def test_no_barging_when_someone_is_parked(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    d = GateDefaults(floor=1, ceiling=1)
+    assert (await scripts.acquire(keys, "a:1", 1000, d)).status == GRANTED
+    assert (await scripts.acquire(keys, "b:1", 1000, d)).status == PARKED
+    # Make a slot free without hand-off by deleting the holder behind the scripts' back.
+    await async_redis.zrem(keys.holders, "a:1")
+    # A newcomer sees the queue first: the head is granted, the newcomer parks behind.
+    c = await scripts.acquire(keys, "c:1", 1000, d)
+    assert c.status == PARKED
+    assert await async_redis.zrange(keys.holders, 0, -1) == ["b:1"]
+
+
+async def test_max_queued_zero_fails_fast_when_full(scripts: GateScripts, keys: GateKeys) -> None:
+    d = GateDefaults(floor=1, ceiling=1, max_queued=0)
+    assert (await scripts.acquire(keys, "a:1", 1000, d)).status == GRANTED
+    assert (await scripts.acquire(keys, "a:2", 1000, d)).status == REJECTED
+
+
+async def test_cancel_leaves_queue_or_releases_raced_grant(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    d = GateDefaults(floor=1, ceiling=1)
+    await scripts.acquire(keys, "a:1", 1000, d)
+    await scripts.acquire(keys, "b:1", 1000, d)
+    await scripts.acquire(keys, "c:1", 1000, d)
+    assert await scripts.cancel(keys, "b:1") == 1
+    assert await async_redis.zrange(keys.queue, 0, -1) == ["c:1"]
+    await scripts.release(keys, "a:1")  # c granted
+    assert await scripts.cancel(keys, "c:1") == 2  # the grant raced in: released
+    assert await async_redis.zcard(keys.holders) == 0
+    assert await scripts.cancel(keys, "c:1") == 0
+
+
+async def test_expired_lease_is_reaped_and_late_release_frees_nothing(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    d = GateDefaults(floor=1, ceiling=1, lease_ms=100, waiter_ms=5000)
+    await scripts.acquire(keys, "a:1", 1000, d)
+    assert (await scripts.acquire(keys, "b:1", 5000, d)).status == PARKED
+    await asyncio.sleep(0.2)
+    # Any call reaps the expired lease and hands the slot to b.
+    hb = await scripts.heartbeat(keys, "a", 3000, ["a:1"], [])
+    assert hb.lost_leases == ["a:1"]
+    assert await async_redis.zrange(keys.holders, 0, -1) == ["b:1"]
+    assert await scripts.release(keys, "a:1") is False
+    assert await async_redis.zrange(keys.holders, 0, -1) == ["b:1"]
+    assert await async_redis.hget(keys.stats, "expired_leases") == "1"
+
+
+async def test_heartbeat_reports_granted_waiters_and_renews(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    d = GateDefaults(floor=1, ceiling=1, waiter_ms=300)
+    await scripts.acquire(keys, "a:1", 1000, d)
+    await scripts.acquire(keys, "b:1", 10_000, d)
+    before = await async_redis.zscore(keys.waiters, "b:1")
+    await asyncio.sleep(0.05)
+    hb = await scripts.heartbeat(keys, "b", 3000, [], [("b:1", 10_000)])
+    assert hb.granted_waiters == [] and hb.lost_waiters == []
+    assert await async_redis.zscore(keys.waiters, "b:1") > before
+    await scripts.release(keys, "a:1")
+    hb = await scripts.heartbeat(keys, "b", 3000, [], [("b:1", 10_000)])
+    assert hb.granted_waiters == ["b:1"]
+    assert hb.live_pods == 1
+
+
+async def test_set_target_epoch_fencing_growth_and_expiry(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    d = GateDefaults(floor=1, ceiling=4)
+    await scripts.acquire(keys, "a:1", 1000, d)
+    for i in range(3):
+        assert (await scripts.acquire(keys, f"w:{i}", 5000, d)).status == PARKED
+    assert await scripts.set_target(keys, 3, epoch=5, ttl_ms=300) is True
+    assert await async_redis.zcard(keys.holders) == 3  # growth handed off at once
+    assert await scripts.set_target(keys, 4, epoch=4, ttl_ms=300) is False  # stale epoch
+    assert await async_redis.hget(keys.target, "value") == "3"
+    assert await scripts.set_target(keys, 100, epoch=5, ttl_ms=60_000) is True
+    assert (await scripts.inspect(keys)).limit == 4  # clamped to the ceiling
+    assert await scripts.set_target(keys, 2, epoch=6, ttl_ms=100) is True
+    await asyncio.sleep(0.15)
+    assert (await scripts.inspect(keys)).limit == 1  # expired target -> floor
+
+
+async def test_inspect_snapshot(scripts: GateScripts, keys: GateKeys) -> None:
+    snap = await scripts.inspect(keys)
+    assert snap.holders == 0 and snap.head == [] and snap.leases == []
+    d = GateDefaults(floor=1, ceiling=1)
+    await scripts.acquire(keys, "a:1", 1000, d)
+    await scripts.acquire(keys, "b:1", 1000, d)
+    snap = await scripts.inspect(keys)
+    assert (snap.holders, snap.queued, snap.limit) == (1, 1, 1)
+    assert [w.id for w in snap.head] == ["b:1"]
+    assert [h.id for h in snap.leases] == ["a:1"]
+    assert snap.cfg["floor"] == "1"
