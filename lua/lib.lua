@@ -79,7 +79,7 @@ local function wake(id, cfg)
   local pod = string.match(id, '^(.*):[^:]*$')
   if pod then
     local key = K_WAKE .. pod
-    redis.call('LPUSH', key, id)
+    redis.call('RPUSH', key, id)
     -- A dead pod's list disappears by itself; a live pod pops it long before this.
     redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
   end

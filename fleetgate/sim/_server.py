@@ -14,24 +14,28 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import httpx
 import msgspec
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 __all__ = [
     "FifoLimiter",
     "QueueFull",
     "Served",
     "add_server_args",
+    "common_routes",
     "error_response",
     "json_response",
+    "read_json_object",
     "run_server",
     "run_unless_disconnected",
     "serve_in_thread",
@@ -55,7 +59,7 @@ class FifoLimiter:
     """
 
     def __init__(self, capacity: int, max_waiting: int | None = None) -> None:
-        """Create a limiter with ``capacity`` slots; ``max_waiting=None`` leaves the list unbounded."""
+        """Make ``capacity`` slots; ``max_waiting=None`` leaves the wait list unbounded."""
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         if max_waiting is not None and max_waiting < 0:
@@ -144,6 +148,55 @@ def error_response(status_code: int, message: str, err_type: str) -> Response:
     """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": err_type, "param": None, "code": status_code}}
     return json_response(body, status_code)
+
+
+async def read_json_object(request: Request) -> dict[str, Any] | None:
+    """Decode the body as a JSON object; ``None`` when it is not valid JSON or not an object."""
+    try:
+        body = msgspec.json.decode(await request.body())
+    except msgspec.DecodeError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def common_routes(
+    limiter: FifoLimiter, stats: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]
+) -> list[Route]:
+    """``/health``, ``/metrics`` and the ``/admin`` routes every simulator shares.
+
+    ``POST /admin/capacity {"capacity": N}`` resizes ``limiter``; ``GET /admin/stats`` returns
+    ``stats()``; ``POST /admin/reset-peaks`` restarts peak tracking. The admin routes answer with
+    ``stats()``.
+    """
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def render_metrics(request: Request) -> Response:
+        return Response(metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    async def admin_capacity(request: Request) -> Response:
+        body = await read_json_object(request)
+        cap = body.get("capacity") if body is not None else None
+        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+            return error_response(400, 'body must be {"capacity": <int >= 0>}', "BadRequestError")
+        limiter.set_capacity(cap)
+        return json_response(stats())
+
+    async def admin_stats(request: Request) -> Response:
+        return json_response(stats())
+
+    async def admin_reset_peaks(request: Request) -> Response:
+        limiter.reset_peaks()
+        return json_response(stats())
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", render_metrics, methods=["GET"]),
+        Route("/admin/capacity", admin_capacity, methods=["POST"]),
+        Route("/admin/stats", admin_stats, methods=["GET"]),
+        Route("/admin/reset-peaks", admin_reset_peaks, methods=["POST"]),
+    ]
 
 
 async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
@@ -269,7 +322,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)"
     )
     parser.add_argument(
-        "--port", type=int, default=default_port, help="TCP port to listen on (default: %(default)s)"
+        "--port", type=int, default=default_port, help="TCP port (default: %(default)s)"
     )
     parser.add_argument(
         "--log-level",

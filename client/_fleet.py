@@ -1,0 +1,384 @@
+"""The per-process fleet handle: connections, scripts and background tasks for all gates."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, Literal
+
+import msgspec
+import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from fleetgate._redis import REDIS_ERRORS, connect, redact
+from fleetgate.errors import ConfigError, FleetgateError, RedisUnavailable
+from fleetgate.keys import GateKeys, validate_gate_name, validate_prefix
+from fleetgate.scripts import GateDefaults, GateScripts
+
+from ._gate import Gate
+from ._metrics import ClientMetrics, client_metrics
+
+__all__ = ["Fleet", "GateUtilization"]
+
+log = logging.getLogger("fleetgate.client")
+
+OnRedisError = Literal["fair_share", "fail"]
+_MAX_POD_ID = 64
+
+
+class GateUtilization(msgspec.Struct, kw_only=True):
+    """A snapshot of one gate: the seed's ``get_utilization`` fields plus fleet-wide state."""
+
+    name: str
+    limit: int
+    in_flight: int
+    queued: int
+    floor: int
+    ceiling: int
+    max_queued: int
+    current_target: int | None
+    epoch: int | None
+    live_pods: int
+    running: float | None = None
+    waiting_capacity: float | None = None
+    metrics_ok: bool = False
+    saturated: bool = False
+    last_poll: float | None = None
+    metrics_url: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+def _default_pod_id() -> str:
+    host = socket.gethostname().replace(":", "-")[:40]
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Fleet:
+    """Owns the Redis connections and background tasks of one process; hands out gates.
+
+    ``async with Fleet("redis://redis:6379/0") as fleet:`` then ``fleet.gate("bge-m3")``.
+
+    on_redis_error: ``"fair_share"`` (default) keeps serving while Redis is unreachable, each pod
+    bounded by ``ceil(last limit / last live pods)`` of the gate, and returns to fleet mode when
+    Redis answers again; ``"fail"`` raises :class:`RedisUnavailable` instead.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "fg",
+        pod_id: str | None = None,
+        on_redis_error: OnRedisError = "fair_share",
+        heartbeat_interval: float = 1.0,
+        wake_block: float = 2.0,
+        registry: CollectorRegistry | None = None,
+        redis_options: dict[str, Any] | None = None,
+    ) -> None:
+        if on_redis_error not in ("fair_share", "fail"):
+            raise ConfigError(
+                f"on_redis_error: expected 'fair_share' or 'fail', got {on_redis_error!r}"
+            )
+        if heartbeat_interval <= 0:
+            raise ConfigError(f"heartbeat_interval: expected > 0, got {heartbeat_interval}")
+        self.url = url
+        self.prefix = validate_prefix(prefix)
+        self.pod_id = pod_id or _default_pod_id()
+        if len(self.pod_id) > _MAX_POD_ID:
+            raise ConfigError(f"pod_id: at most {_MAX_POD_ID} characters, got {len(self.pod_id)}")
+        validate_gate_name(self.pod_id)  # same character rules as gate names
+        self.on_redis_error = on_redis_error
+        self.heartbeat_interval = heartbeat_interval
+        self.wake_block = wake_block
+        self.metrics: ClientMetrics = client_metrics(registry)
+        self._redis_options = dict(redis_options or {})
+        self._ids = itertools.count(1)
+        self._gates: dict[str, Gate] = {}
+        self._listeners: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._redis: aredis.Redis | None = None
+        self._scripts: GateScripts | None = None
+        self._beats = 0
+        self.fallback_active = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Fleet:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Open the connection pool and start the heartbeat. Redis need not be up yet."""
+        if self._redis is not None:
+            return
+        self._redis = connect(self.url, **self._redis_options)
+        self._scripts = GateScripts(self._redis)
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="fleetgate-heartbeat")
+        log.debug("fleet %s started against %s", self.pod_id, redact(self.url))
+
+    async def close(self) -> None:
+        """Stop background tasks, leave every wait list, release held leases, close connections."""
+        tasks = [t for t in (self._heartbeat, self._probe, *self._listeners.values()) if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._listeners.clear()
+        closing = FleetgateError("fleet closed")
+        for gate in self._gates.values():
+            gate.fail_waiters(closing)
+            for lease in list(gate.leases.values()):
+                self.spawn(lease.release())
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        if self._redis is not None:
+            await self._redis.aclose()
+        self._redis = None
+
+    @property
+    def scripts(self) -> GateScripts:
+        if self._scripts is None:
+            raise FleetgateError("the fleet is not started: use `async with Fleet(...)`")
+        return self._scripts
+
+    @property
+    def redis(self) -> aredis.Redis:
+        if self._redis is None:
+            raise FleetgateError("the fleet is not started: use `async with Fleet(...)`")
+        return self._redis
+
+    # -- gates -------------------------------------------------------------------------------
+
+    def gate(
+        self,
+        name: str,
+        *,
+        floor: int | None = None,
+        ceiling: int | None = None,
+        max_queued: int | None = None,
+        lease_ms: int | None = None,
+        waiter_ms: int | None = None,
+    ) -> Gate:
+        """The gate ``name``. The settings are defaults registered only if the gate has no
+        configuration in Redis yet (the coordinator's config wins)."""
+        validate_gate_name(name)
+        found = self._gates.get(name)
+        if found is not None:
+            return found
+        d = GateDefaults()
+        fl = d.floor if floor is None else floor
+        values = {
+            "floor": fl,
+            "ceiling": max(fl, d.ceiling) if ceiling is None else ceiling,
+            "max_queued": d.max_queued if max_queued is None else max_queued,
+            "lease_ms": d.lease_ms if lease_ms is None else lease_ms,
+            "waiter_ms": d.waiter_ms if waiter_ms is None else waiter_ms,
+        }
+        defaults = GateDefaults(**validate_gate_settings(name, values))
+        gate = Gate(self, name, defaults)
+        self._gates[name] = gate
+        return gate
+
+    async def utilization(self, name: str) -> GateUtilization:
+        """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view."""
+        snap = await self.scripts.inspect(GateKeys.of(self.prefix, name))
+        util, target = snap.util, snap.target
+        return GateUtilization(
+            name=name,
+            limit=snap.limit,
+            in_flight=snap.holders,
+            queued=snap.queued,
+            floor=snap.floor,
+            ceiling=snap.ceiling,
+            max_queued=snap.max_queued,
+            current_target=_int(target.get("value")),
+            epoch=_int(target.get("epoch")),
+            live_pods=snap.live_pods,
+            running=_float(util.get("running")),
+            waiting_capacity=_float(util.get("waiting_capacity")),
+            metrics_ok=util.get("metrics_ok") == "1",
+            saturated=util.get("saturated") == "1",
+            last_poll=_float(util.get("last_poll")),
+            metrics_url=util.get("metrics_url") or None,
+        )
+
+    # -- plumbing used by gates --------------------------------------------------------------
+
+    def next_id(self) -> str:
+        return f"{self.pod_id}:{next(self._ids)}"
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def forget_later(self, gate: Gate, lease_id: str) -> None:
+        """An acquire whose outcome is unknown (connection lost mid-call): cancel it once Redis
+        answers; if that never happens, the entry expires by TTL."""
+
+        async def forget() -> None:
+            try:
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(REDIS_ERRORS),
+                    wait=wait_exponential(multiplier=0.1, max=2.0),
+                    stop=stop_after_delay(gate.defaults.lease_ms / 1000),
+                    reraise=True,
+                ):
+                    with attempt:
+                        await self.scripts.cancel(gate.keys, lease_id)
+            except REDIS_ERRORS:
+                pass
+
+        self.spawn(forget())
+
+    def redis_failed(self, exc: BaseException) -> None:
+        """Redis could not be reached: raise (``fail``) or switch to the fair-share fallback."""
+        if self.on_redis_error == "fail":
+            raise RedisUnavailable(f"Redis at {redact(self.url)} is unreachable: {exc}") from exc
+        self._enter_fallback(exc)
+
+    def _enter_fallback(self, exc: BaseException) -> None:
+        if self.fallback_active:
+            return
+        self.fallback_active = True
+        log.warning(
+            "Redis at %s unreachable (%s): serving with local fair-share bounds until it is back",
+            redact(self.url),
+            exc,
+        )
+        for gate in self._gates.values():
+            self.metrics.fallback.labels(gate.name).set(1)
+            log.warning("gate %s: local bound %d permits", gate.name, gate.fair_share())
+            gate.fail_waiters(None)
+        self._probe = asyncio.create_task(self._probe_loop(), name="fleetgate-probe")
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.5, self.heartbeat_interval))
+            try:
+                await self.redis.ping()
+            except REDIS_ERRORS:
+                continue
+            break
+        self.fallback_active = False
+        log.warning("Redis at %s reachable again: back to fleet mode", redact(self.url))
+        for gate in self._gates.values():
+            self.metrics.fallback.labels(gate.name).set(0)
+            await gate.wake_local()
+
+    def ensure_listener(self, gate: Gate) -> None:
+        """Start the wake listener of ``gate`` (one dedicated connection per gate)."""
+        task = self._listeners.get(gate.name)
+        if task is None or task.done():
+            self._listeners[gate.name] = asyncio.create_task(
+                self._listen(gate), name=f"fleetgate-wake-{gate.name}"
+            )
+
+    async def _listen(self, gate: Gate) -> None:
+        # A blocking pop must never be cancelled on a shared connection (redis-py would hand a
+        # late reply to the next command), so each listener owns its connection and drops it
+        # on exit. Lost wake-ups (connection killed, Redis restarted) are recovered by the
+        # heartbeat, which reports granted waiters.
+        conn = connect(
+            self.url,
+            **{**self._redis_options, "single_connection_client": True},
+            socket_timeout=self.wake_block + 3.0,
+        )
+        key = gate.keys.wake(self.pod_id)
+        try:
+            while True:
+                try:
+                    item = await conn.blpop([key], timeout=self.wake_block)
+                except REDIS_ERRORS as exc:
+                    log.debug("gate %s: wake listener error %s; reconnecting", gate.name, exc)
+                    await asyncio.sleep(min(1.0, self.heartbeat_interval))
+                    continue
+                if item is not None:
+                    gate.on_granted(item[1])
+        finally:
+            await conn.aclose()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self.fallback_active:
+                continue
+            self._beats += 1
+            # Gates with parked or held work beat every interval; idle ones every 3rd, which is
+            # enough to stay registered as a live pod for the fair-share fallback.
+            due = [
+                g for g in self._gates.values() if g.leases or g.waiters or self._beats % 3 == 0
+            ]
+            await asyncio.gather(*(self._beat(g) for g in due))
+
+    async def _beat(self, gate: Gate) -> None:
+        waiters = [(w.id, w.remaining_ms()) for w in gate.waiters.values() if not w.future.done()]
+        pod_ttl_ms = int(max(10.0, 10 * self.heartbeat_interval) * 1000)
+        try:
+            reply = await self.scripts.heartbeat(
+                gate.keys, self.pod_id, pod_ttl_ms, list(gate.leases), waiters
+            )
+        except REDIS_ERRORS as exc:
+            if self.on_redis_error == "fail":
+                err = RedisUnavailable(f"Redis at {redact(self.url)} is unreachable: {exc}")
+                gate.fail_waiters(err)
+                log.warning("gate %s: heartbeat failed: %s", gate.name, exc)
+            else:
+                self._enter_fallback(exc)
+            return
+        except Exception:
+            log.exception("gate %s: heartbeat failed", gate.name)
+            return
+        gate.on_heartbeat(reply)
+
+
+def validate_gate_settings(name: str, values: dict[str, int]) -> dict[str, int]:
+    """Check gate settings; the error names the gate and the field."""
+    rules = {
+        "floor": (1, "a cap <= 0 would block every call"),
+        "ceiling": (1, "a cap <= 0 would block every call"),
+        "max_queued": (0, "a negative queue bound is meaningless"),
+        "lease_ms": (100, "leases shorter than 100 ms cannot be renewed in time"),
+        "waiter_ms": (100, "waiters shorter than 100 ms cannot be refreshed in time"),
+    }
+    for field, (low, why) in rules.items():
+        v = values[field]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"gate {name!r}: {field}: expected int >= {low}, got {v!r} ({why})")
+    if values["ceiling"] < values["floor"]:
+        raise ConfigError(
+            f"gate {name!r}: ceiling: expected >= floor ({values['floor']}), got {values['ceiling']}"
+        )
+    return values
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(float(v)) if v is not None else None
+    except ValueError:
+        return None
+
+
+def _float(v: str | None) -> float | None:
+    try:
+        return float(v) if v not in (None, "") else None
+    except ValueError:
+        return None
+

@@ -1,0 +1,308 @@
+"""One gate as seen from one process: acquiring, parking, releasing and the local fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fleetgate._redis import REDIS_ERRORS
+from fleetgate.errors import DeadlineExceeded, Overloaded
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import GRANTED, REJECTED, GateDefaults, HeartbeatReply, Snapshot
+
+from ._deadline import Deadline
+
+if TYPE_CHECKING:
+    from ._fleet import Fleet
+
+__all__ = ["Gate", "Lease"]
+
+log = logging.getLogger("fleetgate.client")
+
+# Park "forever" when the caller gives no deadline; the waiter heartbeat still bounds how long a
+# dead process' entry survives.
+NO_DEADLINE_WAIT_MS = 24 * 3600 * 1000
+
+
+class _Requeue(Exception):
+    """The parked entry vanished from Redis (expired while this process stalled): park again."""
+
+
+class _GoLocal(Exception):
+    """Redis became unreachable while parked: continue under the local fair-share bound."""
+
+
+class Lease:
+    """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
+
+    ``token`` is a fencing token, monotonic per gate in grant order. ``lost`` is set when the
+    lease could not be renewed and Redis no longer counts it; ``is_lost`` reads the same from any
+    thread.
+    """
+
+    def __init__(self, gate: Gate, lease_id: str, token: int, *, local: bool = False) -> None:
+        self.gate = gate
+        self.id = lease_id
+        self.token = token
+        self.local = local
+        self.lost = asyncio.Event()
+        self._lost_flag = threading.Event()
+        self._released = False
+
+    @property
+    def is_lost(self) -> bool:
+        return self._lost_flag.is_set()
+
+    def _mark_lost(self) -> None:
+        self._lost_flag.set()
+        self.lost.set()
+
+    async def release(self) -> None:
+        """Give the permit back (idempotent). Never raises for an unreachable Redis."""
+        if self._released:
+            return
+        self._released = True
+        await asyncio.shield(self.gate._release(self))
+
+    def __repr__(self) -> str:
+        kind = "local" if self.local else "fleet"
+        return f"Lease(gate={self.gate.name!r}, id={self.id!r}, token={self.token}, {kind})"
+
+
+@dataclass
+class _Waiter:
+    id: str
+    future: asyncio.Future[None]
+    deadline: Deadline
+    parked_at: float = field(default_factory=time.monotonic)
+
+    def remaining_ms(self) -> int:
+        left = self.deadline.remaining()
+        return NO_DEADLINE_WAIT_MS if left is None else max(1, int(left * 1000))
+
+
+class Gate:
+    """A named fleet-wide limit. Obtain one with :meth:`Fleet.gate`."""
+
+    def __init__(self, fleet: Fleet, name: str, defaults: GateDefaults) -> None:
+        self.fleet = fleet
+        self.name = name
+        self.keys = GateKeys.of(fleet.prefix, name)
+        self.defaults = defaults
+        self.leases: dict[str, Lease] = {}
+        self.waiters: dict[str, _Waiter] = {}
+        self.last_limit = defaults.floor
+        self.last_live_pods = 0
+        self.local_in_use = 0
+        self._local_cond = asyncio.Condition()
+        self._labels = fleet.metrics, name
+
+    # -- public API --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def permit(self, deadline: float | None = 30.0) -> AsyncIterator[Lease]:
+        """Hold one permit for the block: ``async with gate.permit(deadline=30.0) as lease:``.
+
+        ``deadline`` (seconds, or None) is total: it covers the queue wait and the block itself.
+        When it fires while parked the caller leaves the wait list (no permit consumed); when it
+        fires inside the block, the block is cancelled and the lease released. Either way
+        :class:`DeadlineExceeded` is raised. A full wait list raises :class:`Overloaded` at once.
+        """
+        async with Deadline(self.name, deadline, where="permit") as dl:
+            lease = await self._acquire(dl)
+            try:
+                yield lease
+            finally:
+                await lease.release()
+
+    async def acquire(self, deadline: float | None = 30.0) -> Lease:
+        """Acquire a permit and return its lease; the caller must ``await lease.release()``.
+
+        ``deadline`` bounds the wait only. Prefer :meth:`permit`, which releases for you.
+        """
+        async with Deadline(self.name, deadline, where="queue wait") as dl:
+            return await self._acquire(dl)
+
+    async def capacity(self) -> int:
+        """The gate's current fleet-wide limit (live target, else floor)."""
+        return (await self.snapshot()).limit
+
+    async def snapshot(self) -> Snapshot:
+        """A consistent view of the gate in Redis (holders, waiters, limit, config, stats)."""
+        return await self.fleet.scripts.inspect(self.keys)
+
+    # -- acquiring ---------------------------------------------------------------------------
+
+    async def _acquire(self, dl: Deadline) -> Lease:
+        fleet = self.fleet
+        metrics = fleet.metrics
+        try:
+            while True:
+                if fleet.fallback_active:
+                    lease = await self._acquire_local()
+                    if lease is not None:
+                        return lease
+                    continue
+                lease_id = fleet.next_id()
+                waiter = _Waiter(lease_id, asyncio.get_running_loop().create_future(), dl)
+                # Registered before the call: a hand-off can be popped by the wake listener
+                # before this coroutine sees the script's reply.
+                self.waiters[lease_id] = waiter
+                try:
+                    reply = await fleet.scripts.acquire(
+                        self.keys, lease_id, waiter.remaining_ms(), self.defaults
+                    )
+                except REDIS_ERRORS as exc:
+                    self.waiters.pop(lease_id, None)
+                    fleet.forget_later(self, lease_id)
+                    fleet.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
+                    continue
+                except BaseException:
+                    self.waiters.pop(lease_id, None)
+                    fleet.forget_later(self, lease_id)
+                    raise
+                self.last_limit = reply.limit
+                if reply.status == GRANTED:
+                    self.waiters.pop(lease_id, None)
+                    return self._granted(lease_id, reply.token)
+                if reply.status == REJECTED:
+                    self.waiters.pop(lease_id, None)
+                    metrics.rejected.labels(self.name).inc()
+                    raise Overloaded(self.name, reply.n)
+                lease = await self._park(waiter, reply.token)
+                if lease is not None:
+                    return lease
+        except DeadlineExceeded:
+            metrics.deadline_exceeded.labels(self.name).inc()
+            raise
+        except asyncio.CancelledError:
+            if dl.remaining() is not None and (dl.remaining() or 0) <= 0:
+                metrics.deadline_exceeded.labels(self.name).inc()
+            raise
+
+    async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
+        """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""
+        depth = self.fleet.metrics.queue_depth.labels(self.name)
+        depth.inc()
+        self.fleet.ensure_listener(self)
+        try:
+            await waiter.future
+        except (_Requeue, _GoLocal):
+            self.waiters.pop(waiter.id, None)
+            return None
+        except BaseException:
+            # Cancelled or deadline while parked: leave the queue; a grant that raced in is
+            # released by the same script.
+            self.waiters.pop(waiter.id, None)
+            await asyncio.shield(self.fleet.spawn(self._cancel(waiter.id)))
+            raise
+        finally:
+            depth.dec()
+        self.waiters.pop(waiter.id, None)
+        self.fleet.metrics.wait_seconds.labels(self.name).observe(
+            time.monotonic() - waiter.parked_at
+        )
+        return self._granted(waiter.id, token)
+
+    def _granted(self, lease_id: str, token: int) -> Lease:
+        lease = Lease(self, lease_id, token)
+        self.leases[lease_id] = lease
+        self.fleet.metrics.granted.labels(self.name).inc()
+        self.fleet.metrics.in_flight.labels(self.name).inc()
+        return lease
+
+    async def _cancel(self, waiter_id: str) -> None:
+        try:
+            await self.fleet.scripts.cancel(self.keys, waiter_id)
+        except REDIS_ERRORS as exc:
+            log.debug("gate %s: cancel of %s failed (%s); it expires by TTL", self.name, waiter_id, exc)
+
+    # -- releasing ---------------------------------------------------------------------------
+
+    async def _release(self, lease: Lease) -> None:
+        if lease.local:
+            async with self._local_cond:
+                self.local_in_use -= 1
+                self._local_cond.notify_all()
+            self.fleet.metrics.in_flight.labels(self.name).dec()
+            return
+        if self.leases.pop(lease.id, None) is not None:
+            self.fleet.metrics.in_flight.labels(self.name).dec()
+        if self.fleet.fallback_active:
+            async with self._local_cond:
+                self._local_cond.notify_all()
+        try:
+            await self.fleet.scripts.release(self.keys, lease.id)
+        except REDIS_ERRORS as exc:
+            log.debug("gate %s: release of %s failed (%s); it expires by TTL", self.name, lease.id, exc)
+
+    # -- events from the wake listener and the heartbeat ---------------------------------------
+
+    def on_granted(self, lease_id: str) -> None:
+        """A hand-off for ``lease_id`` arrived (wake list or heartbeat)."""
+        waiter = self.waiters.get(lease_id)
+        if waiter is not None:
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+            return
+        if lease_id not in self.leases:
+            # Nobody waits for it any more (cancelled meanwhile): give it back.
+            self.fleet.spawn(self._cancel(lease_id))
+
+    def on_heartbeat(self, reply: HeartbeatReply) -> None:
+        self.last_limit = reply.limit
+        self.last_live_pods = reply.live_pods
+        for lease_id in reply.lost_leases:
+            lease = self.leases.pop(lease_id, None)
+            if lease is not None:
+                log.warning("gate %s: lease %s lost (not renewed in time)", self.name, lease_id)
+                self.fleet.metrics.lease_lost.labels(self.name).inc()
+                self.fleet.metrics.in_flight.labels(self.name).dec()
+                lease._mark_lost()
+        for lease_id in reply.granted_waiters:
+            self.on_granted(lease_id)
+        for lease_id in reply.lost_waiters:
+            waiter = self.waiters.get(lease_id)
+            if waiter is not None and not waiter.future.done():
+                log.warning("gate %s: parked entry %s expired; parking again", self.name, lease_id)
+                waiter.future.set_exception(_Requeue())
+
+    def fail_waiters(self, exc: BaseException | None) -> None:
+        """Redis is gone: parked callers continue locally (exc None) or fail with ``exc``."""
+        for waiter in list(self.waiters.values()):
+            if not waiter.future.done():
+                waiter.future.set_exception(exc if exc is not None else _GoLocal())
+
+    # -- fallback ----------------------------------------------------------------------------
+
+    def fair_share(self) -> int:
+        """Local bound while Redis is unreachable: ceil(last limit / last live pods)."""
+        return max(1, math.ceil(self.last_limit / max(1, self.last_live_pods)))
+
+    async def _acquire_local(self) -> Lease | None:
+        """A permit under the local bound, or None if fleet mode came back meanwhile."""
+        fleet = self.fleet
+        async with self._local_cond:
+            await self._local_cond.wait_for(
+                lambda: not fleet.fallback_active
+                or self.local_in_use + len(self.leases) < self.fair_share()
+            )
+            if not fleet.fallback_active:
+                return None
+            self.local_in_use += 1
+        fleet.metrics.in_flight.labels(self.name).inc()
+        return Lease(self, fleet.next_id(), 0, local=True)
+
+    async def wake_local(self) -> None:
+        async with self._local_cond:
+            self._local_cond.notify_all()
+
+    def __repr__(self) -> str:
+        return f"Gate({self.name!r}, limit≈{self.last_limit})"

@@ -1,0 +1,90 @@
+"""Client metrics (prometheus-client), labelled by gate.
+
+Metrics are created once per registry, so several fleets in one process (or in tests, each with
+a fresh ``CollectorRegistry``) never raise "Duplicated timeseries".
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["ClientMetrics", "client_metrics"]
+
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class ClientMetrics:
+    in_flight: Gauge
+    queue_depth: Gauge
+    wait_seconds: Histogram
+    granted: Counter
+    rejected: Counter
+    deadline_exceeded: Counter
+    lease_lost: Counter
+    fallback: Gauge
+    retries: Counter
+    calls_per_request: Histogram
+
+
+_lock = threading.Lock()
+_by_registry: dict[int, ClientMetrics] = {}
+
+
+def client_metrics(registry: CollectorRegistry | None = None) -> ClientMetrics:
+    """The client metrics registered in ``registry`` (the default registry if None)."""
+    reg = REGISTRY if registry is None else registry
+    with _lock:
+        found = _by_registry.get(id(reg))
+        if found is not None:
+            return found
+        g = ("gate",)
+        m = ClientMetrics(
+            in_flight=Gauge(
+                "fleetgate_client_in_flight", "Permits this process holds", g, registry=reg
+            ),
+            queue_depth=Gauge(
+                "fleetgate_client_queue_depth",
+                "Acquires of this process parked in the fleet-wide wait list",
+                g,
+                registry=reg,
+            ),
+            wait_seconds=Histogram(
+                "fleetgate_client_wait_seconds",
+                "Time parked before a grant (parked grants only)",
+                g,
+                buckets=WAIT_BUCKETS,
+                registry=reg,
+            ),
+            granted=Counter("fleetgate_client_granted", "Permits granted", g, registry=reg),
+            rejected=Counter(
+                "fleetgate_client_rejected", "Acquires rejected: wait list full", g, registry=reg
+            ),
+            deadline_exceeded=Counter(
+                "fleetgate_client_deadline_exceeded", "Total deadlines that fired", g, registry=reg
+            ),
+            lease_lost=Counter(
+                "fleetgate_client_lease_lost", "Leases that could not be renewed", g, registry=reg
+            ),
+            fallback=Gauge(
+                "fleetgate_client_fallback",
+                "1 while Redis is unreachable and the local fair-share bound applies",
+                g,
+                registry=reg,
+            ),
+            retries=Counter(
+                "fleetgate_client_retries", "Retries of calls made inside a permit", g, registry=reg
+            ),
+            calls_per_request=Histogram(
+                "fleetgate_client_calls_per_request",
+                "Calls one gate.map() request made",
+                g,
+                buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+                registry=reg,
+            ),
+        )
+        _by_registry[id(reg)] = m
+        return m

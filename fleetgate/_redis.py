@@ -1,0 +1,46 @@
+"""Creating redis-py asyncio clients from a URL, the one place connection options are chosen."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import redis.asyncio as aredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+__all__ = ["REDIS_ERRORS", "connect", "redact"]
+
+# Errors that mean "Redis is not reachable right now" (fallback territory), as opposed to a
+# script or data error (a bug or bad state, surfaced as is).
+REDIS_ERRORS: tuple[type[BaseException], ...] = (
+    aredis.ConnectionError,
+    aredis.TimeoutError,
+    OSError,
+)
+
+
+def connect(url: str, **overrides: Any) -> aredis.Redis:
+    """An asyncio client for ``url`` with fleetgate's defaults.
+
+    No automatic retries: a failed call is handled by fleetgate itself (fallback or a clear
+    error) instead of stalling the caller in redis-py's back-off. Short connect and socket
+    timeouts make an outage visible within about a second.
+    """
+    options: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_connect_timeout": 1.0,
+        "socket_timeout": 2.0,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+    }
+    options.update(overrides)
+    return aredis.Redis.from_url(url, **options)
+
+
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<auth>[^@/]*@)", re.IGNORECASE)
+
+
+def redact(url: str) -> str:
+    """``url`` with any user:password part replaced, for logs, errors and status output."""
+    return _CREDENTIALS.sub(lambda m: f"{m.group('scheme')}***@", url)

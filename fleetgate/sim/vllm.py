@@ -1,0 +1,440 @@
+"""A vLLM stand-in: OpenAI-compatible endpoints with a hard ``max_num_seqs`` and vLLM's /metrics.
+
+Each request waits in FIFO order for one of ``capacity`` slots (vLLM's ``max_num_seqs``), holds it
+for a sampled service time, and answers in OpenAI shape. ``/metrics`` uses vLLM's exact family
+names, HELP/TYPE lines and ``model_name``/``engine`` labels, so the coordinator's scraper can be
+tested against it. ``/admin/*`` changes capacity at run time and exposes counters and peaks, so a
+test can act as an invariant checker (peak running never above the fleet-wide limit, ...).
+
+Run it with ``fleetgate sim vllm --capacity 8`` or ``python -m fleetgate.sim.vllm --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from fleetgate.sim._server import (
+    FifoLimiter,
+    QueueFull,
+    add_server_args,
+    common_routes,
+    error_response,
+    json_response,
+    read_json_object,
+    run_server,
+    run_unless_disconnected,
+)
+
+__all__ = ["VllmSim", "VllmSimConfig", "build_app", "build_parser", "config_from_args", "main"]
+
+ServiceDist = Literal["fixed", "exp", "lognormal"]
+_LOGNORMAL_SIGMA = 0.5
+_DEFAULT_GEN_TOKENS = 16
+# vLLM's request_latency_buckets (v1/metrics/loggers.py), used for e2e and queue time.
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+_LEGACY_FINISH_REASONS = ("stop", "length", "abort")
+_VOCAB = ("the", "model", "server", "token", "batch", "queue", "fleet", "gate", "simulated",
+          "reply", "of", "and", "a", "to", "in", "is")
+
+
+@dataclass(frozen=True)
+class VllmSimConfig:
+    """Settings of one simulated vLLM server (see ``--help`` for each field's meaning)."""
+
+    model: str = "sim-model"
+    capacity: int = 8
+    engines: int = 1
+    service_ms: float = 50.0
+    service_dist: ServiceDist = "fixed"
+    occupancy_slowdown: float = 0.0
+    max_waiting: int | None = None
+    legacy_metrics: bool = False
+    seed: int | None = None
+    embedding_dim: int = 16
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        """Reject settings no server could have."""
+        if self.capacity < 0 or self.engines < 1 or self.service_ms < 0:
+            raise ValueError("need capacity >= 0, engines >= 1 and service_ms >= 0")
+        if self.service_dist not in ("fixed", "exp", "lognormal"):
+            raise ValueError(f"unknown service_dist {self.service_dist!r}")
+        if self.occupancy_slowdown < 0 or (self.max_waiting is not None and self.max_waiting < 0):
+            raise ValueError("occupancy_slowdown and max_waiting must be >= 0")
+        if self.embedding_dim < 1:
+            raise ValueError("embedding_dim must be >= 1")
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """Spread ``total`` over ``parts`` deterministically, lower indexes first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+_HELP_BY_REASON = (
+    "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+    "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+    "status). Sum of all reasons equals vllm:num_requests_waiting.")
+
+
+class _VllmMetrics:
+    """vLLM's Prometheus families on a private registry; gauges are filled at scrape time."""
+
+    def __init__(self, config: VllmSimConfig) -> None:
+        reg = self.registry = CollectorRegistry()
+        lbl = ["model_name", "engine"]
+        self.engines = [str(i) for i in range(config.engines)]
+        self.model = config.model
+        legacy = config.legacy_metrics
+        # Registration order is exposition order; names and HELP strings are vLLM's own.
+        self.running = Gauge("vllm:num_requests_running",
+                             "Number of requests in model execution batches.", lbl, registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting",
+                             "Number of requests waiting to be processed.", lbl, registry=reg)
+        self.by_reason = None if legacy else Gauge("vllm:num_requests_waiting_by_reason",
+                                                   _HELP_BY_REASON, [*lbl, "reason"], registry=reg)
+        self.kv = (Gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent "
+                         "usage.", lbl, registry=reg) if legacy else
+                   Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                         lbl, registry=reg))
+        self.preemptions = Counter("vllm:num_preemptions",
+                                   "Cumulative number of preemption from the engine.", lbl,
+                                   registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     lbl, registry=reg)
+        self.gen_tokens = Counter("vllm:generation_tokens",
+                                  "Number of generation tokens processed.", lbl, registry=reg)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               [*lbl, "finished_reason"], registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", lbl,
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", lbl,
+                               buckets=_LATENCY_BUCKETS, registry=reg)
+        for eng in self.engines:  # every series exists from the start, as in vLLM
+            for metric in (self.running, self.waiting, self.kv, self.preemptions,
+                           self.prompt_tokens, self.gen_tokens, self.e2e, self.queue):
+                metric.labels(self.model, eng)
+            for reason in _LEGACY_FINISH_REASONS if legacy else _FINISH_REASONS:
+                self.success.labels(self.model, eng, reason)
+            if self.by_reason is not None:
+                self.by_reason.labels(self.model, eng, "capacity")
+                self.by_reason.labels(self.model, eng, "deferred")
+
+    def finished(self, engine: int, prompt: int, generated: int, reason: str,
+                 e2e_s: float, queue_s: float) -> None:
+        """Record one finished request on ``engine``."""
+        eng = self.engines[engine]
+        self.prompt_tokens.labels(self.model, eng).inc(prompt)
+        self.gen_tokens.labels(self.model, eng).inc(generated)
+        self.success.labels(self.model, eng, reason).inc()
+        self.e2e.labels(self.model, eng).observe(e2e_s)
+        self.queue.labels(self.model, eng).observe(queue_s)
+
+    def render(self, limiter: FifoLimiter) -> bytes:
+        """Set the scheduler gauges from ``limiter`` and return the text exposition."""
+        k = len(self.engines)
+        runs, waits = _split(limiter.running, k), _split(limiter.waiting, k)
+        caps = _split(limiter.capacity, k)
+        for i, eng in enumerate(self.engines):
+            self.running.labels(self.model, eng).set(runs[i])
+            self.waiting.labels(self.model, eng).set(waits[i])
+            usage = min(1.0, runs[i] / caps[i]) if caps[i] else (1.0 if runs[i] else 0.0)
+            self.kv.labels(self.model, eng).set(usage)
+            if self.by_reason is not None:
+                self.by_reason.labels(self.model, eng, "capacity").set(waits[i])
+                self.by_reason.labels(self.model, eng, "deferred").set(0)
+        return generate_latest(self.registry)
+
+
+class VllmSim:
+    """The simulated engine: FIFO admission under ``capacity``, service time, counters."""
+
+    def __init__(self, config: VllmSimConfig) -> None:
+        """Build the engine state for ``config`` (no event loop needed yet)."""
+        self.config = config
+        self.limiter = FifoLimiter(config.capacity, config.max_waiting)
+        self.metrics = _VllmMetrics(config)
+        self.rng = random.Random(config.seed)
+        self.served = 0
+        self.rejected = 0
+        self.aborted = 0
+        self.created = int(time.time())
+        self._next_engine = 0
+
+    def service_seconds(self) -> float:
+        """Sample one service time, stretched by batch occupancy if configured."""
+        mean = self.config.service_ms / 1000.0
+        if mean <= 0:
+            return 0.0
+        if self.config.service_dist == "exp":
+            base = self.rng.expovariate(1.0 / mean)
+        elif self.config.service_dist == "lognormal":
+            mu = math.log(mean) - _LOGNORMAL_SIGMA**2 / 2  # keeps the mean at service_ms
+            base = self.rng.lognormvariate(mu, _LOGNORMAL_SIGMA)
+        else:
+            base = mean
+        occupancy = self.limiter.running / max(self.limiter.capacity, 1)
+        return base * (1.0 + self.config.occupancy_slowdown * occupancy)
+
+    async def execute(self, prompt_tokens: int, gen_tokens: int, reason: str) -> None:
+        """Wait for a slot (FIFO), hold it for a service time, record the outcome.
+
+        Raises :class:`QueueFull` when the waiting cap is exceeded (the caller answers 503).
+        """
+        engine = self._next_engine
+        self._next_engine = (engine + 1) % self.config.engines
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        admitted = None
+        try:
+            await self.limiter.acquire()
+            admitted = loop.time()
+            await asyncio.sleep(self.service_seconds())
+        except QueueFull:
+            self.rejected += 1
+            raise
+        except asyncio.CancelledError:  # the client went away (or the server is stopping)
+            self.aborted += 1
+            self.metrics.success.labels(self.config.model, str(engine), "abort").inc()
+            raise
+        finally:
+            if admitted is not None:
+                self.limiter.release()
+        self.served += 1
+        assert admitted is not None
+        self.metrics.finished(engine, prompt_tokens, gen_tokens, reason,
+                              loop.time() - arrived, admitted - arrived)
+
+    def stats(self) -> dict[str, Any]:
+        """The ``/admin/stats`` body."""
+        lim = self.limiter
+        return {
+            "model": self.config.model, "capacity": lim.capacity, "engines": self.config.engines,
+            "running": lim.running, "waiting": lim.waiting, "in_flight": lim.in_flight,
+            "peak_running": lim.peak_running, "peak_in_flight": lim.peak_in_flight,
+            "served": self.served, "rejected": self.rejected, "aborted": self.aborted,
+            "max_waiting": lim.max_waiting,
+        }
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _count_tokens(value: Any) -> int:
+    """A rough token count: 4 characters a token for text, one per id for token-id lists."""
+    if isinstance(value, str):
+        return max(1, (len(value) + 3) // 4)
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return len(value)
+        return sum(_count_tokens(v) for v in value)
+    if isinstance(value, dict):
+        return _count_tokens(value.get("text") or value.get("content") or "")
+    return 0
+
+
+def _words(seed: str, n: int) -> str:
+    return " ".join(random.Random(seed).choices(_VOCAB, k=n))
+
+
+def _embedding(seed: str, dim: int) -> list[float]:
+    rng = random.Random(seed)
+    vec = [rng.gauss(0.0, 1.0) for _ in range(dim)]
+    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+    return [v / norm for v in vec]
+
+
+async def _read_body(request: Request, model: str) -> dict[str, Any]:
+    body = await read_json_object(request)
+    if body is None:
+        raise _BadRequest("request body must be a JSON object")
+    if body.get("model") not in (None, model):
+        raise LookupError(f"The model `{body['model']}` does not exist.")
+    if body.get("stream"):
+        raise _BadRequest("stream=true is not supported by the simulator")
+    return body
+
+
+def _gen_tokens(body: dict[str, Any]) -> tuple[int, str]:
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if limit is None:
+        return _DEFAULT_GEN_TOKENS, "stop"
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise _BadRequest("max_tokens must be an integer >= 1")
+    return limit, "length"
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def build_app(config: VllmSimConfig | None = None) -> Starlette:
+    """Build the ASGI app; the engine state is ``app.state.sim`` (a :class:`VllmSim`)."""
+    cfg = config or VllmSimConfig()
+    sim = VllmSim(cfg)
+
+    async def _serve(request: Request, kind: str) -> Response:
+        try:
+            body = await _read_body(request, cfg.model)
+            if kind == "chat":
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages:
+                    raise _BadRequest("messages must be a non-empty list")
+                prompt, (gen, reason) = _count_tokens(messages), _gen_tokens(body)
+            elif kind == "completion":
+                if not isinstance(body.get("prompt"), (str, list)) or not body["prompt"]:
+                    raise _BadRequest("prompt must be a non-empty string or list")
+                prompt, (gen, reason) = _count_tokens(body["prompt"]), _gen_tokens(body)
+            else:
+                inputs = body.get("input")
+                if not isinstance(inputs, (str, list)) or not inputs:
+                    raise _BadRequest("input must be a non-empty string or list")
+                prompt, gen, reason = _count_tokens(inputs), 0, "stop"
+        except _BadRequest as exc:
+            return error_response(400, str(exc), "BadRequestError")
+        except LookupError as exc:
+            return error_response(404, str(exc), "NotFoundError")
+        try:
+            finished, _ = await run_unless_disconnected(request, sim.execute(prompt, gen, reason))
+        except QueueFull as exc:
+            return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
+        if not finished:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return json_response(_openai_body(kind, cfg, body, prompt, gen, reason))
+
+    async def chat(request: Request) -> Response:
+        return await _serve(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await _serve(request, "completion")
+
+    async def embeddings(request: Request) -> Response:
+        return await _serve(request, "embedding")
+
+    async def models(request: Request) -> Response:
+        card = {"id": cfg.model, "object": "model", "created": sim.created, "owned_by": "vllm",
+                "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len,
+                "permission": []}
+        return json_response({"object": "list", "data": [card]})
+
+    app = Starlette(routes=[
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
+    ])
+    app.state.sim = sim
+    app.state.config = cfg
+    return app
+
+
+def _openai_body(kind: str, cfg: VllmSimConfig, body: dict[str, Any], prompt: int, gen: int,
+                 reason: str) -> dict[str, Any]:
+    created, seed = int(time.time()), msgspec.json.encode(body).decode()
+    if kind == "chat":
+        message = {"role": "assistant", "content": _words(seed, gen)}
+        choices: list[dict[str, Any]] = [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": created, "model": cfg.model, "choices": choices,
+                "usage": _usage(prompt, gen)}
+    if kind == "completion":
+        prompts = body["prompt"]
+        many = isinstance(prompts, list) and not all(isinstance(p, int) for p in prompts)
+        n = len(prompts) if many else 1
+        choices = [{"index": i, "text": _words(f"{seed}:{i}", gen), "logprobs": None,
+                    "finish_reason": reason} for i in range(n)]
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": created, "model": cfg.model, "choices": choices,
+                "usage": _usage(prompt, gen * n)}
+    inputs = body["input"]
+    many = isinstance(inputs, list) and not all(isinstance(p, int) for p in inputs)
+    items: list[Any] = inputs if many else [inputs]
+    data = [{"index": i, "object": "embedding",
+             "embedding": _embedding(f"{cfg.model}:{item}", cfg.embedding_dim)}
+            for i, item in enumerate(items)]
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": created,
+            "model": cfg.model, "data": data, "usage": _usage(prompt, 0)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fleetgate sim vllm`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="fleetgate sim vllm",
+        description="Simulated vLLM server: OpenAI-compatible endpoints that take time, a hard "
+        "max_num_seqs capacity (excess requests wait in FIFO), vLLM's /metrics exposition and "
+        "/admin endpoints to change capacity at run time and read counters and peaks.")
+    add_server_args(p, default_port=8000)
+    p.add_argument("--model", default="sim-model",
+                   help="served model name: the model_name label and the accepted 'model' field "
+                   "(default: %(default)s)")
+    p.add_argument("--capacity", "--max-num-seqs", type=int, default=8,
+                   help="max_num_seqs: requests running at once; the rest wait in FIFO "
+                   "(default: %(default)s)")
+    p.add_argument("--engines", type=int, default=1,
+                   help="engines (data-parallel ranks) to spread running/waiting over in "
+                   "/metrics, engine label '0'..'K-1' (default: %(default)s)")
+    p.add_argument("--service-ms", type=float, default=50.0,
+                   help="mean service time of one request in ms (default: %(default)s)")
+    p.add_argument("--service-dist", choices=["fixed", "exp", "lognormal"], default="fixed",
+                   help="service time distribution around the mean; lognormal uses sigma "
+                   f"{_LOGNORMAL_SIGMA} (default: %(default)s)")
+    p.add_argument("--occupancy-slowdown", type=float, default=0.0, metavar="F",
+                   help="service time x (1 + F * running/capacity) at admission, as a fuller "
+                   "batch runs slower (default: %(default)s)")
+    p.add_argument("--max-waiting", type=int, default=None, metavar="W",
+                   help="answer 503 when W requests already wait (default: unbounded)")
+    p.add_argument("--legacy-metrics", action="store_true",
+                   help="emit the pre-2026 set: no vllm:num_requests_waiting_by_reason and "
+                   "vllm:gpu_cache_usage_perc instead of vllm:kv_cache_usage_perc")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the service time sampler (default: random)")
+    p.add_argument("--embedding-dim", type=int, default=16,
+                   help="length of the vectors /v1/embeddings returns (default: %(default)s)")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> VllmSimConfig:
+    """Turn parsed arguments into a :class:`VllmSimConfig`."""
+    return VllmSimConfig(
+        model=ns.model, capacity=ns.capacity, engines=ns.engines, service_ms=ns.service_ms,
+        service_dist=ns.service_dist, occupancy_slowdown=ns.occupancy_slowdown,
+        max_waiting=ns.max_waiting, legacy_metrics=ns.legacy_metrics, seed=ns.seed,
+        embedding_dim=ns.embedding_dim)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the simulator until interrupted; returns the process exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        config = config_from_args(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_server(build_app(config), ns.host, ns.port, ns.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

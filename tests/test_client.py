@@ -1,0 +1,208 @@
+"""The asyncio client against a real redis-server (single process; fleet tests live elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
+
+from fleetgate.client import ConfigError, DeadlineExceeded, Fleet, Overloaded, SyncFleet
+
+from .conftest import RedisUnderTest
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+async def fleet(rut: RedisUnderTest, registry: CollectorRegistry) -> AsyncIterator[Fleet]:
+    async with Fleet(rut.url, prefix=rut.prefix, registry=registry, heartbeat_interval=0.2) as f:
+        yield f
+
+
+def sample(registry: CollectorRegistry, name: str, gate: str) -> float:
+    value = registry.get_sample_value(name, {"gate": gate})
+    return 0.0 if value is None else value
+
+
+async def test_permit_grants_and_releases(fleet: Fleet, async_redis: aredis.Redis) -> None:
+    gate = fleet.gate("bge-m3", floor=2)
+    async with gate.permit() as a, gate.permit() as b:
+        assert a.id != b.id and b.token > a.token
+        assert await async_redis.zcard(gate.keys.holders) == 2
+    assert await async_redis.zcard(gate.keys.holders) == 0
+    assert await gate.capacity() == 2
+
+
+async def test_parked_caller_gets_handoff_in_fifo_order(fleet: Fleet) -> None:
+    gate = fleet.gate("g", floor=1)
+    order: list[int] = []
+    first = await gate.acquire()
+
+    async def worker(i: int) -> None:
+        async with gate.permit(deadline=10):
+            order.append(i)
+            await asyncio.sleep(0.01)
+
+    tasks = []
+    for i in range(5):
+        tasks.append(asyncio.create_task(worker(i)))
+        await asyncio.sleep(0.02)  # park in a known order
+    await first.release()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4]
+
+
+async def test_overloaded_fails_fast_and_counts(
+    fleet: Fleet, registry: CollectorRegistry, async_redis: aredis.Redis
+) -> None:
+    gate = fleet.gate("small", floor=1, max_queued=1)
+    held = await gate.acquire()
+    parked = asyncio.create_task(gate.acquire(deadline=5))
+    await asyncio.sleep(0.1)
+    called = False
+    with pytest.raises(Overloaded, match="wait list is full"):
+        async with gate.permit():
+            called = True
+    assert not called
+    assert await async_redis.zcard(gate.keys.queue) == 1
+    assert sample(registry, "fleetgate_client_rejected_total", "small") == 1
+    await held.release()
+    lease = await parked
+    await lease.release()
+
+
+async def test_deadline_while_parked_leaves_queue(
+    fleet: Fleet, registry: CollectorRegistry, async_redis: aredis.Redis
+) -> None:
+    gate = fleet.gate("slow", floor=1)
+    held = await gate.acquire()
+    with pytest.raises(DeadlineExceeded, match="150 ms"):
+        async with gate.permit(deadline=0.15):
+            pytest.fail("must not run")
+    assert await async_redis.zcard(gate.keys.queue) == 0
+    assert await async_redis.zcard(gate.keys.holders) == 1
+    assert sample(registry, "fleetgate_client_deadline_exceeded_total", "slow") == 1
+    await held.release()
+
+
+async def test_deadline_mid_call_cancels_and_releases(
+    fleet: Fleet, async_redis: aredis.Redis
+) -> None:
+    gate = fleet.gate("mid", floor=1)
+    with pytest.raises(DeadlineExceeded) as err:
+        async with gate.permit(deadline=0.1):
+            await asyncio.sleep(5)
+    assert isinstance(err.value, TimeoutError)
+    assert await async_redis.zcard(gate.keys.holders) == 0
+
+
+async def test_cancel_while_parked_consumes_no_permit(
+    fleet: Fleet, async_redis: aredis.Redis
+) -> None:
+    gate = fleet.gate("c", floor=1)
+    held = await gate.acquire()
+    task = asyncio.create_task(gate.acquire(deadline=10))
+    await asyncio.sleep(0.1)
+    assert await async_redis.zcard(gate.keys.queue) == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await async_redis.zcard(gate.keys.queue) == 0
+    await held.release()
+    assert await async_redis.zcard(gate.keys.holders) == 0
+
+
+async def test_failure_inside_permit_releases(fleet: Fleet, async_redis: aredis.Redis) -> None:
+    gate = fleet.gate("f", floor=1)
+    with pytest.raises(RuntimeError):
+        async with gate.permit():
+            raise RuntimeError("boom")
+    assert await async_redis.zcard(gate.keys.holders) == 0
+
+
+async def test_release_is_idempotent(fleet: Fleet, async_redis: aredis.Redis) -> None:
+    gate = fleet.gate("i", floor=2)
+    a = await gate.acquire()
+    b = await gate.acquire()
+    await a.release()
+    await a.release()
+    assert await async_redis.zrange(gate.keys.holders, 0, -1) == [b.id]
+    await b.release()
+
+
+async def test_lease_renewed_beyond_ttl(fleet: Fleet, async_redis: aredis.Redis) -> None:
+    gate = fleet.gate("renew", floor=1, lease_ms=600)
+    async with gate.permit(deadline=None) as lease:
+        await asyncio.sleep(1.5)
+        assert not lease.is_lost
+        assert await async_redis.zscore(gate.keys.holders, lease.id) is not None
+
+
+async def test_lost_lease_sets_event(
+    fleet: Fleet, registry: CollectorRegistry, async_redis: aredis.Redis
+) -> None:
+    gate = fleet.gate("lost", floor=1)
+    async with gate.permit() as lease:
+        await async_redis.zrem(gate.keys.holders, lease.id)  # as if it had expired
+        await asyncio.wait_for(lease.lost.wait(), 2)
+    assert sample(registry, "fleetgate_client_lease_lost_total", "lost") == 1
+
+
+async def test_lost_wakeup_recovered_by_heartbeat(
+    fleet: Fleet, async_redis: aredis.Redis
+) -> None:
+    gate = fleet.gate("w", floor=1)
+    held = await gate.acquire()
+    task = asyncio.create_task(gate.acquire(deadline=10))
+    await asyncio.sleep(0.1)
+    # Grant by hand without a wake message: only the heartbeat can tell the waiter.
+    [waiter_id] = await async_redis.zrange(gate.keys.queue, 0, -1)
+    await held.release()
+    await async_redis.delete(gate.keys.wake(fleet.pod_id))
+    lease = await asyncio.wait_for(task, 2)
+    assert lease.id == waiter_id
+    await lease.release()
+
+
+async def test_utilization_snapshot(fleet: Fleet) -> None:
+    gate = fleet.gate("u", floor=3, max_queued=7)
+    async with gate.permit():
+        util = await fleet.utilization("u")
+    assert (util.limit, util.in_flight, util.queued, util.max_queued) == (3, 1, 0, 7)
+    assert util.current_target is None and util.metrics_ok is False
+    assert set(util.to_dict()) >= {"running", "waiting_capacity", "saturated", "metrics_url"}
+
+
+@pytest.mark.parametrize("name", ["", "a{b}", "x\ny", "é" * 101])
+def test_bad_gate_names_refused(name: str) -> None:
+    f = Fleet("redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigError):
+        f.gate(name)
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [({"floor": 0}, "floor"), ({"max_queued": -1}, "max_queued"), ({"floor": 4, "ceiling": 2}, "ceiling")],
+)
+def test_bad_gate_settings_name_the_field(settings: dict[str, int], field: str) -> None:
+    f = Fleet("redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigError, match=field):
+        f.gate("g", **settings)
+
+
+def test_sync_fleet_permit(rut: RedisUnderTest) -> None:
+    with SyncFleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("sync", floor=1)
+        with gate.permit(deadline=5) as lease:
+            assert lease.token >= 1
+            assert fleet.utilization("sync").in_flight == 1
+            with pytest.raises(DeadlineExceeded):
+                gate.acquire(deadline=0.2)
+        assert fleet.utilization("sync").in_flight == 0
+        assert fleet.utilization("sync").queued == 0
