@@ -317,7 +317,9 @@ class Fleet:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            # Renew at least three times per TTL, whatever the configured interval.
+            ttls = [g.ttl_ms / 3000 for g in self._gates.values()]
+            await asyncio.sleep(min([self.heartbeat_interval, *ttls]))
             if self.fallback_active:
                 continue
             self._beats += 1

@@ -100,6 +100,8 @@ class Gate:
         self.waiters: dict[str, _Waiter] = {}
         self.last_limit = defaults.floor
         self.last_live_pods = 0
+        # TTLs in force in Redis (the coordinator's config may differ from our defaults).
+        self.ttl_ms = min(defaults.lease_ms, defaults.waiter_ms)
         self.local_in_use = 0
         self._local_cond = asyncio.Condition()
         self._labels = fleet.metrics, name
@@ -259,6 +261,7 @@ class Gate:
     def on_heartbeat(self, reply: HeartbeatReply) -> None:
         self.last_limit = reply.limit
         self.last_live_pods = reply.live_pods
+        self.ttl_ms = min(reply.lease_ms, reply.waiter_ms)
         for lease_id in reply.lost_leases:
             lease = self.leases.pop(lease_id, None)
             if lease is not None:

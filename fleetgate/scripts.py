@@ -74,6 +74,8 @@ class HeartbeatReply:
     lost_waiters: list[str]
     queued: int
     holders: int
+    lease_ms: int
+    waiter_ms: int
 
 
 class Waiter(msgspec.Struct):
@@ -166,6 +168,8 @@ class GateScripts:
             lost_waiters=[_s(x) for x in r[4]],
             queued=int(r[5]),
             holders=int(r[6]),
+            lease_ms=int(r[7]),
+            waiter_ms=int(r[8]),
         )
 
     async def set_target(self, keys: GateKeys, value: int, epoch: int, ttl_ms: int) -> bool:

@@ -4,7 +4,8 @@
 -- KEYS: the gate keys (see lib.lua)
 -- ARGV: 1 pod id  2 pod_ttl_ms  3 n_leases  then n_leases lease ids,
 --       then n_waiters, then n_waiters pairs (waiter id, remaining deadline ms)
--- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, holders}
+-- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, holders,
+--   lease_ms, waiter_ms} (the TTLs in force, so the client can pace its heartbeat)
 local pod, pod_ttl = ARGV[1], tonumber(ARGV[2])
 local now = now_ms()
 local cfg = load_cfg()
@@ -51,4 +52,4 @@ local live = redis.call('ZCARD', K_PODS)
 local lim = current_limit(now, cfg)
 handoff(now, cfg, lim)
 return {lim, live, lost, granted, lost_waiters,
-  redis.call('ZCARD', K_QUEUE), redis.call('ZCARD', K_HOLDERS)}
+  redis.call('ZCARD', K_QUEUE), redis.call('ZCARD', K_HOLDERS), cfg.lease_ms, cfg.waiter_ms}

@@ -40,7 +40,15 @@ from fleetgate.sim._server import (
     run_unless_disconnected,
 )
 
-__all__ = ["VllmSim", "VllmSimConfig", "build_app", "build_parser", "config_from_args", "main"]
+__all__ = [
+    "ServiceDist",
+    "VllmSim",
+    "VllmSimConfig",
+    "build_app",
+    "build_parser",
+    "config_from_args",
+    "main",
+]
 
 ServiceDist = Literal["fixed", "exp", "lognormal"]
 _LOGNORMAL_SIGMA = 0.5
