@@ -1,0 +1,87 @@
+"""Redis going away: the fair-share fallback and the fail mode (a private server we kill)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fleetgate.client import Fleet, RedisUnavailable
+from fleetgate.redisproc import RedisProcess
+
+
+async def _wait(predicate, timeout: float) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(0.02)
+
+
+async def test_fair_share_keeps_serving_and_recovers(own_redis: RedisProcess) -> None:
+    registry = CollectorRegistry()
+    async with Fleet(
+        own_redis.url, prefix="fg", registry=registry, heartbeat_interval=0.2
+    ) as fleet:
+        gate = fleet.gate("fs", floor=4)
+        async with gate.permit():
+            pass
+        await _wait(lambda: gate.last_live_pods == 1, 3)  # a heartbeat registered the pod
+        own_redis.kill()
+
+        running = peak = done = 0
+
+        async def call() -> None:
+            nonlocal running, peak, done
+            async with gate.permit(deadline=10):
+                running += 1
+                peak = max(peak, running)
+                await asyncio.sleep(0.02)
+                running -= 1
+                done += 1
+
+        await asyncio.gather(*(call() for _ in range(20)))
+        assert done == 20  # no caller-visible error during the outage
+        assert peak <= gate.fair_share() == 4
+        assert fleet.fallback_active
+        assert registry.get_sample_value("fleetgate_client_fallback", {"gate": "fs"}) == 1
+
+        own_redis.start()
+        await _wait(lambda: not fleet.fallback_active, 5)
+        assert registry.get_sample_value("fleetgate_client_fallback", {"gate": "fs"}) == 0
+        async with gate.permit() as lease:
+            assert not lease.local
+            assert await fleet.redis.zcard(gate.keys.holders) == 1
+
+
+async def test_fail_mode_raises_promptly(own_redis: RedisProcess) -> None:
+    async with Fleet(
+        own_redis.url, prefix="fg", registry=CollectorRegistry(), on_redis_error="fail"
+    ) as fleet:
+        gate = fleet.gate("ff", floor=1)
+        own_redis.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RedisUnavailable, match="unreachable"):
+            async with gate.permit(deadline=10):
+                pytest.fail("must not run")
+        assert time.monotonic() - t0 < 3
+
+
+async def test_fail_mode_parked_caller_does_not_hang(own_redis: RedisProcess) -> None:
+    async with Fleet(
+        own_redis.url,
+        prefix="fg",
+        registry=CollectorRegistry(),
+        on_redis_error="fail",
+        heartbeat_interval=0.2,
+    ) as fleet:
+        gate = fleet.gate("fp", floor=1)
+        held = await gate.acquire()
+        parked = asyncio.create_task(gate.acquire(deadline=30))
+        await asyncio.sleep(0.2)
+        own_redis.kill()
+        with pytest.raises(RedisUnavailable):
+            await asyncio.wait_for(parked, 5)
+        await held.release()
