@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from types import TracebackType
+from typing import Any
 
 from fleetgate.errors import DeadlineExceeded
 
@@ -27,13 +28,13 @@ class Deadline:
         self.seconds = seconds
         self.where = where
         self.when: float | None = None
-        self._cm: asyncio.Timeout | None = None
+        self._cm: Any = None  # asyncio.Timeout on 3.11+
         self._handle: asyncio.TimerHandle | None = None
         self._fired = False
 
     @property
     def ms(self) -> int:
-        return int(round((self.seconds or 0) * 1000))
+        return round((self.seconds or 0) * 1000)
 
     def remaining(self) -> float | None:
         """Seconds left, or None without a deadline."""

@@ -311,7 +311,7 @@ class Fleet:
                     await asyncio.sleep(min(1.0, self.heartbeat_interval))
                     continue
                 if item is not None:
-                    gate.on_granted(item[1])
+                    gate.on_granted(str(item[1]))
         finally:
             await conn.aclose()
 
@@ -325,9 +325,7 @@ class Fleet:
             self._beats += 1
             # Gates with parked or held work beat every interval; idle ones every 3rd, which is
             # enough to stay registered as a live pod for the fair-share fallback.
-            due = [
-                g for g in self._gates.values() if g.leases or g.waiters or self._beats % 3 == 0
-            ]
+            due = [g for g in self._gates.values() if g.leases or g.waiters or self._beats % 3 == 0]
             await asyncio.gather(*(self._beat(g) for g in due))
 
     async def _beat(self, gate: Gate) -> None:
@@ -364,10 +362,9 @@ def validate_gate_settings(name: str, values: dict[str, int]) -> dict[str, int]:
         v = values[field]
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ConfigError(f"gate {name!r}: {field}: expected int >= {low}, got {v!r} ({why})")
-    if values["ceiling"] < values["floor"]:
-        raise ConfigError(
-            f"gate {name!r}: ceiling: expected >= floor ({values['floor']}), got {values['ceiling']}"
-        )
+    floor, ceiling = values["floor"], values["ceiling"]
+    if ceiling < floor:
+        raise ConfigError(f"gate {name!r}: ceiling: expected >= floor ({floor}), got {ceiling}")
     return values
 
 
@@ -383,4 +380,3 @@ def _float(v: str | None) -> float | None:
         return float(v) if v not in (None, "") else None
     except ValueError:
         return None
-

@@ -224,7 +224,9 @@ class Gate:
         try:
             await self.fleet.scripts.cancel(self.keys, waiter_id)
         except REDIS_ERRORS as exc:
-            log.debug("gate %s: cancel of %s failed (%s); it expires by TTL", self.name, waiter_id, exc)
+            log.debug(
+                "gate %s: cancel of %s failed (%s); it expires by TTL", self.name, waiter_id, exc
+            )
 
     # -- releasing ---------------------------------------------------------------------------
 
@@ -243,7 +245,9 @@ class Gate:
         try:
             await self.fleet.scripts.release(self.keys, lease.id)
         except REDIS_ERRORS as exc:
-            log.debug("gate %s: release of %s failed (%s); it expires by TTL", self.name, lease.id, exc)
+            log.debug(
+                "gate %s: release of %s failed (%s); it expires by TTL", self.name, lease.id, exc
+            )
 
     # -- events from the wake listener and the heartbeat ---------------------------------------
 
@@ -294,8 +298,10 @@ class Gate:
         fleet = self.fleet
         async with self._local_cond:
             await self._local_cond.wait_for(
-                lambda: not fleet.fallback_active
-                or self.local_in_use + len(self.leases) < self.fair_share()
+                lambda: (
+                    not fleet.fallback_active
+                    or self.local_in_use + len(self.leases) < self.fair_share()
+                )
             )
             if not fleet.fallback_active:
                 return None

@@ -1,11 +1,11 @@
 """The fleetgate exception tree.
 
     FleetgateError
-     ├── Overloaded          the gate's wait list is full; the work was never started (never retried)
+     ├── Overloaded          the wait list is full; the work was never started (never retried)
      ├── DeadlineExceeded    the total deadline fired (also a TimeoutError)
      ├── LeaseLost           a held lease could not be renewed and expired in Redis
      ├── ConfigError         bad configuration or gate name (also a ValueError)
-     └── RedisUnavailable    Redis unreachable and the gate is configured to fail (on_redis_error="fail")
+     └── RedisUnavailable    Redis unreachable and on_redis_error="fail"
 
 Redis errors are translated where they enter fleetgate (``raise ... from exc``) so callers only
 need to catch these.

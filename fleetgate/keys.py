@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from fleetgate.errors import ConfigError
 
-__all__ = ["GateKeys", "MAX_GATE_NAME_BYTES", "fleet_keys", "validate_gate_name", "validate_prefix"]
+__all__ = ["MAX_GATE_NAME_BYTES", "GateKeys", "fleet_keys", "validate_gate_name", "validate_prefix"]
 
 MAX_GATE_NAME_BYTES = 200
 # Braces would break the hash tag; control characters make keys unreadable in redis-cli.

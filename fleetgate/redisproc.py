@@ -123,5 +123,3 @@ class RedisProcess:
     @staticmethod
     def available() -> bool:
         return shutil.which("redis-server") is not None
-
-

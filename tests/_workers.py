@@ -7,9 +7,8 @@ import os
 import time
 
 import redis
-from prometheus_client import CollectorRegistry
-
 from fleetgate.client import Fleet
+from prometheus_client import CollectorRegistry
 
 
 def hammer(url: str, prefix: str, gate: str, tasks: int, hold_s: float, probe: str) -> int:
@@ -53,7 +52,9 @@ def park_and_record(url: str, prefix: str, gate: str, record: str, hold_s: float
     asyncio.run(main())
 
 
-def hold_forever(url: str, prefix: str, gate: str, ready: str, lease_ms: int, waiter_ms: int) -> None:
+def hold_forever(
+    url: str, prefix: str, gate: str, ready: str, lease_ms: int, waiter_ms: int
+) -> None:
     """Acquire (or park) and then never finish; the test SIGKILLs this process."""
 
     async def main() -> None:

@@ -7,9 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
-from prometheus_client import CollectorRegistry
-
 from fleetgate.client import ConfigError, DeadlineExceeded, Fleet, Overloaded, SyncFleet
+from prometheus_client import CollectorRegistry
 
 from .conftest import RedisUnderTest
 
@@ -154,9 +153,7 @@ async def test_lost_lease_sets_event(
     assert sample(registry, "fleetgate_client_lease_lost_total", "lost") == 1
 
 
-async def test_lost_wakeup_recovered_by_heartbeat(
-    fleet: Fleet, async_redis: aredis.Redis
-) -> None:
+async def test_lost_wakeup_recovered_by_heartbeat(fleet: Fleet, async_redis: aredis.Redis) -> None:
     gate = fleet.gate("w", floor=1)
     held = await gate.acquire()
     task = asyncio.create_task(gate.acquire(deadline=10))
@@ -188,7 +185,11 @@ def test_bad_gate_names_refused(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("settings", "field"),
-    [({"floor": 0}, "floor"), ({"max_queued": -1}, "max_queued"), ({"floor": 4, "ceiling": 2}, "ceiling")],
+    [
+        ({"floor": 0}, "floor"),
+        ({"max_queued": -1}, "max_queued"),
+        ({"floor": 4, "ceiling": 2}, "ceiling"),
+    ],
 )
 def test_bad_gate_settings_name_the_field(settings: dict[str, int], field: str) -> None:
     f = Fleet("redis://127.0.0.1:1/0")

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
+from fleetgate.client import Fleet
 from prometheus_client import CollectorRegistry
 
-from fleetgate.client import Fleet
 from fleetgate.scripts import GateScripts
 
 from .conftest import RedisUnderTest
@@ -33,9 +33,7 @@ async def until(predicate, timeout: float = 5.0) -> float:  # type: ignore[no-un
     return time.monotonic() - start
 
 
-async def test_growth_wakes_parked_callers_at_once(
-    fleet: Fleet, async_redis: aredis.Redis
-) -> None:
+async def test_growth_wakes_parked_callers_at_once(fleet: Fleet, async_redis: aredis.Redis) -> None:
     gate = fleet.gate("grow", floor=1, ceiling=10)
     held = await gate.acquire()
     parked = [asyncio.create_task(gate.acquire(deadline=10)) for _ in range(3)]
@@ -68,9 +66,7 @@ async def test_shrink_never_revokes(fleet: Fleet, async_redis: aredis.Redis) -> 
     await lease.release()
 
 
-async def test_cancel_racing_a_grant_releases_it(
-    fleet: Fleet, async_redis: aredis.Redis
-) -> None:
+async def test_cancel_racing_a_grant_releases_it(fleet: Fleet, async_redis: aredis.Redis) -> None:
     gate = fleet.gate("race", floor=1)
     for _ in range(20):
         held = await gate.acquire()

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from fleetgate.client import Fleet
 from prometheus_client import CollectorRegistry
 
-from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
 
 from . import _workers
@@ -34,9 +34,7 @@ def test_cap_holds_across_processes(rut: RedisUnderTest, r: redis.Redis) -> None
     keys = GateKeys.of(rut.prefix, "cap")
     probe = f"{rut.prefix}:probe"
     with ctx.Pool(4) as pool:
-        peaks = pool.starmap(
-            _workers.hammer, [(rut.url, rut.prefix, "cap", 50, 0.001, probe)] * 4
-        )
+        peaks = pool.starmap(_workers.hammer, [(rut.url, rut.prefix, "cap", 50, 0.001, probe)] * 4)
     assert max(peaks) <= 4, peaks
     assert max(peaks) >= 2, "the gate serialised everything: cap never approached"
     assert r.zcard(keys.holders) == 0

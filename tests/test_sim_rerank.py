@@ -15,7 +15,15 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.sim import Served, serve_in_thread
-from fleetgate.sim.rerank import RerankSim, RerankSimConfig, build_app, main, score
+from fleetgate.sim.rerank import (
+    RerankSim,
+    RerankSimConfig,
+    build_app,
+    build_parser,
+    config_from_args,
+    main,
+    score,
+)
 
 MODEL = RerankSimConfig.model
 
@@ -180,6 +188,15 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     for opt in ("--port", "--model", "--max-batch-size", "--concurrency", "--queue-size",
                 "--request-timeout-ms", "--base-ms", "--per-passage-ms"):
         assert opt in out
+
+
+def test_cli_options_map_onto_the_config() -> None:
+    ns = build_parser().parse_args(
+        ["--model", "m", "--max-batch-size", "64", "--concurrency", "2", "--queue-size", "5",
+         "--request-timeout-ms", "900", "--base-ms", "3", "--per-passage-ms", "0.25"])
+    assert config_from_args(ns) == RerankSimConfig(
+        model="m", max_batch_size=64, concurrency=2, queue_size=5, request_timeout_ms=900,
+        base_ms=3, per_passage_ms=0.25)
 
 
 def test_python_dash_m_help() -> None:

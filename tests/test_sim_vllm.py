@@ -15,7 +15,15 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.sim import FifoLimiter, QueueFull, Served, serve_in_thread
-from fleetgate.sim.vllm import ServiceDist, VllmSim, VllmSimConfig, build_app, main
+from fleetgate.sim.vllm import (
+    ServiceDist,
+    VllmSim,
+    VllmSimConfig,
+    build_app,
+    build_parser,
+    config_from_args,
+    main,
+)
 
 Serve = Callable[..., Served]
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}]}
@@ -220,8 +228,10 @@ async def test_openai_shapes_and_errors(serve: Serve) -> None:
         assert (await client.post("/v1/chat/completions", content=b"{")).status_code == 400
         no_msgs = await client.post("/v1/chat/completions", json={"messages": []})
         assert no_msgs.status_code == 400
-        assert (await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0})
-                ).status_code == 400
+        for max_tokens in (0, 10**9, "5"):
+            body = {"prompt": "x", "max_tokens": max_tokens}
+            too = await client.post("/v1/completions", json=body)
+            assert too.status_code == 400
 
 
 def test_service_time_distributions_and_occupancy() -> None:
@@ -271,6 +281,17 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
                 "--service-dist", "--occupancy-slowdown", "--max-waiting", "--legacy-metrics",
                 "--seed"):
         assert opt in out
+
+
+def test_cli_options_map_onto_the_config() -> None:
+    ns = build_parser().parse_args(
+        ["--port", "9", "--model", "m", "--max-num-seqs", "3", "--engines", "2",
+         "--service-ms", "7.5", "--service-dist", "exp", "--occupancy-slowdown", "0.5",
+         "--max-waiting", "4", "--legacy-metrics", "--seed", "1", "--embedding-dim", "4"])
+    assert config_from_args(ns) == VllmSimConfig(
+        model="m", capacity=3, engines=2, service_ms=7.5, service_dist="exp",
+        occupancy_slowdown=0.5, max_waiting=4, legacy_metrics=True, seed=1, embedding_dim=4)
+    assert ns.port == 9 and ns.host == "127.0.0.1"
 
 
 def test_python_dash_m_help() -> None:

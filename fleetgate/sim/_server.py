@@ -36,6 +36,7 @@ __all__ = [
     "error_response",
     "json_response",
     "read_json_object",
+    "run_cli",
     "run_server",
     "run_unless_disconnected",
     "serve_in_thread",
@@ -328,7 +329,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn log level (default: %(default)s)",
+        help="uvicorn log level; the access log is on only at debug (default: %(default)s)",
     )
 
 
@@ -337,6 +338,21 @@ def run_server(app: Starlette, host: str, port: int, log_level: str = "info") ->
     uvicorn.Server(
         uvicorn.Config(
             app, host=host, port=port, log_level=log_level, lifespan="off", ws="none",
-            timeout_graceful_shutdown=5,
+            access_log=log_level == "debug", timeout_graceful_shutdown=5,
         )
     ).run()
+
+
+def run_cli(
+    parser: argparse.ArgumentParser,
+    make_app: Callable[[argparse.Namespace], Starlette],
+    argv: list[str] | None,
+) -> int:
+    """Parse ``argv``, build the app (a ``ValueError`` becomes a usage error) and serve it."""
+    ns = parser.parse_args(argv)
+    try:
+        app = make_app(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_server(app, ns.host, ns.port, ns.log_level)
+    return 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import msgspec
@@ -33,7 +33,7 @@ from fleetgate.sim._server import (
     common_routes,
     error_response,
     json_response,
-    run_server,
+    run_cli,
     run_unless_disconnected,
 )
 
@@ -274,22 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> RerankSimConfig:
     """Turn parsed arguments into a :class:`RerankSimConfig`."""
-    return RerankSimConfig(
-        model=ns.model, max_batch_size=ns.max_batch_size, concurrency=ns.concurrency,
-        queue_size=ns.queue_size, request_timeout_ms=ns.request_timeout_ms, base_ms=ns.base_ms,
-        per_passage_ms=ns.per_passage_ms)
+    names = {f.name for f in fields(RerankSimConfig)}
+    return RerankSimConfig(**{k: v for k, v in vars(ns).items() if k in names})
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the simulator until interrupted; returns the process exit code."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    try:
-        config = config_from_args(ns)
-    except ValueError as exc:
-        parser.error(str(exc))
-    run_server(build_app(config), ns.host, ns.port, ns.log_level)
-    return 0
+    return run_cli(build_parser(), lambda ns: build_app(config_from_args(ns)), argv)
 
 
 if __name__ == "__main__":

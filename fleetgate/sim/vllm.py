@@ -17,7 +17,8 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import msgspec
@@ -36,19 +37,12 @@ from fleetgate.sim._server import (
     error_response,
     json_response,
     read_json_object,
-    run_server,
+    run_cli,
     run_unless_disconnected,
 )
 
-__all__ = [
-    "ServiceDist",
-    "VllmSim",
-    "VllmSimConfig",
-    "build_app",
-    "build_parser",
-    "config_from_args",
-    "main",
-]
+__all__ = ["ServiceDist", "VllmSim", "VllmSimConfig", "build_app", "build_parser",
+           "config_from_args", "main"]
 
 ServiceDist = Literal["fixed", "exp", "lognormal"]
 _LOGNORMAL_SIGMA = 0.5
@@ -110,32 +104,33 @@ class _VllmMetrics:
         self.engines = [str(i) for i in range(config.engines)]
         self.model = config.model
         legacy = config.legacy_metrics
+        kw: dict[str, Any] = {"labelnames": lbl, "registry": reg}
+        hist: dict[str, Any] = {**kw, "buckets": _LATENCY_BUCKETS}
         # Registration order is exposition order; names and HELP strings are vLLM's own.
         self.running = Gauge("vllm:num_requests_running",
-                             "Number of requests in model execution batches.", lbl, registry=reg)
+                             "Number of requests in model execution batches.", **kw)
         self.waiting = Gauge("vllm:num_requests_waiting",
-                             "Number of requests waiting to be processed.", lbl, registry=reg)
+                             "Number of requests waiting to be processed.", **kw)
         self.by_reason = None if legacy else Gauge("vllm:num_requests_waiting_by_reason",
                                                    _HELP_BY_REASON, [*lbl, "reason"], registry=reg)
-        self.kv = (Gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent "
-                         "usage.", lbl, registry=reg) if legacy else
-                   Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                         lbl, registry=reg))
+        if legacy:
+            self.kv = Gauge("vllm:gpu_cache_usage_perc",
+                            "GPU KV-cache usage. 1 means 100 percent usage.", **kw)
+        else:
+            self.kv = Gauge("vllm:kv_cache_usage_perc",
+                            "KV-cache usage. 1 means 100 percent usage.", **kw)
         self.preemptions = Counter("vllm:num_preemptions",
-                                   "Cumulative number of preemption from the engine.", lbl,
-                                   registry=reg)
+                                   "Cumulative number of preemption from the engine.", **kw)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                                     lbl, registry=reg)
+                                     **kw)
         self.gen_tokens = Counter("vllm:generation_tokens",
-                                  "Number of generation tokens processed.", lbl, registry=reg)
+                                  "Number of generation tokens processed.", **kw)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                [*lbl, "finished_reason"], registry=reg)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", lbl,
-                             buckets=_LATENCY_BUCKETS, registry=reg)
+                             "Histogram of e2e request latency in seconds.", **hist)
         self.queue = Histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", lbl,
-                               buckets=_LATENCY_BUCKETS, registry=reg)
+                               "Histogram of time spent in WAITING phase for request.", **hist)
         for eng in self.engines:  # every series exists from the start, as in vLLM
             for metric in (self.running, self.waiting, self.kv, self.preemptions,
                            self.prompt_tokens, self.gen_tokens, self.e2e, self.queue):
@@ -261,7 +256,7 @@ def _count_tokens(value: Any) -> int:
 
 
 def _words(seed: str, n: int) -> str:
-    return " ".join(random.Random(seed).choices(_VOCAB, k=n))
+    return " ".join(random.Random(seed).choices(_VOCAB, k=min(n, 256)))  # text is capped
 
 
 def _embedding(seed: str, dim: int) -> list[float]:
@@ -271,24 +266,27 @@ def _embedding(seed: str, dim: int) -> list[float]:
     return [v / norm for v in vec]
 
 
-async def _read_body(request: Request, model: str) -> dict[str, Any]:
-    body = await read_json_object(request)
-    if body is None:
-        raise _BadRequest("request body must be a JSON object")
-    if body.get("model") not in (None, model):
+_FIELDS = {"chat": "messages", "completion": "prompt", "embedding": "input"}
+
+
+def _parse(kind: str, body: dict[str, Any], cfg: VllmSimConfig) -> tuple[int, int, str]:
+    """Validate a request body; return (prompt tokens, generation tokens, finish reason)."""
+    if body.get("model") not in (None, cfg.model):
         raise LookupError(f"The model `{body['model']}` does not exist.")
     if body.get("stream"):
         raise _BadRequest("stream=true is not supported by the simulator")
-    return body
-
-
-def _gen_tokens(body: dict[str, Any]) -> tuple[int, str]:
+    field = _FIELDS[kind]
+    value = body.get(field)
+    if not isinstance(value, list if kind == "chat" else (str, list)) or not value:
+        raise _BadRequest(f"{field} must be a non-empty {'list' if kind == 'chat' else 'value'}")
+    if kind == "embedding":
+        return _count_tokens(value), 0, "stop"
     limit = body.get("max_completion_tokens") or body.get("max_tokens")
     if limit is None:
-        return _DEFAULT_GEN_TOKENS, "stop"
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise _BadRequest("max_tokens must be an integer >= 1")
-    return limit, "length"
+        return _count_tokens(value), _DEFAULT_GEN_TOKENS, "stop"
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= cfg.max_model_len:
+        raise _BadRequest(f"max_tokens must be an integer in [1, {cfg.max_model_len}]")
+    return _count_tokens(value), limit, "length"
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -301,43 +299,27 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
     cfg = config or VllmSimConfig()
     sim = VllmSim(cfg)
 
-    async def _serve(request: Request, kind: str) -> Response:
-        try:
-            body = await _read_body(request, cfg.model)
-            if kind == "chat":
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages:
-                    raise _BadRequest("messages must be a non-empty list")
-                prompt, (gen, reason) = _count_tokens(messages), _gen_tokens(body)
-            elif kind == "completion":
-                if not isinstance(body.get("prompt"), (str, list)) or not body["prompt"]:
-                    raise _BadRequest("prompt must be a non-empty string or list")
-                prompt, (gen, reason) = _count_tokens(body["prompt"]), _gen_tokens(body)
-            else:
-                inputs = body.get("input")
-                if not isinstance(inputs, (str, list)) or not inputs:
-                    raise _BadRequest("input must be a non-empty string or list")
-                prompt, gen, reason = _count_tokens(inputs), 0, "stop"
-        except _BadRequest as exc:
-            return error_response(400, str(exc), "BadRequestError")
-        except LookupError as exc:
-            return error_response(404, str(exc), "NotFoundError")
-        try:
-            finished, _ = await run_unless_disconnected(request, sim.execute(prompt, gen, reason))
-        except QueueFull as exc:
-            return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
-        if not finished:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        return json_response(_openai_body(kind, cfg, body, prompt, gen, reason))
+    def endpoint(kind: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handle(request: Request) -> Response:
+            body = await read_json_object(request)
+            try:
+                if body is None:
+                    raise _BadRequest("request body must be a JSON object")
+                prompt, gen, reason = _parse(kind, body, cfg)
+            except _BadRequest as exc:
+                return error_response(400, str(exc), "BadRequestError")
+            except LookupError as exc:
+                return error_response(404, str(exc), "NotFoundError")
+            try:
+                finished, _ = await run_unless_disconnected(
+                    request, sim.execute(prompt, gen, reason))
+            except QueueFull as exc:
+                return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
+            if not finished:
+                return Response(status_code=499)  # the client is gone; nobody reads this
+            return json_response(_openai_body(kind, cfg, body, prompt, gen, reason))
 
-    async def chat(request: Request) -> Response:
-        return await _serve(request, "chat")
-
-    async def completions(request: Request) -> Response:
-        return await _serve(request, "completion")
-
-    async def embeddings(request: Request) -> Response:
-        return await _serve(request, "embedding")
+        return handle
 
     async def models(request: Request) -> Response:
         card = {"id": cfg.model, "object": "model", "created": sim.created, "owned_by": "vllm",
@@ -346,9 +328,9 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
         return json_response({"object": "list", "data": [card]})
 
     app = Starlette(routes=[
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
+        Route("/v1/completions", endpoint("completion"), methods=["POST"]),
+        Route("/v1/embeddings", endpoint("embedding"), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
     ])
@@ -425,23 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(ns: argparse.Namespace) -> VllmSimConfig:
     """Turn parsed arguments into a :class:`VllmSimConfig`."""
-    return VllmSimConfig(
-        model=ns.model, capacity=ns.capacity, engines=ns.engines, service_ms=ns.service_ms,
-        service_dist=ns.service_dist, occupancy_slowdown=ns.occupancy_slowdown,
-        max_waiting=ns.max_waiting, legacy_metrics=ns.legacy_metrics, seed=ns.seed,
-        embedding_dim=ns.embedding_dim)
+    names = {f.name for f in fields(VllmSimConfig)}
+    return VllmSimConfig(**{k: v for k, v in vars(ns).items() if k in names})
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the simulator until interrupted; returns the process exit code."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    try:
-        config = config_from_args(ns)
-    except ValueError as exc:
-        parser.error(str(exc))
-    run_server(build_app(config), ns.host, ns.port, ns.log_level)
-    return 0
+    return run_cli(build_parser(), lambda ns: build_app(config_from_args(ns)), argv)
 
 
 if __name__ == "__main__":
