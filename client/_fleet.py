@@ -19,7 +19,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from fleetgate._redis import REDIS_ERRORS, connect, redact
 from fleetgate.errors import ConfigError, FleetgateError, RedisUnavailable
-from fleetgate.keys import GateKeys, validate_gate_name, validate_prefix
+from fleetgate.keys import GateKeys, fleet_keys, validate_gate_name, validate_prefix
 from fleetgate.scripts import GateDefaults, GateScripts
 
 from ._gate import Gate
@@ -332,6 +332,10 @@ class Fleet:
         waiters = [(w.id, w.remaining_ms()) for w in gate.waiters.values() if not w.future.done()]
         pod_ttl_ms = int(max(10.0, 10 * self.heartbeat_interval) * 1000)
         try:
+            if not gate.registered:
+                # The registry lives outside the gate's slot: a separate command, once.
+                await self.redis.sadd(fleet_keys(self.prefix).gates, gate.name)
+                gate.registered = True
             reply = await self.scripts.heartbeat(
                 gate.keys, self.pod_id, pod_ttl_ms, list(gate.leases), waiters
             )

@@ -103,6 +103,7 @@ class Gate:
         # TTLs in force in Redis (the coordinator's config may differ from our defaults).
         self.ttl_ms = min(defaults.lease_ms, defaults.waiter_ms)
         self.local_in_use = 0
+        self.registered = False  # in the fleet's gate registry (for `fleetgate status`)
         self._local_cond = asyncio.Condition()
         self._labels = fleet.metrics, name
 

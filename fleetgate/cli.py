@@ -1,1 +1,256 @@
-print(1)
+"""The ``fleetgate`` command line.
+
+    fleetgate coordinator --config FILE     run the coordinator daemon (leader or standby)
+    fleetgate status [--json] [--watch]     leader, epoch and one line per gate
+    fleetgate inspect GATE                  holders, head waiters, config and counters of a gate
+    fleetgate check                         health check: exit 0 if Redis is usable
+    fleetgate sim vllm|rerank ...           model-server simulators for tests, demo, compose
+
+The library only names its loggers; logging is configured here (``-v``, ``--log-config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import logging.config
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from fleetgate import __version__
+from fleetgate._redis import connect, redact
+from fleetgate.errors import ConfigError, FleetgateError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def _redis_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("redis")
+    g.add_argument(
+        "--redis",
+        metavar="URL",
+        help="Redis URL (default: $FLEETGATE_REDIS_URL, else the --config file's [redis] url, "
+        "else redis://127.0.0.1:6379/0)",
+    )
+    g.add_argument(
+        "--prefix",
+        metavar="P",
+        help="key prefix (default: $FLEETGATE_PREFIX, else the config file's, else 'fg')",
+    )
+    g.add_argument("--config", metavar="FILE", help="coordinator TOML config to take them from")
+
+
+def _logging_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-vv: debug)")
+    p.add_argument(
+        "--log-config", metavar="FILE", help="logging configuration file (logging.config format)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fleetgate",
+        description="Fleet-wide concurrency gates for model servers, coordinated through Redis.",
+    )
+    parser.add_argument("--version", action="version", version=f"fleetgate {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "coordinator",
+        help="run the coordinator daemon",
+        description="Run the coordinator: elect one leader through Redis, scrape each adaptive "
+        "gate's /metrics, run AIMD and publish targets; standbys wait and take over when the "
+        "leader's lease lapses. Stops cleanly on SIGTERM/SIGINT, releasing leadership at once.",
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="TOML config file")
+    p.add_argument("--id", metavar="ID", help="coordinator id (default: host-pid-random)")
+    _logging_options(p)
+
+    p = sub.add_parser(
+        "status",
+        help="leader, epoch and one line per gate",
+        description="Show the leader, the epoch and per gate: limit, target, epoch, fleet "
+        "in-flight, queued, saturated, last poll.",
+    )
+    _redis_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        const=1.0,
+        type=float,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 1) until Ctrl-C",
+    )
+    _logging_options(p)
+
+    p = sub.add_parser(
+        "inspect",
+        help="one gate in detail",
+        description="Show one gate: config, target, holders, head waiters and counters.",
+    )
+    p.add_argument("gate", help="gate name")
+    _redis_options(p)
+    p.add_argument("-n", type=int, default=10, help="holders and waiters to list (default 10)")
+    p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
+    _logging_options(p)
+
+    p = sub.add_parser(
+        "check",
+        help="health check (exit code 0 if Redis is usable)",
+        description="Connect to Redis, check the version and that maxmemory-policy is "
+        "noeviction (evicted semaphore keys would reset the cap). Exit 0 when healthy.",
+    )
+    _redis_options(p)
+    _logging_options(p)
+
+    p = sub.add_parser(
+        "sim",
+        help="run a model-server simulator",
+        description="Simulators standing in for GPUs: 'vllm' (OpenAI API + vLLM /metrics) and "
+        "'rerank' (NIM-like /v1/ranking). Run 'fleetgate sim vllm --help' for options.",
+    )
+    p.add_argument("kind", choices=["vllm", "rerank"], help="which simulator")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options of that simulator")
+    return parser
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    if getattr(args, "log_config", None):
+        logging.config.fileConfig(args.log_config, disable_existing_loggers=False)
+        return
+    level = {0: logging.WARNING, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
+    if args.command == "coordinator":
+        level = min(level, logging.INFO)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def resolve_redis(args: argparse.Namespace) -> tuple[str, str]:
+    """Redis URL and prefix from flags, environment, config file, defaults — in that order."""
+    url, prefix = args.redis, args.prefix
+    if args.config and (url is None or prefix is None):
+        from fleetgate.coordinator.config import load_config
+
+        cfg = load_config(args.config)
+        url = url or cfg.redis.url
+        prefix = prefix or cfg.redis.prefix
+    url = url or os.environ.get("FLEETGATE_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    prefix = prefix or os.environ.get("FLEETGATE_PREFIX") or "fg"
+    return url, prefix
+
+
+async def _status(args: argparse.Namespace) -> int:
+    from fleetgate.status import format_status, gather_status
+
+    url, prefix = resolve_redis(args)
+    client = connect(url)
+    try:
+        while True:
+            status = await gather_status(client, prefix)
+            if args.json:
+                sys.stdout.write(msgspec.json.encode(status).decode() + "\n")
+            else:
+                if args.watch:
+                    sys.stdout.write("\x1b[2J\x1b[H")
+                sys.stdout.write(format_status(status, time.time()) + "\n")
+            sys.stdout.flush()
+            if not args.watch:
+                return EXIT_OK
+            await asyncio.sleep(args.watch)
+    finally:
+        await client.aclose()
+
+
+async def _inspect(args: argparse.Namespace) -> int:
+    from fleetgate.keys import GateKeys
+    from fleetgate.scripts import GateScripts
+
+    url, prefix = resolve_redis(args)
+    client = connect(url)
+    try:
+        snap = await GateScripts(client).inspect(GateKeys.of(prefix, args.gate), args.n)
+    finally:
+        await client.aclose()
+    if args.json:
+        print(msgspec.json.encode(snap).decode())
+        return EXIT_OK
+    print(f"gate {args.gate}: limit {snap.limit} (floor {snap.floor}, ceiling {snap.ceiling})")
+    print(f"  in-flight {snap.holders}, queued {snap.queued}/{snap.max_queued}, "
+          f"live pods {snap.live_pods}")
+    print(f"  cfg    {snap.cfg}")
+    print(f"  target {snap.target or '-'}")
+    print(f"  stats  {snap.stats}")
+    for h in snap.leases:
+        print(f"  holder {h.id}  expires in {h.expires_at - snap.now} ms")
+    for w in snap.head:
+        print(f"  waiter {w.id}  seq {w.token}")
+    return EXIT_OK
+
+
+async def _check(args: argparse.Namespace) -> int:
+    url, _prefix = resolve_redis(args)
+    client = connect(url)
+    try:
+        info = await client.info("server")
+        policy = (await client.config_get("maxmemory-policy")).get("maxmemory-policy")
+    except Exception as exc:
+        print(f"fleetgate check: Redis at {redact(url)} unusable: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    finally:
+        await client.aclose()
+    version = str(info.get("redis_version", "?"))
+    ok = True
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < (6, 2):
+        print(f"fleetgate check: Redis {version} is too old (need >= 6.2)", file=sys.stderr)
+        ok = False
+    if policy != "noeviction":
+        print(
+            f"fleetgate check: maxmemory-policy is {policy!r}; use 'noeviction' (an evicted "
+            "semaphore key would silently reset a gate's cap)",
+            file=sys.stderr,
+        )
+        ok = False
+    print(f"redis {version} at {redact(url)}: {'ok' if ok else 'NOT OK'}")
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "sim":
+        if args.kind == "vllm":
+            from fleetgate.sim import vllm as sim
+        else:
+            from fleetgate.sim import rerank as sim  # type: ignore[no-redef]
+        return sim.main(list(args.args))
+    _setup_logging(args)
+    try:
+        if args.command == "coordinator":
+            from fleetgate.coordinator.daemon import run_coordinator
+
+            return run_coordinator(args.config, coordinator_id=args.id)
+        handler = {"status": _status, "inspect": _inspect, "check": _check}[args.command]
+        return asyncio.run(handler(args))
+    except ConfigError as exc:
+        print(f"fleetgate {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except FleetgateError as exc:
+        print(f"fleetgate {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except OSError as exc:
+        print(f"fleetgate {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

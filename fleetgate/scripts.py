@@ -27,6 +27,8 @@ __all__ = [
 ]
 
 SCRIPT_NAMES = ("acquire", "release", "cancel", "heartbeat", "set_target", "inspect")
+# Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
+LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
 GRANTED, PARKED, REJECTED = 1, 2, 0
 LEFT_QUEUE, RELEASED_RACE, UNKNOWN = 1, 2, 0
@@ -35,11 +37,13 @@ LEFT_QUEUE, RELEASED_RACE, UNKNOWN = 1, 2, 0
 @functools.cache
 def script_source(name: str) -> str:
     """The full source of script ``name``: the shared library followed by the script."""
-    if name not in SCRIPT_NAMES:
+    if name not in SCRIPT_NAMES + LEADER_SCRIPT_NAMES:
         raise ValueError(f"unknown script {name!r}")
     pkg = importlib.resources.files("fleetgate.lua")
-    lib = pkg.joinpath("lib.lua").read_text(encoding="utf-8")
     body = pkg.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    if name in LEADER_SCRIPT_NAMES:
+        return body
+    lib = pkg.joinpath("lib.lua").read_text(encoding="utf-8")
     return f"{lib}\n{body}"
 
 
