@@ -1,0 +1,385 @@
+"""The coordinator's configuration: one TOML file, decoded into frozen msgspec structs.
+
+Shape (see ``example.toml`` next to this module for every key with its default)::
+
+    [redis]        url, prefix
+    [coordinator]  poll_interval, poll_jitter, leader_ttl, metrics_listen, target_ttl_polls,
+                   scrape_timeout, max_body_bytes, adaptive
+    [[gates]]      name, floor, ceiling, max_queued, lease_ms, waiter_ms,
+                   base_url | metrics_url (a string or a list, one per replica), model_name, server
+
+A gate with ``base_url`` or ``metrics_url`` is *adaptive* (the coordinator publishes targets for
+it); a gate with neither is *fixed* at its ``floor``. ``model_name`` filters the metrics by their
+``model_name`` label; unset means "every model on that endpoint", because the served model name
+often differs from the gate name and most servers serve one model.
+
+Environment overrides, applied on top of the file (an empty value counts as unset):
+
+=============================  ===========================================================
+``FLEETGATE_REDIS_URL``        ``redis.url``
+``FLEETGATE_PREFIX``           ``redis.prefix``
+``FLEETGATE_POLL_INTERVAL``    ``coordinator.poll_interval`` (seconds)
+``FLEETGATE_METRICS_LISTEN``   ``coordinator.metrics_listen`` (``host:port``)
+``FLEETGATE_ADAPTIVE``         ``coordinator.adaptive`` (``0/false/no/off`` or ``1/true/yes/on``)
+``KG_ADAPTIVE_CONCURRENCY``    the seed's switch; ``0`` turns adaptation off (off always wins)
+``MODEL_MAX_CONCURRENCY``      default ``ceiling`` of gates that set none (default 512; a gate's
+                               default ceiling is never below its floor)
+=============================  ===========================================================
+
+With adaptation off the coordinator takes exactly the static path: no targets are published and
+every gate's limit is its floor. Every problem is a :class:`~fleetgate.errors.ConfigError` with
+one line naming the field (or the environment variable) and the problem, e.g.
+``gates[2].floor: expected int >= 1, got 0``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
+
+import msgspec
+from msgspec import Meta
+
+from fleetgate.errors import ConfigError
+from fleetgate.keys import validate_gate_name, validate_prefix
+
+from .signals import derive_metrics_url, get_adapter, validate_metrics_url
+
+__all__ = [
+    "DEFAULT_CEILING",
+    "Config",
+    "CoordinatorSettings",
+    "GateConfig",
+    "RedisSettings",
+    "load_config",
+]
+
+DEFAULT_CEILING = 512
+
+_T = TypeVar("_T")
+
+
+def _check(field: str, validate: Callable[[_T], object], value: _T) -> None:
+    """Run ``validate(value)``; re-raise its ConfigError as ``field: problem`` for ``_explain``."""
+    try:
+        validate(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{field}: {exc}") from None
+
+
+def _validate_redis_url(url: str) -> None:
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        # The URL may carry a password: name the scheme only.
+        raise ConfigError(f"expected a redis://, rediss:// or unix:// URL, got scheme {scheme!r}")
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"expected 'host:port' with a port 0-65535, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+class RedisSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the gates live: the Redis URL and the key prefix."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "fg"
+
+    def __post_init__(self) -> None:
+        _check("url", _validate_redis_url, self.url)
+        _check("prefix", validate_prefix, self.prefix)
+
+
+class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the coordinator polls, leads and publishes. Times are in seconds (at most an hour)."""
+
+    poll_interval: Annotated[float, Meta(gt=0, le=3600)] = 12.0
+    #: each poll waits poll_interval * (1 ± poll_jitter), so standbys and replicas do not align
+    poll_jitter: Annotated[float, Meta(ge=0, le=0.5)] = 0.1
+    leader_ttl: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    metrics_listen: str = "127.0.0.1:9464"
+    #: a published target expires after this many poll intervals without a fresh poll
+    target_ttl_polls: Annotated[int, Meta(ge=1)] = 3
+    scrape_timeout: Annotated[float, Meta(gt=0, le=600)] = 2.0
+    max_body_bytes: Annotated[int, Meta(ge=1024)] = 2 * 1024 * 1024
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        _check("metrics_listen", _parse_listen, self.metrics_listen)
+        if self.scrape_timeout > self.poll_interval:
+            raise ConfigError(
+                f"scrape_timeout: must be <= poll_interval ({self.poll_interval:g} s), "
+                f"got {self.scrape_timeout:g}"
+            )
+
+    @property
+    def metrics_address(self) -> tuple[str, int]:
+        """``metrics_listen`` as ``(host, port)``; IPv6 brackets removed."""
+        return _parse_listen(self.metrics_listen)
+
+    @property
+    def target_ttl(self) -> float:
+        """Lifetime of a published target in seconds (``target_ttl_polls`` poll intervals)."""
+        return self.target_ttl_polls * self.poll_interval
+
+
+class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One gate. ``floor`` is its static limit; ``ceiling`` bounds the adaptive target."""
+
+    name: str
+    floor: Annotated[int, Meta(ge=1)]
+    ceiling: Annotated[int, Meta(ge=1)] = DEFAULT_CEILING
+    max_queued: Annotated[int, Meta(ge=0)] = 1000
+    lease_ms: Annotated[int, Meta(ge=100)] = 10_000
+    waiter_ms: Annotated[int, Meta(ge=100)] = 5_000
+    base_url: str | None = None
+    metrics_url: str | tuple[str, ...] | None = None
+    model_name: str | None = None
+    server: str = "vllm"
+
+    def __post_init__(self) -> None:
+        _check("name", validate_gate_name, self.name)
+        if self.ceiling < self.floor:
+            raise ConfigError(f"ceiling: expected >= floor ({self.floor}), got {self.ceiling}")
+        if self.base_url is not None and self.metrics_url is not None:
+            raise ConfigError("metrics_url: set base_url or metrics_url, not both")
+        if self.base_url is not None:
+            _check("base_url", derive_metrics_url, self.base_url)
+        if isinstance(self.metrics_url, str):
+            _check("metrics_url", validate_metrics_url, self.metrics_url)
+        elif self.metrics_url is not None:
+            if not self.metrics_url:
+                raise ConfigError("metrics_url: the list of replica URLs is empty")
+            for i, url in enumerate(self.metrics_url):
+                _check(f"metrics_url[{i}]", validate_metrics_url, url)
+            if len(set(self.metrics_url)) != len(self.metrics_url):
+                raise ConfigError("metrics_url: the same URL is listed twice")
+        if self.model_name is not None and not self.model_name:
+            raise ConfigError("model_name: must not be empty (leave it out to match every model)")
+        _check("server", get_adapter, self.server)
+
+    @property
+    def metrics_urls(self) -> tuple[str, ...]:
+        """The ``/metrics`` URLs to scrape (one per replica); empty for a fixed gate."""
+        if self.base_url is not None:
+            return (derive_metrics_url(self.base_url),)
+        if isinstance(self.metrics_url, str):
+            return (self.metrics_url,)
+        return self.metrics_url or ()
+
+    @property
+    def has_metrics(self) -> bool:
+        """True when the gate has a metrics source, i.e. can be adaptive."""
+        return self.base_url is not None or self.metrics_url is not None
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The whole coordinator configuration. Build it with :func:`load_config`."""
+
+    redis: RedisSettings = msgspec.field(default_factory=RedisSettings)
+    coordinator: CoordinatorSettings = msgspec.field(default_factory=CoordinatorSettings)
+    gates: tuple[GateConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        first: dict[str, int] = {}
+        for i, gate in enumerate(self.gates):
+            if gate.name in first:
+                raise ConfigError(
+                    f"gates[{i}].name: duplicate gate name {gate.name!r} "
+                    f"(first defined at gates[{first[gate.name]}])"
+                )
+            first[gate.name] = i
+
+    def gate(self, name: str) -> GateConfig:
+        """The gate called ``name``; KeyError if there is none."""
+        for gate in self.gates:
+            if gate.name == name:
+                return gate
+        raise KeyError(name)
+
+    def is_adaptive(self, gate: GateConfig) -> bool:
+        """True when the coordinator adapts ``gate``: adaptation on and a metrics source set."""
+        return self.coordinator.adaptive and gate.has_metrics
+
+    @classmethod
+    def from_toml_text(
+        cls, text: str | bytes, *, env: Mapping[str, str] | None = None, source: str = "<config>"
+    ) -> Config:
+        """Decode TOML ``text``, apply ``env`` overrides (None = ``os.environ``), validate."""
+        try:
+            raw = msgspec.toml.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+        return cls.from_mapping(raw, env=env)
+
+    @classmethod
+    def from_mapping(
+        cls, raw: Mapping[str, Any], *, env: Mapping[str, str] | None = None
+    ) -> Config:
+        """Validate a decoded mapping (TOML's shape) after applying ``env`` overrides."""
+        data: dict[str, Any] = _deep_copy(dict(raw))
+        injected = _apply_env(data, os.environ if env is None else env)
+        try:
+            return msgspec.convert(data, type=cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(str(exc), data, injected)) from None
+
+
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] = os.environ) -> Config:
+    """Read and validate the TOML file at ``path``; see the module docstring for ``env``."""
+    try:
+        text = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{os.fspath(path)}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{os.fspath(path)}: cannot read config file: {exc.strerror}") from None
+    return Config.from_toml_text(text, env=env, source=os.fspath(path))
+
+
+# ------------------------------------------------------------------------- env and error text
+
+_OFF = frozenset({"0", "false", "no", "off"})
+_ON = frozenset({"1", "true", "yes", "on"})
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def _env_flag(env: Mapping[str, str], var: str) -> bool | None:
+    value = env.get(var, "").strip().lower()
+    if not value:
+        return None
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    raise ConfigError(f"{var}: expected 0/1, true/false, yes/no or on/off, got {env[var]!r}")
+
+
+def _section(data: dict[str, Any], name: str) -> dict[str, Any] | None:
+    section = data.setdefault(name, {})
+    return section if isinstance(section, dict) else None  # a non-table fails validation later
+
+
+def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """Write env overrides into ``data``; return {display path: variable} of what was written."""
+    injected: dict[str, str] = {}
+
+    def put(section: str, key: str, var: str, value: object) -> None:
+        table = _section(data, section)
+        if table is not None:
+            table[key] = value
+            injected[f"{section}.{key}"] = var
+
+    for var, section, key in (
+        ("FLEETGATE_REDIS_URL", "redis", "url"),
+        ("FLEETGATE_PREFIX", "redis", "prefix"),
+        ("FLEETGATE_METRICS_LISTEN", "coordinator", "metrics_listen"),
+    ):
+        if env.get(var):
+            put(section, key, var, env[var])
+    if env.get("FLEETGATE_POLL_INTERVAL"):
+        text = env["FLEETGATE_POLL_INTERVAL"]
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ConfigError(f"FLEETGATE_POLL_INTERVAL: expected seconds, got {text!r}") from None
+        put("coordinator", "poll_interval", "FLEETGATE_POLL_INTERVAL", seconds)
+    flags = [_env_flag(env, "FLEETGATE_ADAPTIVE"), _env_flag(env, "KG_ADAPTIVE_CONCURRENCY")]
+    if False in flags:
+        put("coordinator", "adaptive", "FLEETGATE_ADAPTIVE/KG_ADAPTIVE_CONCURRENCY", False)
+    elif flags[0]:
+        put("coordinator", "adaptive", "FLEETGATE_ADAPTIVE", True)
+
+    default_ceiling = DEFAULT_CEILING
+    if env.get("MODEL_MAX_CONCURRENCY"):
+        text = env["MODEL_MAX_CONCURRENCY"].strip()
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"MODEL_MAX_CONCURRENCY: expected an int >= 1, got {text!r}")
+        default_ceiling = int(text)
+    gates = data.get("gates")
+    if isinstance(gates, list):
+        for i, gate in enumerate(gates):
+            if isinstance(gate, dict) and "ceiling" not in gate:
+                floor = gate.get("floor")
+                if isinstance(floor, int) and not isinstance(floor, bool):
+                    gate["ceiling"] = max(floor, default_ceiling)
+                else:
+                    gate["ceiling"] = default_ceiling
+                injected[f"gates[{i}].ceiling"] = "MODEL_MAX_CONCURRENCY"
+    return injected
+
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?): (.*)$", re.DOTALL)
+_FIELD_NAMED = re.compile(r"^Object (missing required|contains unknown) field `([^`]+)`$")
+
+
+def _lookup(data: Any, path: str) -> tuple[bool, Any]:
+    for key, index in _STEP.findall(path):
+        try:
+            data = data[int(index)] if index else data[key]
+        except (KeyError, IndexError, TypeError):
+            return False, None
+    return True, data
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fields_at(path: str) -> tuple[str, ...]:
+    head = _STEP.match(path)
+    kinds: dict[str, type[msgspec.Struct]] = {
+        "redis": RedisSettings,
+        "coordinator": CoordinatorSettings,
+        "gates": GateConfig,
+    }
+    return kinds.get(head.group(1) if head else "", Config).__struct_fields__
+
+
+def _explain(message: str, data: dict[str, Any], injected: Mapping[str, str]) -> str:
+    """Turn msgspec's ``Expected `int` >= 1 - at `$.gates[2].floor``` into one readable line."""
+    match = _AT.match(message)
+    msg, path = (match.group("msg"), match.group("path") or "") if match else (message, "")
+    named = _FIELD_NAMED.match(msg)
+    own = _FIELD_PREFIX.match(msg)
+    if named:
+        missing = named.group(1) == "missing required"
+        field = named.group(2)
+        hint = ""
+        if not missing:
+            close = difflib.get_close_matches(field, _fields_at(path), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        path, msg = f"{path}.{field}", ("missing required field" if missing else "unknown field")
+        msg += hint
+    elif own:  # our own "field: problem" raised from a __post_init__
+        path, msg = f"{path}.{own.group(1)}", own.group(2)
+    else:
+        msg = msg.replace("`object`", "table").replace("`", "")
+        msg = msg[:1].lower() + msg[1:]
+        found, value = _lookup(data, path)
+        if found and path and ", got " not in msg:
+            msg += f", got {_show(value)}"
+    shown = path.lstrip(".")
+    if shown in injected:
+        shown = injected[shown]
+    return f"{shown}: {msg}" if shown else msg

@@ -1,0 +1,426 @@
+"""The AIMD step: a pure function, tested rule by rule, by simulation and by property."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+from fleetgate.coordinator.controller import (
+    ControllerParams,
+    ControllerState,
+    Decision,
+    Observation,
+    Reason,
+    dump_state,
+    load_state,
+    step,
+)
+from fleetgate.coordinator.signals import Signals
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleetgate.errors import ConfigError
+
+P = ControllerParams(floor=4, ceiling=512, poll_interval=12.0)
+
+
+def busy(target: int, **kw: float) -> Observation:
+    """Fleet in-flight at the target, engine keeping up (no capacity-waiting)."""
+    return Observation(
+        running=kw.get("running", target), waiting_capacity=0, in_flight=kw.get("in_flight", target)
+    )
+
+
+def saturated(running: float, in_flight: float, waiting: float = 5) -> Observation:
+    return Observation(running=running, waiting_capacity=waiting, in_flight=in_flight)
+
+
+def state(target: int, **kw: object) -> ControllerState:
+    return msgspec.structs.replace(ControllerState(target=target), **kw)
+
+
+# --------------------------------------------------------------------------------- the rules
+
+
+def test_slow_start_doubles_when_near_full() -> None:
+    d = step(ControllerState.initial(P), busy(4), P, now=0)
+    assert (d.target, d.reason, d.publish, d.saturated) == (8, Reason.SLOW_START, True, False)
+    assert d.state.slow_start
+
+
+def test_additive_increase_after_slow_start() -> None:
+    s = state(100, slow_start=False)
+    d = step(s, busy(100), P, now=0)
+    assert (d.target, d.reason) == (125, Reason.INCREASE)
+    d = step(state(5, slow_start=False), busy(5), P, now=0)
+    assert d.target == 6  # max(1, 25 %)
+
+
+def test_near_full_uses_fleet_in_flight_then_running() -> None:
+    s = state(100, slow_start=False)
+    # In-flight below 80 % of the target: hold, even if the engine is busy with other traffic.
+    d = step(s, Observation(running=500, waiting_capacity=0, in_flight=79), P, now=0)
+    assert d.reason is Reason.HOLD_IDLE and d.target == 100
+    d = step(s, Observation(running=500, waiting_capacity=0, in_flight=80), P, now=0)
+    assert d.reason is Reason.INCREASE
+    # In-flight unknown: running stands in for it.
+    d = step(s, Observation(running=80, waiting_capacity=0, in_flight=None), P, now=0)
+    assert d.reason is Reason.INCREASE
+    d = step(s, Observation(running=10, waiting_capacity=0, in_flight=None), P, now=0)
+    assert d.reason is Reason.HOLD_IDLE
+    d = step(s, Observation(running=None, waiting_capacity=0, in_flight=None), P, now=0)
+    assert d.reason is Reason.HOLD_IDLE and d.publish
+
+
+def test_idle_holds() -> None:
+    s = state(64, slow_start=False)
+    for n in range(5):
+        d = step(s, busy(64, in_flight=3, running=3), P, now=12.0 * n)
+        assert (d.target, d.reason, d.publish) == (64, Reason.HOLD_IDLE, True)
+        s = d.state
+
+
+def test_decrease_to_the_sustainable_level() -> None:
+    s = state(200, slow_start=False)
+    # The engine serves 120 of our 200 in flight: cut straight to that level.
+    d = step(s, saturated(running=120, in_flight=200, waiting=80), P, now=0)
+    assert (d.target, d.reason, d.publish, d.saturated) == (120, Reason.DECREASE, True, True)
+    # Slightly over: a small, exact cut (no forced 20 % undershoot).
+    d = step(s, saturated(running=195, in_flight=200, waiting=5), P, now=0)
+    assert d.target == 195
+
+
+def test_decrease_sees_other_traffic_through_fleet_in_flight() -> None:
+    # Engine capacity 100, 30 slots taken by clients outside the fleet: running stays 100,
+    # 30 of our 100 wait. Our sustainable share is 70.
+    d = step(
+        state(100, slow_start=False), saturated(running=100, in_flight=100, waiting=30), P, now=0
+    )
+    assert d.target == 70
+
+
+def test_decrease_cuts_at_most_half() -> None:
+    s = state(200, slow_start=False)
+    assert step(s, saturated(running=30, in_flight=200, waiting=170), P, now=0).target == 100
+    assert step(s, saturated(running=0, in_flight=5, waiting=400), P, now=0).target == 100
+
+
+def test_decrease_without_estimate_is_twenty_percent() -> None:
+    s = state(200, slow_start=False)
+    for obs in (
+        Observation(running=None, waiting_capacity=3, in_flight=None),
+        Observation(running=0, waiting_capacity=3, in_flight=None),
+        Observation(running=math.nan, waiting_capacity=3, in_flight=None),
+        # Leases left over from a higher target: the estimate is above the target.
+        Observation(running=250, waiting_capacity=5, in_flight=300),
+    ):
+        d = step(s, obs, P, now=0)
+        assert (d.target, d.reason) == (160, Reason.DECREASE)
+    nan_running = Observation(running=math.nan, waiting_capacity=5, in_flight=200)
+    assert step(s, nan_running, P, now=0).target == 195
+
+
+def test_decrease_never_below_floor() -> None:
+    p = ControllerParams(floor=10, ceiling=100)
+    d = step(state(12, slow_start=False), saturated(running=2, in_flight=12), p, now=0)
+    assert (d.target, d.reason) == (10, Reason.DECREASE)
+    d = step(d.state, saturated(running=2, in_flight=10), p, now=100)
+    assert (d.target, d.reason) == (10, Reason.CLAMP)
+
+
+def test_first_saturation_ends_slow_start() -> None:
+    s = ControllerState.initial(P)
+    d = step(state(64), saturated(running=50, in_flight=64), P, now=0)
+    assert not d.state.slow_start and d.target == 50
+    # At the floor a saturation cannot cut, but it still ends slow start.
+    d = step(s, saturated(running=4, in_flight=4), P, now=0)
+    assert d.reason is Reason.CLAMP and not d.state.slow_start
+    d = step(d.state, busy(4), P, now=12)
+    assert d.reason is Reason.INCREASE and d.target == 5
+
+
+def test_one_decrease_per_drain_period() -> None:
+    d = step(state(100, slow_start=False), saturated(running=50, in_flight=100), P, now=0)
+    assert (d.target, d.reason) == (50, Reason.DECREASE)
+    # Next poll: still saturated, but our old excess is still in flight (leases are not
+    # revoked), so the cut has not taken effect yet.
+    d = step(d.state, saturated(running=50, in_flight=90), P, now=12)
+    assert (d.target, d.reason, d.publish) == (50, Reason.HOLD_COOLDOWN, True)
+    # The excess has drained and the engine still queues: the cut was not enough, cut again.
+    d = step(d.state, saturated(running=45, in_flight=50), P, now=24)
+    assert (d.target, d.reason) == (45, Reason.DECREASE)
+
+
+def test_no_second_decrease_within_half_a_poll() -> None:
+    d = step(state(100, slow_start=False), saturated(running=50, in_flight=100), P, now=0)
+    d = step(d.state, saturated(running=40, in_flight=10), P, now=5.9)
+    assert d.reason is Reason.HOLD_COOLDOWN
+    d = step(d.state, saturated(running=40, in_flight=10), P, now=6.0)
+    assert d.reason is Reason.DECREASE
+
+
+def test_drain_period_ends_after_timeout_when_in_flight_unknown() -> None:
+    d = step(state(100, slow_start=False), saturated(running=50, in_flight=100), P, now=0)
+    obs = Observation(running=50, waiting_capacity=5, in_flight=None)
+    for now in (12.0, 24.0):
+        d = step(d.state, obs, P, now=now)
+        assert d.reason is Reason.HOLD_COOLDOWN
+    d = step(d.state, obs, P, now=36.0)
+    assert (d.reason, d.target) == (Reason.DECREASE, 40)
+
+
+def test_drained_queue_ends_the_drain_period() -> None:
+    d = step(state(100, slow_start=False), saturated(running=50, in_flight=100), P, now=0)
+    d = step(d.state, Observation(running=50, waiting_capacity=0, in_flight=70), P, now=12)
+    assert d.state.drained
+    d = step(d.state, saturated(running=50, in_flight=70), P, now=24)
+    assert d.reason is Reason.DECREASE
+
+
+def test_clock_going_back_does_not_block_a_cut() -> None:
+    d = step(state(100, slow_start=False), saturated(running=50, in_flight=100), P, now=1000)
+    d = step(d.state, saturated(running=50, in_flight=90), P, now=10)
+    assert d.reason is Reason.DECREASE
+
+
+def test_hysteresis_after_a_decrease() -> None:
+    d = step(state(100, slow_start=False), saturated(running=80, in_flight=100), P, now=0)
+    assert d.target == 80 and d.state.recovering
+    d = step(d.state, busy(80), P, now=12)
+    assert (d.target, d.reason, d.publish) == (80, Reason.HOLD_HYSTERESIS, True)
+    d = step(d.state, busy(80), P, now=24)
+    assert (d.target, d.reason) == (100, Reason.INCREASE)
+    # Once recovered, every near-full poll increases.
+    d = step(d.state, busy(100), P, now=36)
+    assert (d.target, d.reason) == (125, Reason.INCREASE)
+
+
+def test_hysteresis_streak_resets_on_an_idle_poll() -> None:
+    d = step(state(100, slow_start=False), saturated(running=80, in_flight=100), P, now=0)
+    d = step(d.state, busy(80), P, now=12)
+    d = step(d.state, busy(80, in_flight=10), P, now=24)
+    assert d.reason is Reason.HOLD_IDLE
+    d = step(d.state, busy(80), P, now=36)
+    assert d.reason is Reason.HOLD_HYSTERESIS
+
+
+def test_never_above_ceiling() -> None:
+    p = ControllerParams(floor=4, ceiling=50)
+    d = step(state(40), busy(40), p, now=0)
+    assert (d.target, d.reason) == (50, Reason.SLOW_START)
+    d = step(d.state, busy(50), p, now=12)
+    assert (d.target, d.reason) == (50, Reason.CLAMP)
+
+
+def test_bounds_changed_under_a_stored_state() -> None:
+    d = step(state(300, slow_start=False), busy(300, in_flight=0), P, now=0)
+    assert d.target == 300
+    tighter = ControllerParams(floor=4, ceiling=100)
+    d = step(state(300, slow_start=False), busy(300, in_flight=0), tighter, now=0)
+    assert (d.target, d.reason) == (100, Reason.CLAMP)
+    higher_floor = ControllerParams(floor=20, ceiling=100)
+    d = step(state(5, slow_start=False), busy(5, in_flight=0), higher_floor, now=0)
+    assert (d.target, d.reason) == (20, Reason.CLAMP)
+
+
+def test_unknown_holds_unpublished_then_resets_to_floor() -> None:
+    s = state(200, slow_start=False, last_decrease=0.0, recovering=True)
+    unknowns: list[Observation | None] = [
+        None,
+        Observation(running=10, waiting_capacity=None, in_flight=5),
+        Observation(running=None, waiting_capacity=0, in_flight=5, ok=False),
+    ]
+    d = step(s, unknowns[0], P, now=12)
+    assert (d.target, d.reason, d.publish) == (200, Reason.HOLD_UNKNOWN, False)
+    d = step(d.state, unknowns[1], P, now=24)
+    assert (d.target, d.reason, d.publish) == (200, Reason.HOLD_UNKNOWN, False)
+    # Third unknown poll: the last published lease (3 polls) has expired -> floor, slow start.
+    d = step(d.state, unknowns[2], P, now=36)
+    assert (d.target, d.reason, d.publish) == (4, Reason.RESET, False)
+    assert d.state.slow_start and d.state.last_decrease is None
+    d = step(d.state, None, P, now=48)
+    assert (d.target, d.reason) == (4, Reason.HOLD_UNKNOWN)
+    # Signals come back: ramp from the floor again.
+    d = step(d.state, busy(4), P, now=60)
+    assert (d.target, d.reason, d.publish) == (8, Reason.SLOW_START, True)
+    assert d.state.unknown_streak == 0
+
+
+def test_a_good_poll_resets_the_unknown_streak() -> None:
+    d = step(state(200, slow_start=False), None, P, now=0)
+    d = step(d.state, None, P, now=12)
+    d = step(d.state, busy(200, in_flight=0), P, now=24)
+    d = step(d.state, None, P, now=36)
+    assert (d.target, d.reason) == (200, Reason.HOLD_UNKNOWN)
+
+
+def test_proven_saturation_acts_on_a_partial_view() -> None:
+    partial = Observation(running=None, waiting_capacity=6, in_flight=100, ok=False)
+    d = step(state(100, slow_start=False), partial, P, now=0)
+    assert (d.target, d.reason, d.publish) == (94, Reason.DECREASE, True)
+    d = step(d.state, partial, P, now=12)
+    assert (d.reason, d.publish) == (Reason.HOLD_COOLDOWN, False)
+
+
+def test_static_when_adaptation_is_off() -> None:
+    off = ControllerParams(floor=16, ceiling=512, adaptive=False)
+    for obs in (busy(300), saturated(10, 300), None):
+        d = step(state(300, slow_start=False), obs, off, now=0)
+        assert (d.target, d.reason, d.publish) == (16, Reason.STATIC, False)
+        assert d.state == ControllerState.initial(off)
+
+
+def test_observation_from_signals() -> None:
+    sig = Signals(running=10, waiting_capacity=2, waiting=3, kv_cache_usage=0.5)
+    assert Observation.from_signals(sig, in_flight=7) == Observation(10, 2, 7, True)
+    assert not Observation.from_signals(Signals.failure("x")).ok
+
+
+def test_params_are_validated() -> None:
+    with pytest.raises(ConfigError):
+        ControllerParams(floor=0, ceiling=10)
+    with pytest.raises(ConfigError):
+        ControllerParams(floor=10, ceiling=5)
+    with pytest.raises(ConfigError):
+        ControllerParams(floor=1, ceiling=5, decrease=1.0)
+    with pytest.raises(ConfigError):
+        ControllerParams(floor=1, ceiling=5, deepest_cut=0.9)
+
+
+def test_reason_is_a_plain_string() -> None:
+    assert str(Reason.HOLD_COOLDOWN) == "hold_cooldown" and Reason("decrease") is Reason.DECREASE
+    assert msgspec.json.encode(Reason.SLOW_START) == b'"slow_start"'
+
+
+# ----------------------------------------------------------------------- warm failover state
+
+
+def test_state_round_trips_and_clamps() -> None:
+    s = state(
+        77,
+        slow_start=False,
+        last_decrease=1.7e9,
+        drained=False,
+        recovering=True,
+        near_full_streak=1,
+        unknown_streak=2,
+    )
+    assert load_state(dump_state(s), P) == s
+    assert load_state(dump_state(s).decode(), P) == s
+    assert load_state(dump_state(state(9999)), P).target == 512
+    for junk in (None, b"", b"{", b'{"target": "x"}', b"[]", b'{"slow_start": true}'):
+        assert load_state(junk, P) == ControllerState.initial(P)
+
+
+# ------------------------------------------------------------------------------- simulation
+
+
+@dataclass
+class Engine:
+    """A model engine with capacity C; clients always have more work than the limit allows."""
+
+    capacity: int
+
+    def observe(self, target: int) -> Observation:
+        demand = target  # the fleet fills every permit
+        return Observation(
+            running=min(demand, self.capacity),
+            waiting_capacity=max(0, demand - self.capacity),
+            in_flight=demand,
+        )
+
+
+def run(
+    engine: Engine, params: ControllerParams, polls: int, start: ControllerState | None = None
+) -> list[Decision]:
+    s = start or ControllerState.initial(params)
+    out = []
+    for n in range(polls):
+        d = step(s, engine.observe(s.target), params, now=n * params.poll_interval)
+        out.append(d)
+        s = d.state
+    return out
+
+
+def polls_to_reach(decisions: list[Decision], level: float) -> int:
+    return next(n for n, d in enumerate(decisions, 1) if d.target >= level)
+
+
+def test_ramp_floor_4_to_capacity_256() -> None:
+    """The docs/aimd.md trace: 4 -> >= 90 % of 256 in 6 polls (one minute at 12 s)."""
+    decisions = run(Engine(256), P, polls=30)
+    assert [d.target for d in decisions[:8]] == [8, 16, 32, 64, 128, 256, 512, 256]
+    assert polls_to_reach(decisions, 0.9 * 256) == 6
+    # Steady state: the first overshoot costs one poll; afterwards the target probes
+    # 256 -> 320 once every three polls and never drops below the capacity.
+    tail = [d.target for d in decisions[7:]]
+    assert min(tail) == 256 and max(tail) == 320
+    assert [d.reason for d in decisions[7:10]] == [
+        Reason.DECREASE,
+        Reason.HOLD_HYSTERESIS,
+        Reason.INCREASE,
+    ]
+
+
+@pytest.mark.parametrize("capacity", [5, 37, 100, 256, 300, 511])
+def test_ramp_reaches_ninety_percent_quickly(capacity: int) -> None:
+    decisions = run(Engine(capacity), P, polls=40)
+    assert polls_to_reach(decisions, 0.9 * capacity) <= 8
+    tail = [d.target for d in decisions[12:]]
+    assert min(tail) >= 0.9 * capacity or min(tail) == P.floor
+    assert max(tail) <= max(capacity * 1.25 + 1, P.floor * 2)
+
+
+def test_capacity_loss_then_gain() -> None:
+    decisions = run(Engine(256), P, polls=20)
+    halved = run(Engine(128), P, polls=6, start=decisions[-1].state)
+    assert (halved[0].reason, halved[0].target) == (Reason.DECREASE, 128)
+    assert 128 <= halved[-1].target <= 160
+    doubled = run(Engine(512), P, polls=20, start=halved[-1].state)
+    # After slow start ended, growth is +25 % per near-full poll.
+    assert polls_to_reach(doubled, 0.9 * 512) == 5  # the figure in docs/aimd.md
+
+
+# ------------------------------------------------------------------------------- properties
+
+_value = st.one_of(st.none(), st.floats(min_value=0, max_value=1e6))
+_obs = st.one_of(
+    st.none(),
+    st.builds(Observation, _value, _value, _value, st.booleans()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    floor=st.integers(1, 64),
+    span=st.integers(0, 600),
+    start=st.integers(-10, 2000),
+    adaptive=st.booleans(),
+    seq=st.lists(st.tuples(_obs, st.floats(0, 30)), max_size=25),
+)
+def test_target_always_within_bounds(
+    floor: int,
+    span: int,
+    start: int,
+    adaptive: bool,
+    seq: list[tuple[Observation | None, float]],
+) -> None:
+    params = ControllerParams(floor=floor, ceiling=floor + span, adaptive=adaptive)
+    s = ControllerState(target=start)
+    now = 0.0
+    for obs, gap in seq:
+        now += gap
+        d = step(s, obs, params, now)
+        assert floor <= d.target <= floor + span
+        assert d.target == d.state.target
+        assert step(s, obs, params, now) == d  # pure
+        assert load_state(dump_state(d.state), params) == d.state
+        if not adaptive:
+            assert d.target == floor and not d.publish
+        if d.reason is Reason.DECREASE:
+            assert d.target < s.target or s.target > params.ceiling
+        if d.reason in (Reason.SLOW_START, Reason.INCREASE):
+            assert d.target > s.target
+        s = d.state
