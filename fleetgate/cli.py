@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "coordinator":
             from fleetgate.coordinator.daemon import run_coordinator
 
-            return run_coordinator(args.config, coordinator_id=args.id)
+            return int(run_coordinator(args.config, coordinator_id=args.id))
         handler = {"status": _status, "inspect": _inspect, "check": _check}[args.command]
         return asyncio.run(handler(args))
     except ConfigError as exc:

@@ -135,6 +135,10 @@ class GateScripts:
         for name in SCRIPT_NAMES:
             self._scripts[name] = self.client.register_script(script_source(name))
 
+    def script(self, name: str) -> Any:
+        """The registered redis-py ``Script`` (for use in a pipeline: ``client=pipe``)."""
+        return self._scripts[name]
+
     async def _call(self, name: str, keys: GateKeys, args: list[Any]) -> Any:
         return await self._scripts[name](keys=keys.script_keys(), args=args)
 

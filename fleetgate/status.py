@@ -11,7 +11,7 @@ import redis.asyncio as aredis
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.scripts import GateScripts, Snapshot
 
-__all__ = ["GateStatus", "FleetStatus", "gather_status", "format_status"]
+__all__ = ["FleetStatus", "GateStatus", "format_status", "gather_status"]
 
 
 class GateStatus(msgspec.Struct, kw_only=True):
@@ -92,11 +92,11 @@ async def gather_status(client: aredis.Redis, prefix: str) -> FleetStatus:
     fk = fleet_keys(prefix)
     leader = await client.get(fk.leader)
     epoch = await client.get(fk.epoch)
-    names = sorted(await client.smembers(fk.gates))
+    names = sorted(str(n) for n in await client.smembers(fk.gates))
     scripts = GateScripts(client)
     gates = [gate_status(n, await scripts.inspect(GateKeys.of(prefix, n), 0)) for n in names]
     return FleetStatus(
-        leader=leader,
+        leader=str(leader) if leader is not None else None,
         epoch=int(epoch) if epoch is not None else None,
         gates=gates,
     )

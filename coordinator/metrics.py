@@ -1,0 +1,96 @@
+"""The coordinator's own metrics (prometheus-client), served on ``metrics_listen``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["CoordinatorMetrics"]
+
+
+@dataclass(frozen=True)
+class CoordinatorMetrics:
+    target: Gauge
+    running: Gauge
+    waiting_capacity: Gauge
+    saturated: Gauge
+    in_flight: Gauge
+    decisions: Counter
+    scrape_errors: Counter
+    scrape_seconds: Histogram
+    poll_seconds: Histogram
+    leader: Gauge
+    epoch: Gauge
+    refused: Counter
+    reaped_gates: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> CoordinatorMetrics:
+        g = ("gate",)
+        return cls(
+            target=Gauge("fleetgate_coordinator_target", "Target published", g, registry=registry),
+            running=Gauge(
+                "fleetgate_coordinator_running",
+                "Requests running on the engine (all clients)",
+                g,
+                registry=registry,
+            ),
+            waiting_capacity=Gauge(
+                "fleetgate_coordinator_waiting_capacity",
+                "Requests waiting for engine capacity",
+                g,
+                registry=registry,
+            ),
+            saturated=Gauge(
+                "fleetgate_coordinator_saturated",
+                "1 when capacity-waiting > 0",
+                g,
+                registry=registry,
+            ),
+            in_flight=Gauge(
+                "fleetgate_coordinator_fleet_in_flight",
+                "Leases held fleet-wide at the last poll",
+                g,
+                registry=registry,
+            ),
+            decisions=Counter(
+                "fleetgate_coordinator_decisions",
+                "Controller decisions by reason",
+                ("gate", "reason"),
+                registry=registry,
+            ),
+            scrape_errors=Counter(
+                "fleetgate_coordinator_scrape_errors",
+                "Polls whose /metrics could not be used",
+                g,
+                registry=registry,
+            ),
+            scrape_seconds=Histogram(
+                "fleetgate_coordinator_scrape_seconds",
+                "Time to scrape and parse one gate's endpoints",
+                g,
+                registry=registry,
+            ),
+            poll_seconds=Histogram(
+                "fleetgate_coordinator_poll_seconds",
+                "Time of one whole poll: scrape, decide, publish",
+                registry=registry,
+            ),
+            leader=Gauge(
+                "fleetgate_coordinator_leader", "1 while this coordinator leads", registry=registry
+            ),
+            epoch=Gauge(
+                "fleetgate_coordinator_epoch", "Epoch of the current term", registry=registry
+            ),
+            refused=Counter(
+                "fleetgate_coordinator_refused_publishes",
+                "Targets refused for a stale epoch (this coordinator was deposed)",
+                registry=registry,
+            ),
+            reaped_gates=Counter(
+                "fleetgate_coordinator_reaper_sweeps",
+                "Gate sweeps by the reaper",
+                registry=registry,
+            ),
+        )
