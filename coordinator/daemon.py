@@ -204,7 +204,10 @@ class Coordinator:
         now = await self.publisher.server_time()
         signals = await asyncio.gather(*(self._scrape(g) for g in gates))
         in_flight = await self.publisher.in_flight(gates)
-        pubs = [self._decide(g, s, in_flight.get(g.name), now) for g, s in zip(gates, signals, strict=True)]
+        pubs = [
+            self._decide(g, s, in_flight.get(g.name), now)
+            for g, s in zip(gates, signals, strict=True)
+        ]
         term = self.election.term
         if term is None or not term.valid():
             log.warning("poll: no longer leader; nothing published")
@@ -213,8 +216,9 @@ class Coordinator:
         accepted = await self.publisher.publish(term.epoch, ttl_ms, pubs)
         if not all(accepted):
             self.metrics.refused.inc()
-            log.error("targets refused for epoch %d: a newer leader exists; stepping down",
-                      term.epoch)
+            log.error(
+                "targets refused for epoch %d: a newer leader exists; stepping down", term.epoch
+            )
             self.election.term = None
             self.metrics.leader.set(0)
         self.metrics.poll_seconds.observe(time.perf_counter() - t0)

@@ -98,8 +98,9 @@ class Election:
             self.term = None
             return False
         if not owned:
-            log.warning("leadership lost (epoch %d): another coordinator owns the lease",
-                        self.term.epoch)
+            log.warning(
+                "leadership lost (epoch %d): another coordinator owns the lease", self.term.epoch
+            )
             self.term = None
             return False
         self.term = Leadership(self.term.epoch, self._valid_from(sent))

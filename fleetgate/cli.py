@@ -184,8 +184,10 @@ async def _inspect(args: argparse.Namespace) -> int:
         print(msgspec.json.encode(snap).decode())
         return EXIT_OK
     print(f"gate {args.gate}: limit {snap.limit} (floor {snap.floor}, ceiling {snap.ceiling})")
-    print(f"  in-flight {snap.holders}, queued {snap.queued}/{snap.max_queued}, "
-          f"live pods {snap.live_pods}")
+    print(
+        f"  in-flight {snap.holders}, queued {snap.queued}/{snap.max_queued}, "
+        f"live pods {snap.live_pods}"
+    )
     print(f"  cfg    {snap.cfg}")
     print(f"  target {snap.target or '-'}")
     print(f"  stats  {snap.stats}")

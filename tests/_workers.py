@@ -7,8 +7,9 @@ import os
 import time
 
 import redis
-from fleetgate.client import Fleet
 from prometheus_client import CollectorRegistry
+
+from fleetgate.client import Fleet
 
 
 def hammer(url: str, prefix: str, gate: str, tasks: int, hold_s: float, probe: str) -> int:

@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
-from fleetgate.client import ConfigError, DeadlineExceeded, Fleet, Overloaded, SyncFleet
 from prometheus_client import CollectorRegistry
+
+from fleetgate.client import ConfigError, DeadlineExceeded, Fleet, Overloaded, SyncFleet
 
 from .conftest import RedisUnderTest
 

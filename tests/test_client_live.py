@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
-from fleetgate.client import Fleet
 from prometheus_client import CollectorRegistry
 
+from fleetgate.client import Fleet
 from fleetgate.scripts import GateScripts
 
 from .conftest import RedisUnderTest

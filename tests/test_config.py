@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fleetgate.coordinator
 import pytest
+
+import fleetgate.coordinator
 from fleetgate.coordinator.config import (
     DEFAULT_CEILING,
     Config,
@@ -14,7 +15,6 @@ from fleetgate.coordinator.config import (
     load_config,
 )
 from fleetgate.coordinator.controller import ControllerParams
-
 from fleetgate.errors import ConfigError
 
 EXAMPLE = Path(fleetgate.coordinator.__file__).with_name("example.toml")

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fleetgate.coordinator.controller import (
     ControllerParams,
     ControllerState,
@@ -18,9 +21,6 @@ from fleetgate.coordinator.controller import (
     step,
 )
 from fleetgate.coordinator.signals import Signals
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from fleetgate.errors import ConfigError
 
 P = ControllerParams(floor=4, ceiling=512, poll_interval=12.0)

@@ -99,20 +99,14 @@ async def test_targets_rise_fall_and_decay_to_floor(
 
             workers = [asyncio.create_task(worker()) for _ in range(40)]
             async with running(cfg) as coord:
-                await eventually(
-                    lambda: async_redis.exists(keys.target), 5, "a published target"
-                )
-                await eventually(
-                    lambda: _gt(limit_of(async_redis, keys), 30), 10, "ramp above 30"
-                )
+                await eventually(lambda: async_redis.exists(keys.target), 5, "a published target")
+                await eventually(lambda: _gt(limit_of(async_redis, keys), 30), 10, "ramp above 30")
                 epoch = int(await async_redis.hget(keys.target, "epoch") or 0)
                 assert epoch >= 1
                 assert coord.election.is_leader
                 # The engine saturates: capacity-waiting > 0 while running 12.
                 values.running, values.waiting_capacity = 12, 5
-                await eventually(
-                    lambda: _le(limit_of(async_redis, keys), 16), 5, "back-off"
-                )
+                await eventually(lambda: _le(limit_of(async_redis, keys), 16), 5, "back-off")
                 assert await limit_of(async_redis, keys) >= 4  # never below the floor
                 util = await async_redis.hgetall(keys.util)
                 assert util["saturated"] == "1" and util["metrics_ok"] == "1"
@@ -132,7 +126,9 @@ async def test_targets_rise_fall_and_decay_to_floor(
     assert leader is None  # resigned at once on shutdown
 
 
-async def test_garbage_metrics_hold_then_floor(rut: RedisUnderTest, async_redis: aredis.Redis) -> None:
+async def test_garbage_metrics_hold_then_floor(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
     keys = GateKeys.of(rut.prefix, "llm")
     values = StubValues()
     with serve_in_thread(metrics_stub(values)) as served:

@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
-from fleetgate.client import Fleet, RedisUnavailable
 from prometheus_client import CollectorRegistry
 
+from fleetgate.client import Fleet, RedisUnavailable
 from fleetgate.redisproc import RedisProcess
 
 

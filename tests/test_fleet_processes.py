@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from fleetgate.client import Fleet
 from prometheus_client import CollectorRegistry
 
+from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
 
 from . import _workers

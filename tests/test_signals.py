@@ -11,6 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from fleetgate.coordinator.signals import (
     ADAPTERS,
     VLLM,
@@ -23,9 +26,6 @@ from fleetgate.coordinator.signals import (
     scrape,
     validate_metrics_url,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from fleetgate.errors import ConfigError
 
 # A vLLM (V1, 2026) exposition: process metrics first, two models, two engines each, the

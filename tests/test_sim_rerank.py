@@ -67,8 +67,11 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, Metric]:
 
 
 def outcome(families: dict[str, Metric], name: str) -> float:
-    return sum(s.value for s in families["nim_rerank_requests"].samples
-               if s.name == "nim_rerank_requests_total" and s.labels["outcome"] == name)
+    return sum(
+        s.value
+        for s in families["nim_rerank_requests"].samples
+        if s.name == "nim_rerank_requests_total" and s.labels["outcome"] == name
+    )
 
 
 async def test_rankings_sorted_and_indices_a_permutation(serve: Any) -> None:
@@ -107,8 +110,9 @@ async def test_over_max_batch_size_is_400(serve: Any) -> None:
 async def test_full_queue_answers_503_at_once(serve: Any) -> None:
     srv = serve(concurrency=1, queue_size=1, base_ms=300, per_passage_ms=0)
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
-        held = [asyncio.create_task(client.post("/v1/ranking", json=ranking_body(2)))
-                for _ in range(2)]
+        held = [
+            asyncio.create_task(client.post("/v1/ranking", json=ranking_body(2))) for _ in range(2)
+        ]
         await wait_stats(client, running=1, waiting=1)
         fam = await scrape(client)
         assert fam["nim_rerank_requests_running"].samples[0].value == 1
@@ -121,11 +125,11 @@ async def test_full_queue_answers_503_at_once(serve: Any) -> None:
 
 
 async def test_request_timeout_answers_504(serve: Any) -> None:
-    srv = serve(concurrency=1, queue_size=10, request_timeout_ms=250, base_ms=150,
-                per_passage_ms=0)
+    srv = serve(concurrency=1, queue_size=10, request_timeout_ms=250, base_ms=150, per_passage_ms=0)
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
         responses = await asyncio.gather(
-            *(client.post("/v1/ranking", json=ranking_body(1)) for _ in range(3)))
+            *(client.post("/v1/ranking", json=ranking_body(1)) for _ in range(3))
+        )
         codes = sorted(r.status_code for r in responses)
         assert codes == [200, 504, 504]
         late = next(r for r in responses if r.status_code == 504)
@@ -138,11 +142,13 @@ async def test_request_timeout_answers_504(serve: Any) -> None:
 
 async def test_ungated_burst_times_out_gated_burst_succeeds(serve: Any) -> None:
     """The seed's failure: a burst past the queue's drain time fails; gating it fixes that."""
-    srv = serve(concurrency=4, queue_size=1000, request_timeout_ms=450, base_ms=80,
-                per_passage_ms=2)  # 100 ms per 10-passage call, 4 at once
+    srv = serve(
+        concurrency=4, queue_size=1000, request_timeout_ms=450, base_ms=80, per_passage_ms=2
+    )  # 100 ms per 10-passage call, 4 at once
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
         ungated = await asyncio.gather(
-            *(client.post("/v1/ranking", json=ranking_body(10)) for _ in range(40)))
+            *(client.post("/v1/ranking", json=ranking_body(10)) for _ in range(40))
+        )
         codes = [r.status_code for r in ungated]
         assert 503 not in codes
         assert 8 <= codes.count(200) <= 20 and codes.count(504) >= 20
@@ -159,8 +165,9 @@ async def test_ungated_burst_times_out_gated_burst_succeeds(serve: Any) -> None:
 async def test_admin_capacity_and_peaks(serve: Any) -> None:
     srv = serve(concurrency=1, queue_size=10, base_ms=300, per_passage_ms=0)
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
-        calls = [asyncio.create_task(client.post("/v1/ranking", json=ranking_body(1)))
-                 for _ in range(3)]
+        calls = [
+            asyncio.create_task(client.post("/v1/ranking", json=ranking_body(1))) for _ in range(3)
+        ]
         await wait_stats(client, running=1, waiting=2)
         grown = (await client.post("/admin/capacity", json={"capacity": 3})).json()
         assert (grown["running"], grown["waiting"], grown["peak_in_flight"]) == (3, 0, 3)
@@ -185,21 +192,55 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--port", "--model", "--max-batch-size", "--concurrency", "--queue-size",
-                "--request-timeout-ms", "--base-ms", "--per-passage-ms"):
+    for opt in (
+        "--port",
+        "--model",
+        "--max-batch-size",
+        "--concurrency",
+        "--queue-size",
+        "--request-timeout-ms",
+        "--base-ms",
+        "--per-passage-ms",
+    ):
         assert opt in out
 
 
 def test_cli_options_map_onto_the_config() -> None:
     ns = build_parser().parse_args(
-        ["--model", "m", "--max-batch-size", "64", "--concurrency", "2", "--queue-size", "5",
-         "--request-timeout-ms", "900", "--base-ms", "3", "--per-passage-ms", "0.25"])
+        [
+            "--model",
+            "m",
+            "--max-batch-size",
+            "64",
+            "--concurrency",
+            "2",
+            "--queue-size",
+            "5",
+            "--request-timeout-ms",
+            "900",
+            "--base-ms",
+            "3",
+            "--per-passage-ms",
+            "0.25",
+        ]
+    )
     assert config_from_args(ns) == RerankSimConfig(
-        model="m", max_batch_size=64, concurrency=2, queue_size=5, request_timeout_ms=900,
-        base_ms=3, per_passage_ms=0.25)
+        model="m",
+        max_batch_size=64,
+        concurrency=2,
+        queue_size=5,
+        request_timeout_ms=900,
+        base_ms=3,
+        per_passage_ms=0.25,
+    )
 
 
 def test_python_dash_m_help() -> None:
-    done = subprocess.run([sys.executable, "-m", "fleetgate.sim.rerank", "--help"],
-                          capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetgate.sim.rerank", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 0 and "--queue-size" in done.stdout

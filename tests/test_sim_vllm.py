@@ -48,12 +48,16 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, Metric]:
     return {f.name: f for f in text_string_to_metric_families(resp.text)}
 
 
-def total(families: dict[str, Metric], family: str, sample: str | None = None,
-          **labels: str) -> float:
+def total(
+    families: dict[str, Metric], family: str, sample: str | None = None, **labels: str
+) -> float:
     """Sum the samples of ``family`` (named ``sample``, default the family) matching labels."""
     name = sample or family
-    return sum(s.value for s in families[family].samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for s in families[family].samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
@@ -86,8 +90,9 @@ async def wait_stats(client: httpx.AsyncClient, **want: int) -> dict[str, Any]:
 async def test_capacity_enforced_and_excess_waits_by_reason_capacity(serve: Serve) -> None:
     srv = serve(capacity=4, engines=2, service_ms=300)
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
-        burst = [asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
-                 for _ in range(12)]
+        burst = [
+            asyncio.create_task(client.post("/v1/chat/completions", json=CHAT)) for _ in range(12)
+        ]
         await wait_stats(client, in_flight=12)
         fam = await scrape(client)
         assert total(fam, "vllm:num_requests_running") == 4
@@ -96,8 +101,7 @@ async def test_capacity_enforced_and_excess_waits_by_reason_capacity(serve: Serv
         assert total(fam, "vllm:num_requests_waiting_by_reason", reason="deferred") == 0
         # deterministic split over engines "0" and "1"
         assert total(fam, "vllm:num_requests_running", engine="0") == 2
-        assert total(fam, "vllm:num_requests_waiting_by_reason", engine="1",
-                     reason="capacity") == 4
+        assert total(fam, "vllm:num_requests_waiting_by_reason", engine="1", reason="capacity") == 4
         assert [s.value for s in fam["vllm:kv_cache_usage_perc"].samples] == [1.0, 1.0]
         responses = await asyncio.gather(*burst)
         assert [r.status_code for r in responses] == [200] * 12
@@ -105,13 +109,19 @@ async def test_capacity_enforced_and_excess_waits_by_reason_capacity(serve: Serv
         assert done["peak_running"] == 4 and done["peak_in_flight"] == 12
         assert (done["served"], done["running"], done["waiting"]) == (12, 0, 0)
         fam = await scrape(client)
-        assert total(fam, "vllm:request_success", "vllm:request_success_total",
-                     finished_reason="stop") == 12
-        assert total(fam, "vllm:e2e_request_latency_seconds",
-                     "vllm:e2e_request_latency_seconds_count") == 12
+        assert (
+            total(fam, "vllm:request_success", "vllm:request_success_total", finished_reason="stop")
+            == 12
+        )
+        assert (
+            total(fam, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")
+            == 12
+        )
         # 8 of the 12 waited at least one service time
-        assert total(fam, "vllm:request_queue_time_seconds",
-                     "vllm:request_queue_time_seconds_sum") >= 8 * 0.25
+        assert (
+            total(fam, "vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_sum")
+            >= 8 * 0.25
+        )
         assert total(fam, "vllm:num_requests_waiting") == 0
         assert total(fam, "vllm:kv_cache_usage_perc") == 0
 
@@ -123,16 +133,18 @@ async def test_metrics_exposition_matches_vllm(serve: Serve) -> None:
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         text = (await client.get("/metrics")).text
         fam = await scrape(client)
-    for name, kind in [("vllm:num_requests_running", "gauge"),
-                       ("vllm:num_requests_waiting", "gauge"),
-                       ("vllm:num_requests_waiting_by_reason", "gauge"),
-                       ("vllm:kv_cache_usage_perc", "gauge"),
-                       ("vllm:num_preemptions_total", "counter"),
-                       ("vllm:prompt_tokens_total", "counter"),
-                       ("vllm:generation_tokens_total", "counter"),
-                       ("vllm:request_success_total", "counter"),
-                       ("vllm:e2e_request_latency_seconds", "histogram"),
-                       ("vllm:request_queue_time_seconds", "histogram")]:
+    for name, kind in [
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:num_requests_waiting", "gauge"),
+        ("vllm:num_requests_waiting_by_reason", "gauge"),
+        ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:num_preemptions_total", "counter"),
+        ("vllm:prompt_tokens_total", "counter"),
+        ("vllm:generation_tokens_total", "counter"),
+        ("vllm:request_success_total", "counter"),
+        ("vllm:e2e_request_latency_seconds", "histogram"),
+        ("vllm:request_queue_time_seconds", "histogram"),
+    ]:
         assert f"# HELP {name} " in text
         assert f"# TYPE {name} {kind}\n" in text
     assert "vllm:gpu_cache_usage_perc" not in text
@@ -141,8 +153,10 @@ async def test_metrics_exposition_matches_vllm(serve: Serve) -> None:
         assert {s.labels["model_name"] for s in fam[family].samples} == {"org/m-1"}
     assert total(fam, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == 5  # 18 chars / 4
     assert total(fam, "vllm:generation_tokens", "vllm:generation_tokens_total") == 5
-    assert total(fam, "vllm:request_success", "vllm:request_success_total",
-                 finished_reason="length") == 1
+    assert (
+        total(fam, "vllm:request_success", "vllm:request_success_total", finished_reason="length")
+        == 1
+    )
     assert fam["vllm:request_success_created"].type == "gauge"  # prometheus_client's _created
     assert "vllm:e2e_request_latency_seconds_bucket{" in text and 'le="7680.0"' in text
 
@@ -162,8 +176,10 @@ async def test_legacy_metrics_have_no_by_reason_and_gpu_cache_usage(serve: Serve
 async def test_capacity_change_at_run_time(serve: Serve) -> None:
     srv = serve(capacity=1, service_ms=400)
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
-        burst = [asyncio.create_task(client.post("/v1/embeddings", json={"input": "x"}))
-                 for _ in range(4)]
+        burst = [
+            asyncio.create_task(client.post("/v1/embeddings", json={"input": "x"}))
+            for _ in range(4)
+        ]
         await wait_stats(client, running=1, waiting=3)
         grown = (await client.post("/admin/capacity", json={"capacity": 4})).json()
         assert (grown["capacity"], grown["running"], grown["waiting"]) == (4, 4, 0)
@@ -181,8 +197,9 @@ async def test_capacity_change_at_run_time(serve: Serve) -> None:
 async def test_max_waiting_answers_503(serve: Serve) -> None:
     srv = serve(capacity=1, max_waiting=2, service_ms=300)
     async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
-        first = [asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
-                 for _ in range(3)]
+        first = [
+            asyncio.create_task(client.post("/v1/chat/completions", json=CHAT)) for _ in range(3)
+        ]
         await wait_stats(client, running=1, waiting=2)
         over = await client.post("/v1/chat/completions", json=CHAT)
         assert over.status_code == 503
@@ -199,8 +216,12 @@ async def test_client_disconnect_aborts_the_request(serve: Serve) -> None:
         after = await wait_stats(client, running=0, aborted=1)
         assert after["served"] == 0
         fam = await scrape(client)
-        assert total(fam, "vllm:request_success", "vllm:request_success_total",
-                     finished_reason="abort") == 1
+        assert (
+            total(
+                fam, "vllm:request_success", "vllm:request_success_total", finished_reason="abort"
+            )
+            == 1
+        )
 
 
 async def test_openai_shapes_and_errors(serve: Serve) -> None:
@@ -210,8 +231,9 @@ async def test_openai_shapes_and_errors(serve: Serve) -> None:
         assert chat["object"] == "chat.completion" and chat["model"] == "sim-model"
         assert chat["choices"][0]["message"]["role"] == "assistant"
         assert chat["usage"]["total_tokens"] == chat["usage"]["prompt_tokens"] + 16
-        comp = (await client.post("/v1/completions",
-                                  json={"prompt": ["a", "b"], "max_tokens": 3})).json()
+        comp = (
+            await client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3})
+        ).json()
         assert comp["object"] == "text_completion" and len(comp["choices"]) == 2
         assert comp["choices"][1]["finish_reason"] == "length"
         emb = (await client.post("/v1/embeddings", json={"input": ["a", "b", "c"]})).json()
@@ -277,24 +299,69 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--port", "--host", "--model", "--capacity", "--engines", "--service-ms",
-                "--service-dist", "--occupancy-slowdown", "--max-waiting", "--legacy-metrics",
-                "--seed"):
+    for opt in (
+        "--port",
+        "--host",
+        "--model",
+        "--capacity",
+        "--engines",
+        "--service-ms",
+        "--service-dist",
+        "--occupancy-slowdown",
+        "--max-waiting",
+        "--legacy-metrics",
+        "--seed",
+    ):
         assert opt in out
 
 
 def test_cli_options_map_onto_the_config() -> None:
     ns = build_parser().parse_args(
-        ["--port", "9", "--model", "m", "--max-num-seqs", "3", "--engines", "2",
-         "--service-ms", "7.5", "--service-dist", "exp", "--occupancy-slowdown", "0.5",
-         "--max-waiting", "4", "--legacy-metrics", "--seed", "1", "--embedding-dim", "4"])
+        [
+            "--port",
+            "9",
+            "--model",
+            "m",
+            "--max-num-seqs",
+            "3",
+            "--engines",
+            "2",
+            "--service-ms",
+            "7.5",
+            "--service-dist",
+            "exp",
+            "--occupancy-slowdown",
+            "0.5",
+            "--max-waiting",
+            "4",
+            "--legacy-metrics",
+            "--seed",
+            "1",
+            "--embedding-dim",
+            "4",
+        ]
+    )
     assert config_from_args(ns) == VllmSimConfig(
-        model="m", capacity=3, engines=2, service_ms=7.5, service_dist="exp",
-        occupancy_slowdown=0.5, max_waiting=4, legacy_metrics=True, seed=1, embedding_dim=4)
+        model="m",
+        capacity=3,
+        engines=2,
+        service_ms=7.5,
+        service_dist="exp",
+        occupancy_slowdown=0.5,
+        max_waiting=4,
+        legacy_metrics=True,
+        seed=1,
+        embedding_dim=4,
+    )
     assert ns.port == 9 and ns.host == "127.0.0.1"
 
 
 def test_python_dash_m_help() -> None:
-    done = subprocess.run([sys.executable, "-m", "fleetgate.sim.vllm", "--help"],
-                          capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetgate.sim.vllm", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 0 and "--capacity" in done.stdout

@@ -337,8 +337,14 @@ def run_server(app: Starlette, host: str, port: int, log_level: str = "info") ->
     """Serve ``app`` in the foreground until SIGINT/SIGTERM (uvicorn handles the signals)."""
     uvicorn.Server(
         uvicorn.Config(
-            app, host=host, port=port, log_level=log_level, lifespan="off", ws="none",
-            access_log=log_level == "debug", timeout_graceful_shutdown=5,
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="off",
+            ws="none",
+            access_log=log_level == "debug",
+            timeout_graceful_shutdown=5,
         )
     ).run()
 

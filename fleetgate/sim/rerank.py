@@ -100,24 +100,42 @@ class _RerankMetrics:
     def __init__(self, model: str) -> None:
         reg = self.registry = CollectorRegistry()
         self.model = model
-        self.running = Gauge("nim_rerank_requests_running", "Ranking calls being served now.",
-                             ["model"], registry=reg)
-        self.waiting = Gauge("nim_rerank_requests_waiting",
-                             "Ranking calls waiting in the server's queue.", ["model"],
-                             registry=reg)
+        self.running = Gauge(
+            "nim_rerank_requests_running",
+            "Ranking calls being served now.",
+            ["model"],
+            registry=reg,
+        )
+        self.waiting = Gauge(
+            "nim_rerank_requests_waiting",
+            "Ranking calls waiting in the server's queue.",
+            ["model"],
+            registry=reg,
+        )
         self.requests = Counter(
             "nim_rerank_requests",
             "Ranking calls by outcome: ok=200, bad_request=400/404, rejected=503 (queue full), "
             "timeout=504 (server-side request timeout), aborted=client went away.",
-            ["model", "outcome"], registry=reg)
-        self.passages = Counter("nim_rerank_passages", "Passages ranked in successful calls.",
-                                ["model"], registry=reg)
-        self.latency = Histogram("nim_rerank_request_latency_seconds",
-                                 "Queue plus service time of successful calls.", ["model"],
-                                 buckets=_LATENCY_BUCKETS, registry=reg)
-        self.queue = Histogram("nim_rerank_queue_time_seconds",
-                               "Time admitted calls waited in the queue.", ["model"],
-                               buckets=_LATENCY_BUCKETS, registry=reg)
+            ["model", "outcome"],
+            registry=reg,
+        )
+        self.passages = Counter(
+            "nim_rerank_passages", "Passages ranked in successful calls.", ["model"], registry=reg
+        )
+        self.latency = Histogram(
+            "nim_rerank_request_latency_seconds",
+            "Queue plus service time of successful calls.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.queue = Histogram(
+            "nim_rerank_queue_time_seconds",
+            "Time admitted calls waited in the queue.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
         for outcome in _OUTCOMES:
             self.requests.labels(model, outcome)
         for metric in (self.running, self.waiting, self.passages, self.latency, self.queue):
@@ -185,11 +203,18 @@ class RerankSim:
         """The ``/admin/stats`` body (``capacity`` is the current concurrency)."""
         lim = self.limiter
         return {
-            "model": self.config.model, "capacity": lim.capacity, "queue_size": lim.max_waiting,
-            "running": lim.running, "waiting": lim.waiting, "in_flight": lim.in_flight,
-            "peak_running": lim.peak_running, "peak_in_flight": lim.peak_in_flight,
-            "served": self.counts["ok"], "rejected": self.counts["rejected"],
-            "timed_out": self.counts["timeout"], "bad_request": self.counts["bad_request"],
+            "model": self.config.model,
+            "capacity": lim.capacity,
+            "queue_size": lim.max_waiting,
+            "running": lim.running,
+            "waiting": lim.waiting,
+            "in_flight": lim.in_flight,
+            "peak_running": lim.peak_running,
+            "peak_in_flight": lim.peak_in_flight,
+            "served": self.counts["ok"],
+            "rejected": self.counts["rejected"],
+            "timed_out": self.counts["timeout"],
+            "bad_request": self.counts["bad_request"],
             "aborted": self.counts["aborted"],
         }
 
@@ -207,37 +232,49 @@ def build_app(config: RerankSimConfig | None = None) -> Starlette:
             return error_response(400, f"invalid ranking request: {exc}", "BadRequestError")
         if body.model is not None and body.model != cfg.model:
             sim.count("bad_request")
-            return error_response(404, f"model {body.model!r} is not served here "
-                                  f"(this server serves {cfg.model!r})", "NotFoundError")
+            return error_response(
+                404,
+                f"model {body.model!r} is not served here (this server serves {cfg.model!r})",
+                "NotFoundError",
+            )
         if not body.passages:
             sim.count("bad_request")
-            return error_response(400, "passages must hold at least one passage",
-                                  "BadRequestError")
+            return error_response(400, "passages must hold at least one passage", "BadRequestError")
         if len(body.passages) > cfg.max_batch_size:
             sim.count("bad_request")
             return error_response(
-                400, f"{len(body.passages)} passages exceed max_batch_size "
+                400,
+                f"{len(body.passages)} passages exceed max_batch_size "
                 f"{cfg.max_batch_size}; split the call into batches of at most "
-                f"{cfg.max_batch_size}", "BadRequestError")
+                f"{cfg.max_batch_size}",
+                "BadRequestError",
+            )
         texts = [p.text for p in body.passages]
         try:
             finished, rankings = await run_unless_disconnected(
-                request, sim.rank(body.query.text, texts))
+                request, sim.rank(body.query.text, texts)
+            )
         except QueueFull as exc:
-            return error_response(503, f"server busy, request queue full: {exc}",
-                                  "ServiceUnavailableError")
+            return error_response(
+                503, f"server busy, request queue full: {exc}", "ServiceUnavailableError"
+            )
         except asyncio.TimeoutError:
             return error_response(
-                504, f"request timed out after {cfg.request_timeout_ms:g} ms in the server "
-                "(queue wait plus inference)", "GatewayTimeoutError")
+                504,
+                f"request timed out after {cfg.request_timeout_ms:g} ms in the server "
+                "(queue wait plus inference)",
+                "GatewayTimeoutError",
+            )
         if not finished:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return json_response({"rankings": rankings})
 
-    app = Starlette(routes=[
-        Route("/v1/ranking", ranking, methods=["POST"]),
-        *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
-    ])
+    app = Starlette(
+        routes=[
+            Route("/v1/ranking", ranking, methods=["POST"]),
+            *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
+        ]
+    )
     app.state.sim = sim
     app.state.config = cfg
     return app
@@ -249,26 +286,57 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleetgate sim rerank",
         description="Simulated NIM reranker: POST /v1/ranking with a service time that grows "
         "with the passages, at most --concurrency calls at once, a bounded FIFO queue (503 when "
-        "full) and a server-side request timeout (504), plus /metrics and /admin endpoints.")
+        "full) and a server-side request timeout (504), plus /metrics and /admin endpoints.",
+    )
     add_server_args(p, default_port=8001)
-    p.add_argument("--model", default=RerankSimConfig.model,
-                   help="served model name; a request naming another model gets 404 "
-                   "(default: %(default)s)")
-    p.add_argument("--max-batch-size", type=int, default=512,
-                   help="most passages one call may carry; more gets 400 (default: %(default)s)")
-    p.add_argument("--concurrency", type=int, default=4, metavar="C",
-                   help="calls served at once; changeable at run time with POST /admin/capacity "
-                   "(default: %(default)s)")
-    p.add_argument("--queue-size", type=int, default=256, metavar="Q",
-                   help="calls that may wait for a free slot; when full, 503 at once "
-                   "(default: %(default)s)")
-    p.add_argument("--request-timeout-ms", type=float, default=10_000.0, metavar="T",
-                   help="a call that waits plus runs longer than T ms gets 504; 0 disables "
-                   "(default: %(default)s)")
-    p.add_argument("--base-ms", type=float, default=20.0, metavar="B",
-                   help="fixed service time per call in ms (default: %(default)s)")
-    p.add_argument("--per-passage-ms", type=float, default=0.5, metavar="P",
-                   help="extra service time per passage in ms (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default=RerankSimConfig.model,
+        help="served model name; a request naming another model gets 404 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=512,
+        help="most passages one call may carry; more gets 400 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        metavar="C",
+        help="calls served at once; changeable at run time with POST /admin/capacity "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=256,
+        metavar="Q",
+        help="calls that may wait for a free slot; when full, 503 at once (default: %(default)s)",
+    )
+    p.add_argument(
+        "--request-timeout-ms",
+        type=float,
+        default=10_000.0,
+        metavar="T",
+        help="a call that waits plus runs longer than T ms gets 504; 0 disables "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--base-ms",
+        type=float,
+        default=20.0,
+        metavar="B",
+        help="fixed service time per call in ms (default: %(default)s)",
+    )
+    p.add_argument(
+        "--per-passage-ms",
+        type=float,
+        default=0.5,
+        metavar="P",
+        help="extra service time per passage in ms (default: %(default)s)",
+    )
     return p
 
 

@@ -41,19 +41,63 @@ from fleetgate.sim._server import (
     run_unless_disconnected,
 )
 
-__all__ = ["ServiceDist", "VllmSim", "VllmSimConfig", "build_app", "build_parser",
-           "config_from_args", "main"]
+__all__ = [
+    "ServiceDist",
+    "VllmSim",
+    "VllmSimConfig",
+    "build_app",
+    "build_parser",
+    "config_from_args",
+    "main",
+]
 
 ServiceDist = Literal["fixed", "exp", "lognormal"]
 _LOGNORMAL_SIGMA = 0.5
 _DEFAULT_GEN_TOKENS = 16
 # vLLM's request_latency_buckets (v1/metrics/loggers.py), used for e2e and queue time.
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 _LEGACY_FINISH_REASONS = ("stop", "length", "abort")
-_VOCAB = ("the", "model", "server", "token", "batch", "queue", "fleet", "gate", "simulated",
-          "reply", "of", "and", "a", "to", "in", "is")
+_VOCAB = (
+    "the",
+    "model",
+    "server",
+    "token",
+    "batch",
+    "queue",
+    "fleet",
+    "gate",
+    "simulated",
+    "reply",
+    "of",
+    "and",
+    "a",
+    "to",
+    "in",
+    "is",
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +136,8 @@ def _split(total: int, parts: int) -> list[int]:
 _HELP_BY_REASON = (
     "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
     "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
-    "status). Sum of all reasons equals vllm:num_requests_waiting.")
+    "status). Sum of all reasons equals vllm:num_requests_waiting."
+)
 
 
 class _VllmMetrics:
@@ -107,33 +152,66 @@ class _VllmMetrics:
         kw: dict[str, Any] = {"labelnames": lbl, "registry": reg}
         hist: dict[str, Any] = {**kw, "buckets": _LATENCY_BUCKETS}
         # Registration order is exposition order; names and HELP strings are vLLM's own.
-        self.running = Gauge("vllm:num_requests_running",
-                             "Number of requests in model execution batches.", **kw)
-        self.waiting = Gauge("vllm:num_requests_waiting",
-                             "Number of requests waiting to be processed.", **kw)
-        self.by_reason = None if legacy else Gauge("vllm:num_requests_waiting_by_reason",
-                                                   _HELP_BY_REASON, [*lbl, "reason"], registry=reg)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", **kw
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", **kw
+        )
+        self.by_reason = (
+            None
+            if legacy
+            else Gauge(
+                "vllm:num_requests_waiting_by_reason",
+                _HELP_BY_REASON,
+                [*lbl, "reason"],
+                registry=reg,
+            )
+        )
         if legacy:
-            self.kv = Gauge("vllm:gpu_cache_usage_perc",
-                            "GPU KV-cache usage. 1 means 100 percent usage.", **kw)
+            self.kv = Gauge(
+                "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", **kw
+            )
         else:
-            self.kv = Gauge("vllm:kv_cache_usage_perc",
-                            "KV-cache usage. 1 means 100 percent usage.", **kw)
-        self.preemptions = Counter("vllm:num_preemptions",
-                                   "Cumulative number of preemption from the engine.", **kw)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                                     **kw)
-        self.gen_tokens = Counter("vllm:generation_tokens",
-                                  "Number of generation tokens processed.", **kw)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               [*lbl, "finished_reason"], registry=reg)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", **hist)
-        self.queue = Histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", **hist)
+            self.kv = Gauge(
+                "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", **kw
+            )
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", **kw
+        )
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", **kw
+        )
+        self.gen_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", **kw
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*lbl, "finished_reason"],
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            **hist,
+        )
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            **hist,
+        )
         for eng in self.engines:  # every series exists from the start, as in vLLM
-            for metric in (self.running, self.waiting, self.kv, self.preemptions,
-                           self.prompt_tokens, self.gen_tokens, self.e2e, self.queue):
+            for metric in (
+                self.running,
+                self.waiting,
+                self.kv,
+                self.preemptions,
+                self.prompt_tokens,
+                self.gen_tokens,
+                self.e2e,
+                self.queue,
+            ):
                 metric.labels(self.model, eng)
             for reason in _LEGACY_FINISH_REASONS if legacy else _FINISH_REASONS:
                 self.success.labels(self.model, eng, reason)
@@ -141,8 +219,9 @@ class _VllmMetrics:
                 self.by_reason.labels(self.model, eng, "capacity")
                 self.by_reason.labels(self.model, eng, "deferred")
 
-    def finished(self, engine: int, prompt: int, generated: int, reason: str,
-                 e2e_s: float, queue_s: float) -> None:
+    def finished(
+        self, engine: int, prompt: int, generated: int, reason: str, e2e_s: float, queue_s: float
+    ) -> None:
         """Record one finished request on ``engine``."""
         eng = self.engines[engine]
         self.prompt_tokens.labels(self.model, eng).inc(prompt)
@@ -223,17 +302,25 @@ class VllmSim:
                 self.limiter.release()
         self.served += 1
         assert admitted is not None
-        self.metrics.finished(engine, prompt_tokens, gen_tokens, reason,
-                              loop.time() - arrived, admitted - arrived)
+        self.metrics.finished(
+            engine, prompt_tokens, gen_tokens, reason, loop.time() - arrived, admitted - arrived
+        )
 
     def stats(self) -> dict[str, Any]:
         """The ``/admin/stats`` body."""
         lim = self.limiter
         return {
-            "model": self.config.model, "capacity": lim.capacity, "engines": self.config.engines,
-            "running": lim.running, "waiting": lim.waiting, "in_flight": lim.in_flight,
-            "peak_running": lim.peak_running, "peak_in_flight": lim.peak_in_flight,
-            "served": self.served, "rejected": self.rejected, "aborted": self.aborted,
+            "model": self.config.model,
+            "capacity": lim.capacity,
+            "engines": self.config.engines,
+            "running": lim.running,
+            "waiting": lim.waiting,
+            "in_flight": lim.in_flight,
+            "peak_running": lim.peak_running,
+            "peak_in_flight": lim.peak_in_flight,
+            "served": self.served,
+            "rejected": self.rejected,
+            "aborted": self.aborted,
             "max_waiting": lim.max_waiting,
         }
 
@@ -290,8 +377,11 @@ def _parse(kind: str, body: dict[str, Any], cfg: VllmSimConfig) -> tuple[int, in
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def build_app(config: VllmSimConfig | None = None) -> Starlette:
@@ -312,7 +402,8 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
                 return error_response(404, str(exc), "NotFoundError")
             try:
                 finished, _ = await run_unless_disconnected(
-                    request, sim.execute(prompt, gen, reason))
+                    request, sim.execute(prompt, gen, reason)
+                )
             except QueueFull as exc:
                 return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
             if not finished:
@@ -322,50 +413,89 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
         return handle
 
     async def models(request: Request) -> Response:
-        card = {"id": cfg.model, "object": "model", "created": sim.created, "owned_by": "vllm",
-                "root": cfg.model, "parent": None, "max_model_len": cfg.max_model_len,
-                "permission": []}
+        card = {
+            "id": cfg.model,
+            "object": "model",
+            "created": sim.created,
+            "owned_by": "vllm",
+            "root": cfg.model,
+            "parent": None,
+            "max_model_len": cfg.max_model_len,
+            "permission": [],
+        }
         return json_response({"object": "list", "data": [card]})
 
-    app = Starlette(routes=[
-        Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
-        Route("/v1/completions", endpoint("completion"), methods=["POST"]),
-        Route("/v1/embeddings", endpoint("embedding"), methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
-    ])
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
+            Route("/v1/completions", endpoint("completion"), methods=["POST"]),
+            Route("/v1/embeddings", endpoint("embedding"), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
+        ]
+    )
     app.state.sim = sim
     app.state.config = cfg
     return app
 
 
-def _openai_body(kind: str, cfg: VllmSimConfig, body: dict[str, Any], prompt: int, gen: int,
-                 reason: str) -> dict[str, Any]:
+def _openai_body(
+    kind: str, cfg: VllmSimConfig, body: dict[str, Any], prompt: int, gen: int, reason: str
+) -> dict[str, Any]:
     created, seed = int(time.time()), msgspec.json.encode(body).decode()
     if kind == "chat":
         message = {"role": "assistant", "content": _words(seed, gen)}
         choices: list[dict[str, Any]] = [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}]
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": created, "model": cfg.model, "choices": choices,
-                "usage": _usage(prompt, gen)}
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+        ]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": created,
+            "model": cfg.model,
+            "choices": choices,
+            "usage": _usage(prompt, gen),
+        }
     if kind == "completion":
         prompts = body["prompt"]
         many = isinstance(prompts, list) and not all(isinstance(p, int) for p in prompts)
         n = len(prompts) if many else 1
-        choices = [{"index": i, "text": _words(f"{seed}:{i}", gen), "logprobs": None,
-                    "finish_reason": reason} for i in range(n)]
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": created, "model": cfg.model, "choices": choices,
-                "usage": _usage(prompt, gen * n)}
+        choices = [
+            {
+                "index": i,
+                "text": _words(f"{seed}:{i}", gen),
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            for i in range(n)
+        ]
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": created,
+            "model": cfg.model,
+            "choices": choices,
+            "usage": _usage(prompt, gen * n),
+        }
     inputs = body["input"]
     many = isinstance(inputs, list) and not all(isinstance(p, int) for p in inputs)
     items: list[Any] = inputs if many else [inputs]
-    data = [{"index": i, "object": "embedding",
-             "embedding": _embedding(f"{cfg.model}:{item}", cfg.embedding_dim)}
-            for i, item in enumerate(items)]
-    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": created,
-            "model": cfg.model, "data": data, "usage": _usage(prompt, 0)}
+    data = [
+        {
+            "index": i,
+            "object": "embedding",
+            "embedding": _embedding(f"{cfg.model}:{item}", cfg.embedding_dim),
+        }
+        for i, item in enumerate(items)
+    ]
+    return {
+        "id": f"embd-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": created,
+        "model": cfg.model,
+        "data": data,
+        "usage": _usage(prompt, 0),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -374,34 +504,72 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleetgate sim vllm",
         description="Simulated vLLM server: OpenAI-compatible endpoints that take time, a hard "
         "max_num_seqs capacity (excess requests wait in FIFO), vLLM's /metrics exposition and "
-        "/admin endpoints to change capacity at run time and read counters and peaks.")
+        "/admin endpoints to change capacity at run time and read counters and peaks.",
+    )
     add_server_args(p, default_port=8000)
-    p.add_argument("--model", default="sim-model",
-                   help="served model name: the model_name label and the accepted 'model' field "
-                   "(default: %(default)s)")
-    p.add_argument("--capacity", "--max-num-seqs", type=int, default=8,
-                   help="max_num_seqs: requests running at once; the rest wait in FIFO "
-                   "(default: %(default)s)")
-    p.add_argument("--engines", type=int, default=1,
-                   help="engines (data-parallel ranks) to spread running/waiting over in "
-                   "/metrics, engine label '0'..'K-1' (default: %(default)s)")
-    p.add_argument("--service-ms", type=float, default=50.0,
-                   help="mean service time of one request in ms (default: %(default)s)")
-    p.add_argument("--service-dist", choices=["fixed", "exp", "lognormal"], default="fixed",
-                   help="service time distribution around the mean; lognormal uses sigma "
-                   f"{_LOGNORMAL_SIGMA} (default: %(default)s)")
-    p.add_argument("--occupancy-slowdown", type=float, default=0.0, metavar="F",
-                   help="service time x (1 + F * running/capacity) at admission, as a fuller "
-                   "batch runs slower (default: %(default)s)")
-    p.add_argument("--max-waiting", type=int, default=None, metavar="W",
-                   help="answer 503 when W requests already wait (default: unbounded)")
-    p.add_argument("--legacy-metrics", action="store_true",
-                   help="emit the pre-2026 set: no vllm:num_requests_waiting_by_reason and "
-                   "vllm:gpu_cache_usage_perc instead of vllm:kv_cache_usage_perc")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the service time sampler (default: random)")
-    p.add_argument("--embedding-dim", type=int, default=16,
-                   help="length of the vectors /v1/embeddings returns (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default="sim-model",
+        help="served model name: the model_name label and the accepted 'model' field "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--capacity",
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        help="max_num_seqs: requests running at once; the rest wait in FIFO (default: %(default)s)",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="engines (data-parallel ranks) to spread running/waiting over in "
+        "/metrics, engine label '0'..'K-1' (default: %(default)s)",
+    )
+    p.add_argument(
+        "--service-ms",
+        type=float,
+        default=50.0,
+        help="mean service time of one request in ms (default: %(default)s)",
+    )
+    p.add_argument(
+        "--service-dist",
+        choices=["fixed", "exp", "lognormal"],
+        default="fixed",
+        help="service time distribution around the mean; lognormal uses sigma "
+        f"{_LOGNORMAL_SIGMA} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--occupancy-slowdown",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="service time x (1 + F * running/capacity) at admission, as a fuller "
+        "batch runs slower (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        metavar="W",
+        help="answer 503 when W requests already wait (default: unbounded)",
+    )
+    p.add_argument(
+        "--legacy-metrics",
+        action="store_true",
+        help="emit the pre-2026 set: no vllm:num_requests_waiting_by_reason and "
+        "vllm:gpu_cache_usage_perc instead of vllm:kv_cache_usage_perc",
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of the service time sampler (default: random)"
+    )
+    p.add_argument(
+        "--embedding-dim",
+        type=int,
+        default=16,
+        help="length of the vectors /v1/embeddings returns (default: %(default)s)",
+    )
     return p
 
 
