@@ -21,13 +21,23 @@ from fleetgate.errors import (
 
 from ._fleet import Fleet, GateUtilization
 from ._gate import Gate, Lease
+from ._map import DEFAULT_RETRY, FleetgateWarning, is_transient
 from ._sync import SyncFleet, SyncGate
+from .compat import (
+    get_utilization,
+    map_concurrent,
+    map_concurrent_sync,
+    reset_controllers,
+    resolve_capacity,
+)
 
 __all__ = [
+    "DEFAULT_RETRY",
     "ConfigError",
     "DeadlineExceeded",
     "Fleet",
     "FleetgateError",
+    "FleetgateWarning",
     "Gate",
     "GateUtilization",
     "Lease",
@@ -36,4 +46,10 @@ __all__ = [
     "RedisUnavailable",
     "SyncFleet",
     "SyncGate",
+    "get_utilization",
+    "is_transient",
+    "map_concurrent",
+    "map_concurrent_sync",
+    "reset_controllers",
+    "resolve_capacity",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -21,12 +22,20 @@ __all__ = ["Deadline"]
 class Deadline:
     """``async with Deadline(gate, seconds):`` — ``seconds=None`` means no deadline."""
 
-    def __init__(self, gate: str, seconds: float | None, *, where: str = "") -> None:
+    def __init__(
+        self,
+        gate: str,
+        seconds: float | None,
+        *,
+        where: str = "",
+        on_expire: Callable[[], None] | None = None,
+    ) -> None:
         if seconds is not None and seconds <= 0:
             raise ValueError(f"deadline must be > 0 seconds or None, got {seconds}")
         self.gate = gate
         self.seconds = seconds
         self.where = where
+        self.on_expire = on_expire
         self.when: float | None = None
         self._cm: Any = None  # asyncio.Timeout on 3.11+
         self._handle: asyncio.TimerHandle | None = None
@@ -43,6 +52,9 @@ class Deadline:
         return self.when - asyncio.get_running_loop().time()
 
     def expired(self) -> DeadlineExceeded:
+        """The error for this deadline (counted by ``on_expire``)."""
+        if self.on_expire is not None:
+            self.on_expire()
         return DeadlineExceeded(self.gate, self.ms, where=self.where)
 
     async def __aenter__(self) -> Deadline:

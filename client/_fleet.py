@@ -38,12 +38,15 @@ class GateUtilization(msgspec.Struct, kw_only=True):
 
     name: str
     limit: int
+    #: the limit the gate applies now (the seed's name for it): live target, else floor
+    current_target: int
+    #: the coordinator's published target while its lease is live, else None
+    target: int | None
     in_flight: int
     queued: int
     floor: int
     ceiling: int
     max_queued: int
-    current_target: int | None
     epoch: int | None
     live_pods: int
     running: float | None = None
@@ -196,17 +199,20 @@ class Fleet:
 
     async def utilization(self, name: str) -> GateUtilization:
         """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view."""
-        snap = await self.scripts.inspect(GateKeys.of(self.prefix, name))
+        gate = self._gates.get(name)
+        defaults = gate.defaults if gate is not None else None
+        snap = await self.scripts.inspect(GateKeys.of(self.prefix, name), defaults=defaults)
         util, target = snap.util, snap.target
         return GateUtilization(
             name=name,
             limit=snap.limit,
+            current_target=snap.limit,
+            target=_live_target(target, snap.now),
             in_flight=snap.holders,
             queued=snap.queued,
             floor=snap.floor,
             ceiling=snap.ceiling,
             max_queued=snap.max_queued,
-            current_target=_int(target.get("value")),
             epoch=_int(target.get("epoch")),
             live_pods=snap.live_pods,
             running=_float(util.get("running")),
@@ -370,6 +376,13 @@ def validate_gate_settings(name: str, values: dict[str, int]) -> dict[str, int]:
     if ceiling < floor:
         raise ConfigError(f"gate {name!r}: ceiling: expected >= floor ({floor}), got {ceiling}")
     return values
+
+
+def _live_target(target: dict[str, str], now_ms: int) -> int | None:
+    expires = _int(target.get("expires_at"))
+    if expires is None or expires <= now_ms:
+        return None
+    return _int(target.get("value"))
 
 
 def _int(v: str | None) -> int | None:

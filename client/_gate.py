@@ -8,19 +8,24 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fleetgate._redis import REDIS_ERRORS
-from fleetgate.errors import DeadlineExceeded, Overloaded
+from fleetgate.errors import Overloaded
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import GRANTED, REJECTED, GateDefaults, HeartbeatReply, Snapshot
 
 from ._deadline import Deadline
+from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
 
 if TYPE_CHECKING:
     from ._fleet import Fleet
+    from ._metrics import ClientMetrics
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 __all__ = ["Gate", "Lease"]
 
@@ -118,7 +123,7 @@ class Gate:
         fires inside the block, the block is cancelled and the lease released. Either way
         :class:`DeadlineExceeded` is raised. A full wait list raises :class:`Overloaded` at once.
         """
-        async with Deadline(self.name, deadline, where="permit") as dl:
+        async with self.deadline(deadline, "permit") as dl:
             lease = await self._acquire(dl)
             try:
                 yield lease
@@ -130,8 +135,89 @@ class Gate:
 
         ``deadline`` bounds the wait only. Prefer :meth:`permit`, which releases for you.
         """
-        async with Deadline(self.name, deadline, where="queue wait") as dl:
+        async with self.deadline(deadline, "queue wait") as dl:
             return await self._acquire(dl)
+
+    async def map(
+        self,
+        fn: Fn[T, R],
+        items: Iterable[T] | AsyncIterable[T],
+        *,
+        max_in_flight: int | None = 8,
+        deadline: float | None = 30.0,
+        retry: RetryPolicy = None,
+        return_exceptions: bool = False,
+        call_timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``fn(item)`` for every item, each call inside its own permit; results in order.
+
+        * ``max_in_flight``: this request's calls at once (None: only the gate limits).
+        * ``deadline``: one total deadline (seconds) over queue waits, calls and retries; on
+          expiry parked calls leave the queue without reaching ``fn``, running ones are
+          cancelled, permits are released, and :class:`DeadlineExceeded` is raised.
+        * ``retry``: None/True = retry timeouts, connection errors and 5xx with jittered
+          back-off (4 attempts), False = never, or a tenacity ``AsyncRetrying``. Retries run
+          inside the permit (never re-queued), stop at the deadline, and never retry
+          fleetgate's own errors (:class:`Overloaded` above all).
+        * ``return_exceptions``: per-item outcomes (exceptions in place) instead of failing
+          fast; by default the first failure cancels the siblings and is raised.
+        * ``call_timeout``: a per-attempt timeout (a timeout counts as transient).
+
+        ``fn`` may be async or sync (run in a thread); ``items`` may be an async iterable.
+        """
+        return await run_map(
+            self,
+            fn,
+            items,
+            max_in_flight=max_in_flight,
+            deadline=deadline,
+            retry=retry,
+            return_exceptions=return_exceptions,
+            call_timeout=call_timeout,
+        )
+
+    async def map_batches(
+        self,
+        fn: Fn[Sequence[T], Any],
+        items: Sequence[T],
+        *,
+        batch_size: int,
+        indexed: bool = False,
+        **options: Any,
+    ) -> list[Any]:
+        """Split ``items`` into batches of ``batch_size``, run each batch through :meth:`map`,
+        and return one result per item in the original order.
+
+        ``fn(batch)`` returns either one value per batch item, in order, or -- with
+        ``indexed=True``, as rerankers do -- ``(index within the batch, value)`` pairs in any
+        order, which land at ``batch id × batch_size + index``. With 512-passage batches a
+        typical rerank request is a single call.
+        """
+        if options.get("return_exceptions"):
+            raise ValueError("map_batches does not support return_exceptions")
+        batches = batched(items, batch_size)
+        per_batch = await self.map(fn, batches, **options)
+        if indexed:
+            return merge_indexed(per_batch, batch_size, len(items))
+        flat: list[Any] = []
+        for batch, values in zip(batches, per_batch, strict=True):
+            if len(values) != len(batch):
+                raise ValueError(f"fn returned {len(values)} results for a batch of {len(batch)}")
+            flat.extend(values)
+        return flat
+
+    def deadline(self, seconds: float | None, where: str) -> Deadline:
+        """A total deadline for this gate, counted in the deadline-exceeded metric."""
+        counter = self.fleet.metrics.deadline_exceeded.labels(self.name)
+        return Deadline(self.name, seconds, where=where, on_expire=counter.inc)
+
+    async def acquire_for(self, dl: Deadline) -> Lease:
+        """Acquire under an enclosing deadline (used by :meth:`map`)."""
+        return await self._acquire(dl)
+
+    @property
+    def metrics(self) -> ClientMetrics:
+        return self.fleet.metrics
 
     async def capacity(self) -> int:
         """The gate's current fleet-wide limit (live target, else floor)."""
@@ -139,56 +225,48 @@ class Gate:
 
     async def snapshot(self) -> Snapshot:
         """A consistent view of the gate in Redis (holders, waiters, limit, config, stats)."""
-        return await self.fleet.scripts.inspect(self.keys)
+        return await self.fleet.scripts.inspect(self.keys, defaults=self.defaults)
 
     # -- acquiring ---------------------------------------------------------------------------
 
     async def _acquire(self, dl: Deadline) -> Lease:
         fleet = self.fleet
         metrics = fleet.metrics
-        try:
-            while True:
-                if fleet.fallback_active:
-                    lease = await self._acquire_local()
-                    if lease is not None:
-                        return lease
-                    continue
-                lease_id = fleet.next_id()
-                waiter = _Waiter(lease_id, asyncio.get_running_loop().create_future(), dl)
-                # Registered before the call: a hand-off can be popped by the wake listener
-                # before this coroutine sees the script's reply.
-                self.waiters[lease_id] = waiter
-                try:
-                    reply = await fleet.scripts.acquire(
-                        self.keys, lease_id, waiter.remaining_ms(), self.defaults
-                    )
-                except REDIS_ERRORS as exc:
-                    self.waiters.pop(lease_id, None)
-                    fleet.forget_later(self, lease_id)
-                    fleet.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
-                    continue
-                except BaseException:
-                    self.waiters.pop(lease_id, None)
-                    fleet.forget_later(self, lease_id)
-                    raise
-                self.last_limit = reply.limit
-                if reply.status == GRANTED:
-                    self.waiters.pop(lease_id, None)
-                    return self._granted(lease_id, reply.token)
-                if reply.status == REJECTED:
-                    self.waiters.pop(lease_id, None)
-                    metrics.rejected.labels(self.name).inc()
-                    raise Overloaded(self.name, reply.n)
-                lease = await self._park(waiter, reply.token)
+        while True:
+            if fleet.fallback_active:
+                lease = await self._acquire_local()
                 if lease is not None:
                     return lease
-        except DeadlineExceeded:
-            metrics.deadline_exceeded.labels(self.name).inc()
-            raise
-        except asyncio.CancelledError:
-            if dl.remaining() is not None and (dl.remaining() or 0) <= 0:
-                metrics.deadline_exceeded.labels(self.name).inc()
-            raise
+                continue
+            lease_id = fleet.next_id()
+            waiter = _Waiter(lease_id, asyncio.get_running_loop().create_future(), dl)
+            # Registered before the call: a hand-off can be popped by the wake listener
+            # before this coroutine sees the script's reply.
+            self.waiters[lease_id] = waiter
+            try:
+                reply = await fleet.scripts.acquire(
+                    self.keys, lease_id, waiter.remaining_ms(), self.defaults
+                )
+            except REDIS_ERRORS as exc:
+                self.waiters.pop(lease_id, None)
+                fleet.forget_later(self, lease_id)
+                fleet.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
+                continue
+            except BaseException:
+                self.waiters.pop(lease_id, None)
+                fleet.forget_later(self, lease_id)
+                raise
+            self.last_limit = reply.limit
+            if reply.status == GRANTED:
+                self.waiters.pop(lease_id, None)
+                return self._granted(lease_id, reply.token)
+            if reply.status == REJECTED:
+                self.waiters.pop(lease_id, None)
+                metrics.rejected.labels(self.name).inc()
+                raise Overloaded(self.name, reply.n)
+            lease = await self._park(waiter, reply.token)
+            if lease is not None:
+                return lease
 
     async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
         """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""

@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -78,7 +78,16 @@ class SyncGate:
     def release(self, lease: Lease) -> None:
         self._portal.call(lease.release())
 
+    def map(self, fn: Any, items: Iterable[Any], **options: Any) -> list[Any]:
+        """Blocking :meth:`Gate.map`: same options; a sync ``fn`` runs in worker threads."""
+        return self._portal.call(self.gate.map(fn, items, **options))
+
+    def map_batches(self, fn: Any, items: Sequence[Any], **options: Any) -> list[Any]:
+        """Blocking :meth:`Gate.map_batches`."""
+        return self._portal.call(self.gate.map_batches(fn, items, **options))
+
     def capacity(self) -> int:
+        """The gate's current fleet-wide limit."""
         return self._portal.call(self.gate.capacity())
 
 

@@ -184,8 +184,11 @@ class GateScripts:
         r = await self._call("set_target", keys, [value, epoch, ttl_ms])
         return int(r[0]) == 1
 
-    async def inspect(self, keys: GateKeys, n: int = 10) -> Snapshot:
-        raw = await self._call("inspect", keys, [n])
+    async def inspect(
+        self, keys: GateKeys, n: int = 10, defaults: GateDefaults | None = None
+    ) -> Snapshot:
+        args: list[Any] = [n, *(defaults.argv() if defaults else [])]
+        raw = await self._call("inspect", keys, args)
         return msgspec.convert(_empty_tables_as_lists(raw), Snapshot)
 
 

@@ -1,13 +1,15 @@
 -- inspect: a consistent, read-only snapshot of one gate for the CLI and utilization().
 -- KEYS: the gate keys (see lib.lua)
 -- ARGV: 1 how many head waiters and holders to list
+--       2..6 optional defaults (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate that
+--       has no configuration yet: the snapshot shows what an acquire would register
 -- Returns a JSON object: now, cfg, target, limit, holders, queued, live_pods, stats, util,
 --   head (first waiters: id, token, expires_at), leases (first holders: id, expires_at).
 -- Expired entries that nobody reaped yet are not counted (the snapshot applies the same rule
 -- as the next write would).
 local n = tonumber(ARGV[1])
 local now = now_ms()
-local cfg = load_cfg()
+local cfg = load_cfg({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
 
 local function pairs_to_map(flat)
   local m = {}

@@ -35,16 +35,18 @@ local function ensure_cfg(floor, ceiling, max_queued, lease_ms, waiter_ms)
   end
 end
 
--- Half-written or garbled configuration falls back to safe values instead of failing the call.
-local function load_cfg()
+-- Missing fields take the caller's defaults (d, optional: floor, ceiling, max_queued, lease_ms,
+-- waiter_ms), then safe values: half-written or garbled configuration never fails a call.
+local function load_cfg(d)
+  d = d or {}
   local v = redis.call('HMGET', K_CFG, 'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms')
   local cfg = {
-    floor = math.max(1, math.floor(num(v[1], 1))),
-    max_queued = math.max(0, math.floor(num(v[3], 1000))),
-    lease_ms = math.max(100, math.floor(num(v[4], 10000))),
-    waiter_ms = math.max(100, math.floor(num(v[5], 5000))),
+    floor = math.max(1, math.floor(num(v[1], num(d[1], 1)))),
+    max_queued = math.max(0, math.floor(num(v[3], num(d[3], 1000)))),
+    lease_ms = math.max(100, math.floor(num(v[4], num(d[4], 10000)))),
+    waiter_ms = math.max(100, math.floor(num(v[5], num(d[5], 5000)))),
   }
-  cfg.ceiling = math.max(cfg.floor, math.floor(num(v[2], cfg.floor)))
+  cfg.ceiling = math.max(cfg.floor, math.floor(num(v[2], num(d[2], cfg.floor))))
   return cfg
 end
 

@@ -78,3 +78,26 @@ def wait_for(predicate, timeout: float, interval: float = 0.01) -> float:  # typ
             raise TimeoutError(f"condition not met within {timeout}s")
         time.sleep(interval)
     return time.monotonic() - start
+
+
+def map_with_probe(url: str, prefix: str, gate: str, items: int, hold_s: float, probe: str) -> int:
+    """One request: ``gate.map`` over ``items`` calls; return the peak concurrency seen by the
+    shared probe counter (INCR/DECR outside fleetgate)."""
+
+    async def main() -> int:
+        peak = 0
+        r = redis.asyncio.Redis.from_url(url)
+        async with Fleet(url, prefix=prefix, registry=CollectorRegistry()) as fleet:
+            g = fleet.gate(gate, floor=1)
+
+            async def call(_: int) -> None:
+                nonlocal peak
+                peak = max(peak, await r.incr(probe))
+                await asyncio.sleep(hold_s)
+                await r.decr(probe)
+
+            await g.map(call, range(items), max_in_flight=4, deadline=60)
+        await r.aclose()
+        return peak
+
+    return asyncio.run(main())

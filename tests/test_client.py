@@ -173,7 +173,7 @@ async def test_utilization_snapshot(fleet: Fleet) -> None:
     async with gate.permit():
         util = await fleet.utilization("u")
     assert (util.limit, util.in_flight, util.queued, util.max_queued) == (3, 1, 0, 7)
-    assert util.current_target is None and util.metrics_ok is False
+    assert util.current_target == 3 and util.target is None and util.metrics_ok is False
     assert set(util.to_dict()) >= {"running", "waiting_capacity", "saturated", "metrics_url"}
 
 

@@ -1,0 +1,248 @@
+"""Request-level fan-out through a gate: ``gate.map(fn, items, ...)``.
+
+Each item's call runs inside its own permit of the gate (the fleet-wide cap), at most
+``max_in_flight`` of one request's calls at once (the per-request fan-out cap), under one total
+deadline that covers queue waits, calls and retries. Retries happen inside the permit, so a
+retrying call never re-enters the queue. The first failure cancels the siblings (parked ones
+leave the queue, running ones are cancelled, every permit is released) unless the caller asks for
+per-item outcomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import warnings
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
+
+from fleetgate.errors import ConfigError, FleetgateError
+
+from ._deadline import Deadline
+
+if TYPE_CHECKING:
+    from ._metrics import ClientMetrics
+
+__all__ = ["DEFAULT_RETRY", "FleetgateWarning", "is_transient", "run_map"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Retries of transient failures: attempts in total, and the jittered back-off bounds (seconds).
+DEFAULT_ATTEMPTS = 4
+BACKOFF_MULTIPLIER = 0.05
+BACKOFF_MAX = 2.0
+
+Fn = Callable[[T], Awaitable[R] | R]
+RetryPolicy = AsyncRetrying | bool | None
+
+
+class FleetgateWarning(UserWarning):
+    """A configuration that works but probably does not do what was meant."""
+
+
+class _Releasable(Protocol):
+    async def release(self) -> None: ...
+
+
+class PermitSource(Protocol):
+    """Where ``run_map`` gets its permits: a :class:`Gate`, or a proxy to one on another loop."""
+
+    name: str
+    metrics: ClientMetrics
+
+    async def acquire_for(self, dl: Deadline) -> _Releasable: ...
+
+
+def is_transient(exc: BaseException) -> bool:
+    """The default retry predicate: timeouts, connection errors and 5xx-like HTTP statuses.
+
+    Never fleetgate's own errors (``Overloaded`` above all: retrying an overload deepens it).
+    """
+    if isinstance(exc, FleetgateError):
+        return False
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return True
+    try:
+        import httpx
+    except ImportError:  # pragma: no cover - httpx is a dependency
+        httpx = None  # type: ignore[assignment]
+    if httpx is not None:
+        if isinstance(exc, httpx.TransportError):  # connect/read timeouts, network errors
+            return True
+        if isinstance(exc, httpx.HTTPStatusError):
+            return 500 <= exc.response.status_code <= 599
+    status = getattr(exc, "status_code", None) or getattr(exc, "status", None)
+    return isinstance(status, int) and 500 <= status <= 599
+
+
+class _StopAtDeadline(stop_base):
+    """Stop retrying when the next back-off would outlive the total deadline."""
+
+    def __init__(self, dl: Deadline) -> None:
+        self.dl = dl
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        left = self.dl.remaining()
+        return left is not None and left <= (retry_state.upcoming_sleep or 0.0)
+
+
+DEFAULT_RETRY = AsyncRetrying(
+    retry=retry_if_exception(is_transient),
+    wait=wait_random_exponential(multiplier=BACKOFF_MULTIPLIER, max=BACKOFF_MAX),
+    stop=stop_after_attempt(DEFAULT_ATTEMPTS),
+    reraise=True,
+)
+
+
+def _policy(retry: RetryPolicy, dl: Deadline, on_retry: Callable[[RetryCallState], None]) -> Any:
+    base = {None: DEFAULT_RETRY, True: DEFAULT_RETRY}.get(retry, retry)  # type: ignore[call-overload]
+    if base is False:
+        return AsyncRetrying(stop=stop_after_attempt(1), reraise=True)
+    assert isinstance(base, AsyncRetrying), "retry must be a tenacity AsyncRetrying, bool or None"
+    # Whatever the caller's policy: never retry fleetgate's errors, never past the deadline.
+    return base.copy(
+        retry=base.retry & retry_if_exception(lambda e: not isinstance(e, FleetgateError)),
+        stop=base.stop | _StopAtDeadline(dl),
+        before_sleep=on_retry,
+        reraise=True,
+    )
+
+
+def _as_async(fn: Fn[T, R]) -> Callable[[T], Awaitable[R]]:
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - async callables
+    ):
+        return fn  # type: ignore[return-value]
+
+    async def in_thread(item: T) -> R:
+        # A thread cannot be interrupted: on cancellation the permit is released and the
+        # result abandoned while the thread finishes on its own.
+        result = await asyncio.to_thread(fn, item)
+        if inspect.isawaitable(result):
+            return await result  # type: ignore[no-any-return]
+        return result  # type: ignore[return-value]
+
+    return in_thread
+
+
+async def _aiter(items: Iterable[T] | AsyncIterable[T]) -> Any:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+async def run_map(
+    source: PermitSource,
+    fn: Fn[T, R],
+    items: Iterable[T] | AsyncIterable[T],
+    *,
+    max_in_flight: int | None = 8,
+    deadline: float | None = 30.0,
+    retry: RetryPolicy = None,
+    return_exceptions: bool = False,
+    call_timeout: float | None = None,
+) -> list[Any]:
+    """The body of :meth:`Gate.map` (see there)."""
+    if max_in_flight is not None and (isinstance(max_in_flight, bool) or max_in_flight < 1):
+        raise ConfigError(f"max_in_flight: expected int >= 1 or None, got {max_in_flight!r}")
+    if call_timeout is not None and call_timeout <= 0:
+        raise ConfigError(f"call_timeout: expected > 0 seconds or None, got {call_timeout!r}")
+    if deadline is not None and call_timeout is not None and deadline < call_timeout:
+        warnings.warn(
+            f"gate {source.name!r}: total deadline {deadline}s is shorter than the per-call "
+            f"timeout {call_timeout}s: the deadline fires first and no retry can happen",
+            FleetgateWarning,
+            stacklevel=3,
+        )
+    metrics, name = source.metrics, source.name
+    call = _as_async(fn)
+    calls = 0
+
+    def on_retry(_: RetryCallState) -> None:
+        metrics.retries.labels(name).inc()
+
+    counter = metrics.deadline_exceeded.labels(name)
+    async with Deadline(name, deadline, where="map", on_expire=counter.inc) as dl:
+        policy = _policy(retry, dl, on_retry)
+        fan = asyncio.Semaphore(max_in_flight) if max_in_flight else None
+        results: dict[int, Any] = {}
+
+        async def attempt(item: T) -> R:
+            nonlocal calls
+            calls += 1
+            if call_timeout is None:
+                return await call(item)
+            return await asyncio.wait_for(call(item), call_timeout)
+
+        async def one(index: int, item: T) -> None:
+            lease = await source.acquire_for(dl)
+            try:
+                results[index] = await policy(attempt, item)
+            finally:
+                await lease.release()
+
+        async def capped(index: int, item: T) -> None:
+            if fan is None:
+                return await one(index, item)
+            async with fan:
+                return await one(index, item)
+
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            n = 0
+            async for item in _aiter(items):
+                tasks.append(asyncio.create_task(capped(n, item)))
+                n += 1
+            if return_exceptions:
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                for i, outcome in enumerate(outcomes):
+                    if isinstance(outcome, BaseException):
+                        results[i] = outcome
+            elif tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                failed = [t for t in tasks if t in done and t.exception() is not None]
+                if failed:
+                    raise failed[0].exception()  # type: ignore[misc]
+        except BaseException:
+            # Fail fast: parked siblings leave the queue, running ones are cancelled, permits
+            # are released -- all before the error reaches the caller.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            metrics.calls_per_request.labels(name).observe(calls)
+    return [results[i] for i in range(len(tasks))]
+
+
+def batched(items: Sequence[T], size: int) -> list[Sequence[T]]:
+    """Split ``items`` into consecutive batches of at most ``size``."""
+    if size < 1:
+        raise ConfigError(f"batch_size: expected int >= 1, got {size!r}")
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def merge_indexed(batches: Sequence[Sequence[tuple[int, R]]], size: int, total: int) -> list[R]:
+    """Place each batch's ``(local index, value)`` pairs at ``batch id × size + local index``."""
+    out: list[Any] = [None] * total
+    seen = 0
+    for batch_id, pairs in enumerate(batches):
+        for local, value in pairs:
+            out[batch_id * size + local] = value
+            seen += 1
+    if seen != total:
+        raise ValueError(f"batched results cover {seen} of {total} items")
+    return out
