@@ -25,6 +25,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from fleetgate._aio import within
 from fleetgate.errors import ConfigError, FleetgateError
 
 from ._deadline import Deadline
@@ -185,7 +186,7 @@ async def run_map(
             calls += 1
             if call_timeout is None:
                 return await call(item)
-            return await asyncio.wait_for(call(item), call_timeout)
+            return await within(call(item), call_timeout)
 
         async def one(index: int, item: T) -> None:
             lease = await source.acquire_for(dl)

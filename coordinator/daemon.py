@@ -70,6 +70,7 @@ class Coordinator:
         self.published: dict[str, int] = {}
         self.metrics_port: int | None = None
         self._wake_poll = asyncio.Event()
+        self._stopping = False
         self._client: Any = None
         self._election: Election | None = None
         self._publisher: Publisher | None = None
@@ -117,6 +118,7 @@ class Coordinator:
         try:
             await stop.wait()
         finally:
+            self._stopping = True
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -134,7 +136,7 @@ class Coordinator:
     async def _election_loop(self) -> None:
         election = self.election
         ttl = self.config.coordinator.leader_ttl
-        while True:
+        while not self._stopping:
             try:
                 if election.term is None:
                     term = await election.campaign()
@@ -161,12 +163,15 @@ class Coordinator:
 
     async def _poll_loop(self) -> None:
         c = self.config.coordinator
-        while True:
+        while not self._stopping:
             delay = c.poll_interval * (1 + random.uniform(-c.poll_jitter, c.poll_jitter))
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+            # that races its timeout, which would keep this loop alive after shutdown.
+            woken = asyncio.ensure_future(self._wake_poll.wait())
             try:
-                await asyncio.wait_for(self._wake_poll.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait({woken}, timeout=delay)
+            finally:
+                woken.cancel()
             self._wake_poll.clear()
             if not self.election.is_leader:
                 continue
@@ -262,7 +267,7 @@ class Coordinator:
     # -- reaper ------------------------------------------------------------------------------
 
     async def _reaper_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.reap_interval)
             if not self.election.is_leader:
                 continue

@@ -33,6 +33,7 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetgate._aio import within
 from fleetgate.errors import ConfigError
 
 __all__ = [
@@ -171,14 +172,14 @@ async def scrape(
     """GET ``url`` within ``timeout`` seconds in total, reading at most ``max_bytes`` of body.
 
     Redirects are refused (a 3xx is a failure), so is any status but 200. httpx's own timeouts are
-    per operation, so the whole exchange also runs under ``asyncio.wait_for``: a server that
+    per operation, so the whole exchange also runs under a total timeout: a server that
     trickles its body byte by byte cannot hold the poll past ``timeout``. Network and HTTP errors
     come back as a failed result; only cancellation propagates.
     """
     start = time.monotonic()
     try:
-        result = await asyncio.wait_for(_fetch(client, url, timeout, max_bytes), timeout)
-    except asyncio.TimeoutError:
+        result = await within(_fetch(client, url, timeout, max_bytes), timeout)
+    except TimeoutError:
         result = ScrapeResult(url, False, error=f"timed out after {timeout:g} s")
     except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, OSError) as exc:
         result = ScrapeResult(url, False, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
