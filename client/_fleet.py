@@ -304,8 +304,8 @@ class Fleet:
         # heartbeat, which reports granted waiters.
         conn = connect(
             self.url,
-            **{**self._redis_options, "single_connection_client": True},
-            socket_timeout=self.wake_block + 3.0,
+            dedicated=True,
+            **{**self._redis_options, "socket_timeout": self.wake_block + 3.0},
         )
         key = gate.keys.wake(self.pod_id)
         try:

@@ -275,8 +275,13 @@ class Gate:
         self.fleet.ensure_listener(self)
         try:
             await waiter.future
-        except (_Requeue, _GoLocal):
+        except _Requeue:
             self.waiters.pop(waiter.id, None)
+            return None
+        except _GoLocal:
+            # Leave the fleet queue if Redis still answers; else the entry expires by TTL.
+            self.waiters.pop(waiter.id, None)
+            self.fleet.spawn(self._cancel(waiter.id))
             return None
         except BaseException:
             # Cancelled or deadline while parked: leave the queue; a grant that raced in is
@@ -365,6 +370,9 @@ class Gate:
         for waiter in list(self.waiters.values()):
             if not waiter.future.done():
                 waiter.future.set_exception(exc if exc is not None else _GoLocal())
+                # A caller whose acquire call is still in flight never awaits this future
+                # (its own call fails too): mark the exception as seen.
+                waiter.future.exception()
 
     # -- fallback ----------------------------------------------------------------------------
 

@@ -20,12 +20,19 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def connect(url: str, **overrides: Any) -> aredis.Redis:
+# Connections of one process' pool. Calls beyond it wait for a free connection (a blocking
+# pool) instead of failing with "Too many connections", which would read as an outage.
+MAX_CONNECTIONS = 64
+POOL_TIMEOUT = 10.0
+
+
+def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> aredis.Redis:
     """An asyncio client for ``url`` with fleetgate's defaults.
 
     No automatic retries: a failed call is handled by fleetgate itself (fallback or a clear
     error) instead of stalling the caller in redis-py's back-off. Short connect and socket
-    timeouts make an outage visible within about a second.
+    timeouts make an outage visible within about a second. ``dedicated`` gives a client bound
+    to one connection of its own (for blocking commands).
     """
     options: dict[str, Any] = {
         "decode_responses": True,
@@ -35,7 +42,12 @@ def connect(url: str, **overrides: Any) -> aredis.Redis:
         "health_check_interval": 0,
     }
     options.update(overrides)
-    return aredis.Redis.from_url(url, **options)
+    if dedicated:
+        return aredis.Redis.from_url(url, single_connection_client=True, **options)
+    options.setdefault("max_connections", MAX_CONNECTIONS)
+    options.setdefault("timeout", POOL_TIMEOUT)
+    pool = aredis.BlockingConnectionPool.from_url(url, **options)
+    return aredis.Redis(connection_pool=pool)
 
 
 _CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<auth>[^@/]*@)", re.IGNORECASE)

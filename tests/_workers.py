@@ -101,3 +101,64 @@ def map_with_probe(url: str, prefix: str, gate: str, items: int, hold_s: float, 
         return peak
 
     return asyncio.run(main())
+
+
+def burst(
+    url: str, prefix: str, sim_url: str, requests: int, calls: int, mode: str, cap: int
+) -> dict[str, float]:
+    """``requests`` concurrent findAndRerank-like requests of ``calls`` rerank calls each.
+
+    mode "fleet": every call inside a permit of the fleet gate ``rerank`` (limit ``cap``);
+    mode "local": a per-process ``asyncio.Semaphore(cap)`` only (the pull request's per-pod gate).
+    No retries in either mode, so every server-side rejection is counted.
+    """
+    import httpx
+
+    async def main() -> dict[str, float]:
+        failed_calls = failed_requests = 0
+        latencies: list[float] = []
+        limits = httpx.Limits(max_connections=2 * cap, max_keepalive_connections=2 * cap)
+        async with httpx.AsyncClient(base_url=sim_url, limits=limits, timeout=120) as http:
+
+            async def rerank(batch: list[str]) -> int:
+                nonlocal failed_calls
+                body = {"query": {"text": "q"}, "passages": [{"text": p} for p in batch]}
+                resp = await http.post("/v1/ranking", json=body)
+                if resp.status_code != 200:
+                    failed_calls += 1
+                    resp.raise_for_status()
+                return len(resp.json()["rankings"])
+
+            passages = [[f"passage {i}-{j}" for j in range(10)] for i in range(calls)]
+            async with Fleet(url, prefix=prefix, registry=CollectorRegistry()) as fleet:
+                gate = fleet.gate("rerank", floor=cap, max_queued=requests * calls * 8)
+                local = asyncio.Semaphore(cap)
+
+                async def guarded(batch: list[str]) -> int:
+                    async with local:
+                        return await rerank(batch)
+
+                async def request() -> None:
+                    nonlocal failed_requests
+                    t0 = time.monotonic()
+                    try:
+                        if mode == "fleet":
+                            await gate.map(
+                                rerank, passages, max_in_flight=8, deadline=120, retry=False
+                            )
+                        else:
+                            await asyncio.gather(*(guarded(b) for b in passages))
+                    except Exception:
+                        failed_requests += 1
+                    latencies.append(time.monotonic() - t0)
+
+                await asyncio.gather(*(request() for _ in range(requests)))
+        latencies.sort()
+        return {
+            "failed_calls": failed_calls,
+            "failed_requests": failed_requests,
+            "p50": latencies[len(latencies) // 2],
+            "p99": latencies[int(len(latencies) * 0.99) - 1],
+        }
+
+    return asyncio.run(main())
