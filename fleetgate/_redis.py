@@ -47,7 +47,7 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> aredis.Re
     options.setdefault("max_connections", MAX_CONNECTIONS)
     options.setdefault("timeout", POOL_TIMEOUT)
     pool = aredis.BlockingConnectionPool.from_url(url, **options)
-    return aredis.Redis(connection_pool=pool)
+    return aredis.Redis.from_pool(pool)  # closing the client closes its pool
 
 
 _CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<auth>[^@/]*@)", re.IGNORECASE)
