@@ -17,7 +17,7 @@ import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from fleetgate._redis import REDIS_ERRORS, connect, redact
+from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact
 from fleetgate.errors import ConfigError, FleetgateError, RedisUnavailable
 from fleetgate.keys import GateKeys, fleet_keys, validate_gate_name, validate_prefix
 from fleetgate.scripts import GateDefaults, GateScripts
@@ -131,6 +131,7 @@ class Fleet:
         if self._redis is not None:
             return
         self._redis = connect(self.url, **self._redis_options)
+        await prepare(self._redis)
         self._scripts = GateScripts(self._redis)
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="fleetgate-heartbeat")
         log.debug("fleet %s started against %s", self.pod_id, redact(self.url))
@@ -280,6 +281,7 @@ class Fleet:
             await asyncio.sleep(min(0.5, self.heartbeat_interval))
             try:
                 await self.redis.ping()
+                await prepare(self.redis)
             except REDIS_ERRORS:
                 continue
             break
@@ -308,6 +310,7 @@ class Fleet:
             **{**self._redis_options, "socket_timeout": self.wake_block + 3.0},
         )
         key = gate.keys.wake(self.pod_id)
+        await prepare(conn)
         try:
             while True:
                 try:

@@ -43,7 +43,8 @@ DEFAULT_ATTEMPTS = 4
 BACKOFF_MULTIPLIER = 0.05
 BACKOFF_MAX = 2.0
 
-Fn = Callable[[T], Awaitable[R] | R]
+# fn is sync or async; precise overloads would add little over Any for callers.
+Fn = Callable[[T], Any]
 RetryPolicy = AsyncRetrying | bool | None
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
 
-from fleetgate._redis import REDIS_ERRORS, connect, redact
+from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact
 
 from .config import Config, GateConfig, load_config
 from .controller import ControllerParams, ControllerState, Observation, step
@@ -92,6 +92,7 @@ class Coordinator:
         """Run until ``stop`` is set; then resign leadership at once and close everything."""
         cfg = self.config
         self._client = connect(cfg.redis.url)
+        await prepare(self._client)
         self._publisher = Publisher(self._client, cfg.redis.prefix)
         self._election = Election(
             self._client, cfg.redis.prefix, self.id, cfg.coordinator.leader_ttl

@@ -8,12 +8,13 @@ with the controller state, from which a new leader resumes (warm failover).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import redis.asyncio as aredis
 
+from fleetgate._redis import AnyRedis, is_cluster
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.scripts import GateScripts
 
@@ -71,7 +72,7 @@ def _util_mapping(p: Publication) -> dict[str, str]:
 class Publisher:
     """Reads and writes the coordinator's keys for one prefix."""
 
-    def __init__(self, client: aredis.Redis, prefix: str) -> None:
+    def __init__(self, client: AnyRedis, prefix: str) -> None:
         self.client = client
         self.prefix = prefix
         self.fleet = fleet_keys(prefix)
@@ -115,6 +116,8 @@ class Publisher:
         gate, so this coordinator has been deposed). Publications whose decision says not to
         publish (static, unknown signals) still refresh the snapshot but leave the target alone.
         """
+        if is_cluster(self.client):
+            return await self._publish_each(epoch, target_ttl_ms, pubs)
         pipe = self.client.pipeline(transaction=False)
         pipe.sadd(self.fleet.gates, *[p.gate.name for p in pubs])
         target_slots: list[int] = []
@@ -130,6 +133,24 @@ class Publisher:
         results = await pipe.execute()
         return [slot < 0 or int(results[slot][0]) == 1 for slot in target_slots]
 
+    async def _publish_each(
+        self, epoch: int, target_ttl_ms: int, pubs: Sequence[Publication]
+    ) -> list[bool]:
+        """Redis Cluster blocks scripts in pipelines: the same writes, concurrently per gate."""
+        await self.client.sadd(self.fleet.gates, *[p.gate.name for p in pubs])
+
+        async def one(p: Publication) -> bool:
+            keys = self.keys(p.gate.name)
+            await self.client.hset(keys.cfg, mapping=_cfg_mapping(p.gate))
+            accepted = True
+            if p.decision.publish:
+                ttl = target_ttl_ms
+                accepted = await self.scripts.set_target(keys, p.decision.target, epoch, ttl)
+            await self.client.hset(keys.util, mapping=_util_mapping(p))
+            return accepted
+
+        return list(await asyncio.gather(*(one(p) for p in pubs)))
+
     async def _set_target(
         self, pipe: Any, keys: GateKeys, value: int, epoch: int, ttl_ms: int
     ) -> None:
@@ -144,6 +165,11 @@ class Publisher:
     async def sweep(self, names: Sequence[str]) -> None:
         """Reap expired leases and waiters of ``names`` and move their queues (one pipeline)."""
         if not names:
+            return
+        if is_cluster(self.client):
+            await asyncio.gather(
+                *(self.scripts.heartbeat(self.keys(n), "", 0, [], []) for n in names)
+            )
             return
         pipe = self.client.pipeline(transaction=False)
         script = self.scripts.script("heartbeat")

@@ -4,20 +4,69 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, TryAgainError
 
-__all__ = ["REDIS_ERRORS", "connect", "redact"]
+__all__ = [
+    "REDIS_ERRORS",
+    "AnyRedis",
+    "connect",
+    "is_cluster",
+    "prepare",
+    "redact",
+    "split_cluster_flag",
+]
+
+AnyRedis = aredis.Redis | aredis.RedisCluster
 
 # Errors that mean "Redis is not reachable right now" (fallback territory), as opposed to a
 # script or data error (a bug or bad state, surfaced as is).
 REDIS_ERRORS: tuple[type[BaseException], ...] = (
     aredis.ConnectionError,
     aredis.TimeoutError,
+    ClusterDownError,
+    TryAgainError,
     OSError,
 )
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def split_cluster_flag(url: str) -> tuple[str, bool]:
+    """``url`` without fleetgate's ``cluster=1`` query flag, and whether it was set.
+
+    ``redis://node-1:6379/0?cluster=1`` (or ``rediss://…``) selects Redis Cluster: the gates'
+    keys carry hash tags, so each gate lives in one slot and every script runs on one node.
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    flag = [v for k, v in query if k == "cluster"]
+    if not flag:
+        return url, False
+    rest = urlencode([(k, v) for k, v in query if k != "cluster"])
+    return urlunsplit(parts._replace(query=rest)), flag[-1].lower() in _TRUE
+
+
+def is_cluster(client: object) -> bool:
+    return isinstance(client, aredis.RedisCluster)
+
+
+async def prepare(client: Any) -> None:
+    """Load a cluster client's topology before concurrent use.
+
+    redis-py's asyncio ``RedisCluster`` can corrupt a connection when many first commands race
+    its lazy initialisation (seen with redis-py 8.1); one explicit ``initialize()`` avoids it.
+    A standalone client needs nothing. Unreachable Redis is left to the caller's first command.
+    """
+    if is_cluster(client):
+        try:
+            await client.initialize()
+        except REDIS_ERRORS:
+            pass
 
 
 # Connections of one process' pool. Calls beyond it wait for a free connection (a blocking
@@ -26,7 +75,7 @@ MAX_CONNECTIONS = 64
 POOL_TIMEOUT = 10.0
 
 
-def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> aredis.Redis:
+def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
     """An asyncio client for ``url`` with fleetgate's defaults.
 
     No automatic retries: a failed call is handled by fleetgate itself (fallback or a clear
@@ -42,6 +91,13 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> aredis.Re
         "health_check_interval": 0,
     }
     options.update(overrides)
+    url, cluster = split_cluster_flag(url)
+    if cluster:
+        # One pool per node, owned by the cluster client; a dedicated client is simply another
+        # cluster client whose connections nobody else uses.
+        options.pop("health_check_interval", None)
+        options.setdefault("max_connections", MAX_CONNECTIONS)
+        return aredis.RedisCluster.from_url(url, **options)
     if dedicated:
         return aredis.Redis.from_url(url, single_connection_client=True, **options)
     options.setdefault("max_connections", MAX_CONNECTIONS)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import msgspec
 
 from fleetgate import __version__
-from fleetgate._redis import connect, redact
+from fleetgate._redis import connect, prepare, redact
 from fleetgate.errors import ConfigError, FleetgateError
 
 __all__ = ["main"]
@@ -119,6 +119,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("kind", choices=["vllm", "rerank"], help="which simulator")
     p.add_argument("args", nargs=argparse.REMAINDER, help="options of that simulator")
+
+    p = sub.add_parser(
+        "worker",
+        help="run a load-generating worker through the fleet gates",
+        description="A worker process driving requests to model servers through fleet gates "
+        "(used by docker-compose and the Prometheus test). Run 'fleetgate worker --help'.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="worker options")
+
+    p = sub.add_parser(
+        "demo",
+        help="run the local demo (private redis, simulators, coordinators, workers)",
+        description="The README's demo. Run 'fleetgate demo --help' for options.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="demo options")
     return parser
 
 
@@ -153,6 +170,7 @@ async def _status(args: argparse.Namespace) -> int:
 
     url, prefix = resolve_redis(args)
     client = connect(url)
+    await prepare(client)
     try:
         while True:
             status = await gather_status(client, prefix)
@@ -225,14 +243,31 @@ async def _check(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_ERROR
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "sim":
-        if args.kind == "vllm":
+def _passthrough(argv: list[str]) -> int | None:
+    """Commands whose options belong to another module's parser (so their --help is theirs)."""
+    if argv[:1] == ["worker"]:
+        from fleetgate import worker
+
+        return worker.main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from fleetgate import demo
+
+        return demo.main(argv[1:])
+    if argv[:1] == ["sim"] and argv[1:2] in (["vllm"], ["rerank"]):
+        if argv[1] == "vllm":
             from fleetgate.sim import vllm as sim
         else:
             from fleetgate.sim import rerank as sim  # type: ignore[no-redef]
-        return sim.main(list(args.args))
+        return sim.main(argv[2:])
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    code = _passthrough(argv)
+    if code is not None:
+        return code
+    args = build_parser().parse_args(argv)
     _setup_logging(args)
     try:
         if args.command == "coordinator":

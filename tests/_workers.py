@@ -162,3 +162,26 @@ def burst(
         }
 
     return asyncio.run(main())
+
+
+def hammer_gates(url: str, prefix: str, gates: list[str], tasks: int, probe: str) -> int:
+    """Like :func:`hammer`, over several gates (each with its own probe counter); returns the
+    highest per-gate concurrency seen."""
+
+    async def main() -> int:
+        peak = 0
+        async with Fleet(url, prefix=prefix, registry=CollectorRegistry()) as fleet:
+            probe_client = fleet.redis
+
+            async def one(name: str) -> None:
+                nonlocal peak
+                async with fleet.gate(name, floor=2).permit(deadline=60):
+                    key = f"{probe}:{{{name}}}"
+                    peak = max(peak, await probe_client.incr(key))
+                    await asyncio.sleep(0.002)
+                    await probe_client.decr(key)
+
+            await asyncio.gather(*(one(gates[i % len(gates)]) for i in range(tasks)))
+        return peak
+
+    return asyncio.run(main())

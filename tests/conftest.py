@@ -18,7 +18,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from fleetgate.redisproc import INSTALL_HINT, RedisProcess
+from fleetgate.redisproc import INSTALL_HINT, RedisClusterProcess, RedisProcess
 
 
 @dataclass
@@ -66,6 +66,21 @@ def shared_redis() -> Iterator[RedisUnderTest]:
 def rut(shared_redis: RedisUnderTest) -> RedisUnderTest:
     """The shared server with a fresh key prefix for this test."""
     return RedisUnderTest(shared_redis.url, f"t{uuid.uuid4().hex[:10]}", shared_redis.process)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterProcess]:
+    """A real 3-master Redis Cluster for the session (tests isolate themselves by prefix)."""
+    if not RedisProcess.available():
+        pytest.fail(INSTALL_HINT, pytrace=False)
+    with RedisClusterProcess(3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_rut(redis_cluster: RedisClusterProcess) -> RedisUnderTest:
+    """The cluster with a fresh key prefix for this test (``?cluster=1`` URL)."""
+    return RedisUnderTest(redis_cluster.url, f"c{uuid.uuid4().hex[:10]}", None)
 
 
 @pytest.fixture

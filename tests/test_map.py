@@ -165,7 +165,7 @@ async def test_transient_error_retried_inside_the_permit(
 async def test_first_failure_cancels_siblings_and_frees_permits(
     fleet: Fleet, async_redis: aredis.Redis
 ) -> None:
-    gate = fleet.gate("ff", floor=3)
+    gate = fleet.gate("ff", floor=10)  # every call holds a permit when item 0 fails
     finished: list[int] = []
 
     async def fn(x: int) -> int:

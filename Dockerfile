@@ -1,0 +1,29 @@
+# One image for every fleetgate process of docker-compose.yml: coordinators, simulators, workers.
+#
+#   docker build -t fleetgate:dev .
+#   docker run --rm fleetgate:dev --help                      # the `fleetgate` CLI
+#   docker run --rm fleetgate:dev sim vllm --host 0.0.0.0     # a vLLM simulator on :8000
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Only what the package is built from (see .dockerignore); tests, docs and benchmarks stay out.
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY fleetgate ./fleetgate
+COPY client ./client
+COPY coordinator ./coordinator
+COPY lua ./lua
+RUN pip install ".[sim]" \
+    && rm -rf /src \
+    && useradd --system --create-home --uid 10001 fleetgate
+
+USER fleetgate
+WORKDIR /home/fleetgate
+# 9464: coordinator /metrics, 9100: worker /metrics, 8000: simulators
+EXPOSE 8000 9100 9464
+ENTRYPOINT ["fleetgate"]
+CMD ["--help"]

@@ -1,0 +1,114 @@
+"""Redis Cluster: the scripts, the client and the coordinator on a real 3-master cluster, with
+gates spread over slots on different nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fleetgate._redis import connect
+from fleetgate.client import Fleet
+from fleetgate.coordinator.config import Config
+from fleetgate.coordinator.daemon import Coordinator
+from fleetgate.keys import GateKeys
+from fleetgate.redisproc import RedisClusterProcess
+from fleetgate.scripts import GRANTED, PARKED, GateDefaults, GateScripts
+from fleetgate.status import gather_status
+
+from . import _workers
+from .conftest import RedisUnderTest
+
+pytestmark = pytest.mark.cluster
+GATES = ["bge-m3", "llama", "rerank/nemo", "qwen", "e5"]
+
+
+async def spread(redis_cluster: RedisClusterProcess, prefix: str) -> int:
+    """How many distinct nodes own the test gates' slots."""
+    client = connect(redis_cluster.url)
+    await client.initialize()
+    nodes = {client.get_node_from_key(GateKeys.of(prefix, g).cfg).name for g in GATES}
+    await client.aclose()
+    return len(nodes)
+
+
+async def test_scripts_on_every_node(
+    cluster_rut: RedisUnderTest, redis_cluster: RedisClusterProcess
+) -> None:
+    assert await spread(redis_cluster, cluster_rut.prefix) >= 2
+    client = connect(cluster_rut.url)
+    scripts = GateScripts(client)
+    d = GateDefaults(floor=1, ceiling=4)
+    for g in GATES:
+        keys = GateKeys.of(cluster_rut.prefix, g)
+        assert (await scripts.acquire(keys, "p:1", 5000, d)).status == GRANTED
+        assert (await scripts.acquire(keys, "q:1", 5000, d)).status == PARKED
+        assert await scripts.set_target(keys, 2, epoch=1, ttl_ms=10_000)  # growth hands off
+        assert await client.lrange(keys.wake("q"), 0, -1) == ["q:1"]
+        snap = await scripts.inspect(keys)
+        assert (snap.holders, snap.queued, snap.limit) == (2, 0, 2)
+    await client.aclose()
+
+
+async def test_client_park_and_wake_on_cluster(cluster_rut: RedisUnderTest) -> None:
+    async with Fleet(
+        cluster_rut.url, prefix=cluster_rut.prefix, registry=CollectorRegistry()
+    ) as fleet:
+        for name in GATES:
+            gate = fleet.gate(name, floor=1)
+            held = await gate.acquire()
+            parked = asyncio.create_task(gate.acquire(deadline=5))
+            await asyncio.sleep(0.05)
+            assert not parked.done()
+            await held.release()
+            lease = await asyncio.wait_for(parked, 1.0)  # the wake list, not the heartbeat
+            await lease.release()
+        util = await fleet.utilization(GATES[0])
+        assert util.in_flight == 0 and util.queued == 0
+
+
+def test_cap_holds_across_processes_on_cluster(cluster_rut: RedisUnderTest) -> None:
+    probe = f"{cluster_rut.prefix}:probe"
+    with mp.get_context("spawn").Pool(3) as pool:
+        peaks = pool.starmap(
+            _workers.hammer_gates,
+            [(cluster_rut.url, cluster_rut.prefix, GATES, 60, probe)] * 3,
+        )
+    assert max(peaks) <= 2
+
+
+async def test_coordinator_publishes_on_cluster(cluster_rut: RedisUnderTest) -> None:
+    gates = "\n".join(f'[[gates]]\nname = "{g}"\nfloor = 3\n' for g in GATES)
+    cfg = Config.from_toml_text(
+        f"""
+[redis]
+url = "{cluster_rut.url}"
+prefix = "{cluster_rut.prefix}"
+[coordinator]
+poll_interval = 0.3
+leader_ttl = 2.0
+metrics_listen = "127.0.0.1:0"
+scrape_timeout = 0.2
+{gates}
+""",
+        env={},
+    )
+    stop = asyncio.Event()
+    coord = Coordinator(cfg, registry=CollectorRegistry())
+    task = asyncio.create_task(coord.run(stop))
+    client = connect(cluster_rut.url)
+    try:
+        for _ in range(100):
+            status = await gather_status(client, cluster_rut.prefix)
+            if len(status.gates) == len(GATES) and status.leader:
+                break
+            await asyncio.sleep(0.05)
+        assert status.leader == coord.id
+        assert sorted(g.name for g in status.gates) == sorted(GATES)
+        assert all(g.floor == 3 and g.limit == 3 for g in status.gates)
+    finally:
+        stop.set()
+        await task
+        await client.aclose()
