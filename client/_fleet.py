@@ -282,6 +282,9 @@ class Fleet:
             try:
                 await self.redis.ping()
                 await prepare(self.redis)
+                # Before fleet mode resumes, what still runs counts against the fleet cap.
+                for gate in list(self._gates.values()):
+                    await gate.adopt_running()
             except REDIS_ERRORS:
                 continue
             break

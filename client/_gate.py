@@ -107,7 +107,8 @@ class Gate:
         self.last_live_pods = 0
         # TTLs in force in Redis (the coordinator's config may differ from our defaults).
         self.ttl_ms = min(defaults.lease_ms, defaults.waiter_ms)
-        self.local_in_use = 0
+        # Permits granted locally while Redis was unreachable (the fair-share fallback).
+        self.local_leases: dict[str, Lease] = {}
         self.registered = False  # in the fleet's gate registry (for `fleetgate status`)
         self._local_cond = asyncio.Condition()
         self._labels = fleet.metrics, name
@@ -317,7 +318,7 @@ class Gate:
     async def _release(self, lease: Lease) -> None:
         if lease.local:
             async with self._local_cond:
-                self.local_in_use -= 1
+                self.local_leases.pop(lease.id, None)
                 self._local_cond.notify_all()
             self.fleet.metrics.in_flight.labels(self.name).dec()
             return
@@ -387,14 +388,35 @@ class Gate:
             await self._local_cond.wait_for(
                 lambda: (
                     not fleet.fallback_active
-                    or self.local_in_use + len(self.leases) < self.fair_share()
+                    or len(self.local_leases) + len(self.leases) < self.fair_share()
                 )
             )
             if not fleet.fallback_active:
                 return None
-            self.local_in_use += 1
+            lease = Lease(self, fleet.next_id(), 0, local=True)
+            self.local_leases[lease.id] = lease
         fleet.metrics.in_flight.labels(self.name).inc()
-        return Lease(self, fleet.next_id(), 0, local=True)
+        return lease
+
+    async def adopt_running(self) -> None:
+        """Redis is back: count every permit this pod still runs as a fleet lease again.
+
+        Local permits become fleet leases (renewed by the heartbeat, released by the release
+        script); fleet leases that Redis lost in a restart are re-added. Raises the Redis error
+        if Redis fails again (the fleet stays in fallback and retries).
+        """
+        local = list(self.local_leases.values())
+        ids = [*self.leases, *(lease.id for lease in local)]
+        if not ids:
+            return
+        await self.fleet.scripts.adopt(self.keys, ids)
+        for lease in local:
+            if self.local_leases.pop(lease.id, None) is None:
+                # Released while the adoption was in flight: give the fresh lease back.
+                self.fleet.spawn(self.fleet.scripts.release(self.keys, lease.id))
+                continue
+            lease.local = False
+            self.leases[lease.id] = lease
 
     async def wake_local(self) -> None:
         async with self._local_cond:

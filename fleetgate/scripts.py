@@ -26,7 +26,7 @@ __all__ = [
     "script_source",
 ]
 
-SCRIPT_NAMES = ("acquire", "release", "cancel", "heartbeat", "set_target", "inspect")
+SCRIPT_NAMES = ("acquire", "release", "cancel", "heartbeat", "set_target", "inspect", "adopt")
 # Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
@@ -183,6 +183,10 @@ class GateScripts:
     async def set_target(self, keys: GateKeys, value: int, epoch: int, ttl_ms: int) -> bool:
         r = await self._call("set_target", keys, [value, epoch, ttl_ms])
         return int(r[0]) == 1
+
+    async def adopt(self, keys: GateKeys, lease_ids: list[str]) -> int:
+        """Count ``lease_ids`` (running work) as leases again after an outage."""
+        return int(await self._call("adopt", keys, list(lease_ids)))
 
     async def inspect(
         self, keys: GateKeys, n: int = 10, defaults: GateDefaults | None = None

@@ -85,3 +85,32 @@ async def test_fail_mode_parked_caller_does_not_hang(own_redis: RedisProcess) ->
         with pytest.raises(RedisUnavailable):
             await asyncio.wait_for(parked, 5)
         await held.release()
+
+
+async def test_running_work_is_adopted_when_redis_returns(own_redis: RedisProcess) -> None:
+    """Redis restarts empty mid-call: the permits still running (fleet and local) are counted
+    as leases again before fleet mode resumes, so new grants respect the cap."""
+    async with Fleet(
+        own_redis.url, prefix="fg", registry=CollectorRegistry(), heartbeat_interval=0.2
+    ) as fleet:
+        gate = fleet.gate("adopt", floor=2)
+        fleet_lease = await gate.acquire()
+        await _wait(lambda: gate.last_live_pods == 1, 3)
+        own_redis.kill()
+        local_lease = await gate.acquire(deadline=5)  # granted under the local bound
+        assert local_lease.local and fleet.fallback_active
+        own_redis.start()  # empty: the fleet lease is gone from Redis
+        await _wait(lambda: not fleet.fallback_active, 5)
+        holders = set(await fleet.redis.zrange(gate.keys.holders, 0, -1))
+        assert holders == {fleet_lease.id, local_lease.id}
+        assert not local_lease.local
+        # Both slots of the cap are taken by running work: a newcomer parks.
+        newcomer = asyncio.create_task(gate.acquire(deadline=5))
+        await asyncio.sleep(0.3)
+        assert not newcomer.done()
+        await local_lease.release()
+        lease = await asyncio.wait_for(newcomer, 2)
+        await lease.release()
+        await fleet_lease.release()
+        assert await fleet.redis.zcard(gate.keys.holders) == 0
+        assert not fleet_lease.is_lost
