@@ -208,3 +208,21 @@ def test_sync_fleet_permit(rut: RedisUnderTest) -> None:
                 gate.acquire(deadline=0.2)
         assert fleet.utilization("sync").in_flight == 0
         assert fleet.utilization("sync").queued == 0
+
+
+async def test_cancelling_running_work_releases(fleet: Fleet, async_redis: aredis.Redis) -> None:
+    gate = fleet.gate("run-cancel", floor=1)
+    inside = asyncio.Event()
+
+    async def work() -> None:
+        async with gate.permit(deadline=None):
+            inside.set()
+            await asyncio.sleep(30)
+
+    task = asyncio.create_task(work())
+    await inside.wait()
+    assert await async_redis.zcard(gate.keys.holders) == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await async_redis.zcard(gate.keys.holders) == 0
