@@ -148,8 +148,14 @@ class Fleet:
             gate.fail_waiters(closing)
             for lease in list(gate.leases.values()):
                 self.spawn(lease.release())
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=2.0)
+        # Releases and cancels still in flight (possibly spawning more) finish before the
+        # connections close; bounded, since Redis may be gone.
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while self._tasks:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            await asyncio.wait(list(self._tasks), timeout=left)
         if self._redis is not None:
             await self._redis.aclose()
         self._redis = None

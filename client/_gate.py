@@ -74,7 +74,9 @@ class Lease:
         if self._released:
             return
         self._released = True
-        await asyncio.shield(self.gate._release(self))
+        # Spawned on the fleet (which waits for it on close) and shielded: a cancelled caller
+        # still gives the permit back.
+        await asyncio.shield(self.gate.fleet.spawn(self.gate._release(self)))
 
     def __repr__(self) -> str:
         kind = "local" if self.local else "fleet"

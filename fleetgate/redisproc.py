@@ -7,8 +7,10 @@ PING, never by sleeping. It can be killed and restarted on the same port for fau
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +24,14 @@ INSTALL_HINT = (
     "`apt-get install redis-server`; macOS: `brew install redis`), or point the tests at a "
     "server you own with FLEETGATE_TEST_REDIS_URL=redis://host:port/db"
 )
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class RedisServerMissing(RuntimeError):
@@ -38,13 +48,22 @@ def free_port() -> int:
 class RedisProcess:
     """One private redis-server process on 127.0.0.1."""
 
-    def __init__(self, port: int | None = None, *, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        extra_args: list[str] | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RedisServerMissing(INSTALL_HINT)
         self.binary = binary
         self.port = port or free_port()
         self.extra_args = list(extra_args or [])
+        # Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL
+        # (the demo must not leave an orphan redis-server behind).
+        self.die_with_parent = die_with_parent
         self.dir = Path(tempfile.mkdtemp(prefix="fleetgate-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -65,7 +84,12 @@ class RedisProcess:
             "--maxmemory-policy", "noeviction",
             *self.extra_args,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
         self.wait_ready(timeout)
         return self
 

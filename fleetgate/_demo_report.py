@@ -1,0 +1,308 @@
+"""What ``fleetgate demo`` records and shows: samples, the live view, demo.json, demo.png, summary.
+
+Kept apart from the process orchestration in :mod:`fleetgate.demo`. matplotlib is imported only
+when the plot is drawn (the ``bench`` extra), always with the Agg canvas, never pyplot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "DemoRecord",
+    "Event",
+    "Failover",
+    "GateInfo",
+    "GateSample",
+    "Sample",
+    "format_summary",
+    "plot",
+    "progress_line",
+    "render_view",
+    "summarize",
+    "worker_totals",
+]
+
+
+class GateInfo(msgspec.Struct, kw_only=True):
+    """One gate of the demo and the simulator behind it."""
+
+    name: str
+    kind: str
+    floor: int
+    adaptive: bool
+    capacity: int
+    url: str
+
+
+class GateSample(msgspec.Struct, kw_only=True):
+    """One gate at one instant: the fleet's view (Redis) and the server's (``/admin/stats``)."""
+
+    limit: int
+    target: int | None
+    in_flight: int
+    queued: int
+    saturated: bool
+    reason: str | None
+    server_running: int | None
+    server_waiting: int | None
+    server_capacity: int | None
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """The whole fleet at ``t`` seconds after the load started."""
+
+    t: float
+    leader: str | None
+    epoch: int | None
+    gates: dict[str, GateSample]
+    requests_ok: int = 0
+    errors: int = 0
+
+
+class Event(msgspec.Struct, kw_only=True):
+    """Something the demo did or saw (kill, new leader, capacity change, ...)."""
+
+    t: float
+    kind: str
+    text: str
+
+
+class Failover(msgspec.Struct, kw_only=True):
+    """The leader kill and what followed, times in seconds after the load started."""
+
+    killed: str
+    killed_pid: int
+    old_epoch: int
+    kill_t: float
+    new_leader: str | None = None
+    new_epoch: int | None = None
+    elected_after: float | None = None
+    published_after: float | None = None
+
+
+class DemoRecord(msgspec.Struct, kw_only=True):
+    """Everything written to ``demo.json``."""
+
+    version: int = 1
+    started_at: float
+    duration: float
+    redis: str
+    prefix: str
+    gates: list[GateInfo]
+    pids: dict[str, int] = msgspec.field(default_factory=dict)
+    events: list[Event] = msgspec.field(default_factory=list)
+    samples: list[Sample] = msgspec.field(default_factory=list)
+    failover: Failover | None = None
+    workers: dict[str, Any] = msgspec.field(default_factory=dict)
+    servers: dict[str, Any] = msgspec.field(default_factory=dict)
+    interrupted: bool = False
+    summary: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def worker_totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum the workers' stats files: requests and errors per gate, errors by kind."""
+    requests: dict[str, int] = {}
+    errors: dict[str, dict[str, int]] = {}
+    for s in stats:
+        for gate, n in s.get("requests", {}).items():
+            requests[gate] = requests.get(gate, 0) + int(n)
+        for gate, kinds in s.get("errors", {}).items():
+            into = errors.setdefault(gate, {})
+            for kind, n in kinds.items():
+                into[kind] = into.get(kind, 0) + int(n)
+    return {
+        "workers": len(stats),
+        "requests_ok": sum(requests.values()),
+        "errors": sum(n for kinds in errors.values() for n in kinds.values()),
+        "requests": requests,
+        "errors_by_gate": {g: k for g, k in errors.items() if k},
+    }
+
+
+def _v(x: object) -> str:
+    return "-" if x is None else str(x)
+
+
+def render_view(rec: DemoRecord, s: Sample, width: int = 100) -> str:
+    """The live screen: leader and epoch, one row per gate, worker totals, recent events."""
+    bar_w = 30
+    nw = max(12, min(28, width - 66))  # the gate column shrinks to fit narrow terminals
+    done = min(1.0, s.t / rec.duration) if rec.duration else 1.0
+    bar = "#" * int(done * bar_w) + "." * (bar_w - int(done * bar_w))
+    lines = [
+        f"fleetgate demo  [{bar}] {s.t:5.1f}/{rec.duration:.0f} s   (Ctrl-C stops everything)",
+        f"leader: {s.leader or '- (none: failover in progress)'}   epoch: {_v(s.epoch)}   "
+        f"redis: {rec.redis}",
+        "",
+        f"{'gate':<{nw}} {'limit':>5} {'target':>6} {'in-fl':>5} {'queued':>6} {'sat':>3} "
+        f"{'reason':<15} {'srv run':>7} {'wait':>4} {'cap':>4}",
+    ]
+    for info in rec.gates:
+        g = s.gates.get(info.name)
+        if g is None:
+            lines.append(f"{info.name[:nw]:<{nw}} (not registered yet)")
+            continue
+        reason = g.reason if info.adaptive else "fixed"
+        lines.append(
+            f"{info.name[:nw]:<{nw}} {g.limit:>5} {_v(g.target):>6} {g.in_flight:>5} "
+            f"{g.queued:>6} {'yes' if g.saturated else 'no':>3} {_v(reason)[:15]:<15} "
+            f"{_v(g.server_running):>7} {_v(g.server_waiting):>4} {_v(g.server_capacity):>4}"
+        )
+    lines += ["", f"workers: {s.requests_ok} requests done, {s.errors} failed", "", "events:"]
+    lines += [f"  {e.t:6.1f} s  {e.text}" for e in rec.events[-8:]] or ["  (none yet)"]
+    return "\n".join(line[:width] for line in lines)
+
+
+def progress_line(s: Sample) -> str:
+    """One plain line for a non-TTY stdout."""
+    gates = "  ".join(
+        f"{name.split('/')[0][:14]}: limit {g.limit} in-fl {g.in_flight} q {g.queued}"
+        for name, g in s.gates.items()
+    )
+    return f"[{s.t:5.1f}s] leader {s.leader or '-'} epoch {_v(s.epoch)} | {gates} | " + (
+        f"ok {s.requests_ok} err {s.errors}"
+    )
+
+
+def summarize(rec: DemoRecord) -> dict[str, Any]:
+    """Peak targets, failover times, worker outcomes and server peaks, as plain data."""
+    peaks: dict[str, int | None] = {}
+    for info in rec.gates:
+        values = [
+            x.gates[info.name].target
+            for x in rec.samples
+            if info.name in x.gates and x.gates[info.name].target is not None
+        ]
+        peaks[info.name] = max(values) if values else None  # type: ignore[type-var]
+    fo = rec.failover
+    leaders = sorted({x.leader for x in rec.samples if x.leader})
+    epochs = [x.epoch for x in rec.samples if x.epoch is not None]
+    return {
+        "peak_targets": peaks,
+        "leaders_seen": leaders,
+        "epochs_seen": [min(epochs), max(epochs)] if epochs else [],
+        "failover_killed": fo.killed if fo else None,
+        "failover_new_leader": fo.new_leader if fo else None,
+        "failover_elected_s": fo.elected_after if fo else None,
+        "failover_published_s": fo.published_after if fo else None,
+        "requests_ok": rec.workers.get("requests_ok", 0),
+        "worker_errors": rec.workers.get("errors", 0),
+        "worker_errors_by_gate": rec.workers.get("errors_by_gate", {}),
+    }
+
+
+def format_summary(rec: DemoRecord, out: Path) -> str:
+    """The text printed at the end of the demo."""
+    s = rec.summary
+    lines = [f"fleetgate demo: {rec.samples[-1].t if rec.samples else 0:.0f} s of load"]
+    lines.append("  peak targets:")
+    for info in rec.gates:
+        peak = s["peak_targets"].get(info.name)
+        srv = rec.servers.get(info.name, {})
+        what = f"{peak}" if peak is not None else f"fixed at {info.floor}"
+        lines.append(
+            f"    {info.name:<30} {what:>12}  (floor {info.floor}, server capacity "
+            f"{info.capacity}, server peak running {srv.get('peak_running', '-')})"
+        )
+    fo = rec.failover
+    if fo is None:
+        lines.append("  failover: not exercised")
+    else:
+        kill = f"  failover: SIGKILL {fo.killed} (epoch {fo.old_epoch}) at {fo.kill_t:.1f} s; "
+        if fo.published_after is None or fo.elected_after is None:
+            lines.append(kill + "no new epoch published before the end")
+        else:
+            lines.append(
+                f"{kill}{fo.new_leader} elected with epoch {fo.new_epoch} after "
+                f"{fo.elected_after:.2f} s, targets published under it after "
+                f"{fo.published_after:.2f} s"
+            )
+    by_gate = s["worker_errors_by_gate"]
+    errs = "; ".join(f"{g}: {k}" for g, k in by_gate.items()) if by_gate else "none"
+    lines.append(
+        f"  workers: {s['requests_ok']} requests succeeded, {s['worker_errors']} failed ({errs})"
+    )
+    lines.append(f"  wrote {out / 'demo.png'} and {out / 'demo.json'}")
+    return "\n".join(lines)
+
+
+def plot(rec: DemoRecord, path: Path) -> None:
+    """Draw limit, fleet in-flight and server load per gate over time into ``path`` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = len(rec.gates)
+    fig = Figure(figsize=(11, 2.9 * n), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
+    fo = rec.failover
+    t = [x.t for x in rec.samples]
+    for ax, info in zip(axes, rec.gates, strict=True):
+
+        def series(field: str, name: str = info.name) -> list[float]:
+            out: list[float] = []
+            for x in rec.samples:
+                g = x.gates.get(name)
+                v = getattr(g, field) if g is not None else None
+                out.append(float("nan") if v is None else float(v))
+            return out
+
+        waiting = [0.0 if w != w else w for w in series("server_waiting")]
+        ax.fill_between(
+            t,
+            0,
+            waiting,
+            step="post",
+            color="tab:red",
+            alpha=0.25,
+            label="server queue (saturation)",
+        )
+        ax.step(
+            t,
+            series("server_capacity"),
+            where="post",
+            color="grey",
+            ls="--",
+            lw=1.2,
+            label="server capacity",
+        )
+        ax.plot(
+            t, series("server_running"), color="tab:green", lw=1, alpha=0.8, label="server running"
+        )
+        ax.plot(t, series("in_flight"), color="tab:orange", lw=1.4, label="fleet in-flight")
+        ax.step(
+            t,
+            series("limit"),
+            where="post",
+            color="tab:blue",
+            lw=2.2,
+            label="limit (target, else floor)",
+        )
+        ax.axhline(info.floor, color="tab:blue", ls=":", lw=1, label="floor")
+        if fo is not None:
+            ax.axvline(fo.kill_t, color="black", ls="--", lw=1.2, label="leader SIGKILLed")
+            if fo.published_after is not None:
+                ax.axvspan(
+                    fo.kill_t,
+                    fo.kill_t + fo.published_after,
+                    color="gold",
+                    alpha=0.25,
+                    label="no live leader",
+                )
+        kind = "adaptive (AIMD on vLLM metrics)" if info.adaptive else "fixed"
+        ax.set_title(f"gate {info.name} — {kind}, floor {info.floor}", loc="left", fontsize=10)
+        ax.set_ylabel("requests")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
+    axes[-1].set_xlabel("seconds since the load started")
+    title = "fleetgate demo: fleet-wide limits follow the servers; failover keeps them"
+    if fo is not None and fo.published_after is not None:
+        title += f" (failover {fo.published_after:.1f} s)"
+    fig.suptitle(title, fontsize=11)
+    fig.savefig(str(path), dpi=100)
