@@ -31,6 +31,10 @@ log = logging.getLogger("fleetgate.client")
 
 OnRedisError = Literal["fair_share", "fail"]
 _MAX_POD_ID = 64
+# After Redis answers again, seconds a pod waits (its running work adopted, no new local permits)
+# before granting from Redis: longer than the slowest probe period (0.5 s) of the other pods, so
+# they adopt their running work first. See Fleet._probe_loop.
+RECOVERY_GRACE = 0.75
 
 
 class GateUtilization(msgspec.Struct, kw_only=True):
@@ -113,7 +117,11 @@ class Fleet:
         self._redis: aredis.Redis | None = None
         self._scripts: GateScripts | None = None
         self._beats = 0
+        self._closing = False
         self.fallback_active = False
+        # Redis answers again after an outage: running work is being adopted, no new local
+        # permit starts until fleet mode resumes (see _probe_loop).
+        self.recovering = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -138,10 +146,15 @@ class Fleet:
 
     async def close(self) -> None:
         """Stop background tasks, leave every wait list, release held leases, close connections."""
+        self._closing = True
         tasks = [t for t in (self._heartbeat, self._probe, *self._listeners.values()) if t]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # redis-py may hold a blocking call on a dedicated connection until it returns (at most
+        # wake_block), or turn the cancellation into a connection error; the loops also stop on
+        # the flag, and close() never waits longer than that.
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.wake_block + 1.0)
         self._listeners.clear()
         closing = FleetgateError("fleet closed")
         for gate in self._gates.values():
@@ -271,6 +284,10 @@ class Fleet:
         if self.fallback_active:
             return
         self.fallback_active = True
+        for gate in self._gates.values():
+            # Redis may come back empty (a restart): register the gate again on the next
+            # heartbeat so `fleetgate status` lists it (tests/chaos/test_redis_restart.py).
+            gate.registered = False
         log.warning(
             "Redis at %s unreachable (%s): serving with local fair-share bounds until it is back",
             redact(self.url),
@@ -283,17 +300,35 @@ class Fleet:
         self._probe = asyncio.create_task(self._probe_loop(), name="fleetgate-probe")
 
     async def _probe_loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(min(0.5, self.heartbeat_interval))
             try:
                 await self.redis.ping()
                 await prepare(self.redis)
                 # Before fleet mode resumes, what still runs counts against the fleet cap.
+                # From here no new local permit starts (``recovering``), and this pod waits
+                # RECOVERY_GRACE before it is granted from Redis again: every other pod in
+                # fallback probes within 0.5 s and adopts its running work meanwhile. Without
+                # this, the first pod back was granted up to the whole limit while the other
+                # pods' local permits still ran uncounted (up to 17 calls running under a limit
+                # of 12 in tests/chaos/test_redis_restart.py::test_redis_restart_fair_share).
+                self.recovering = True
+                for gate in list(self._gates.values()):
+                    await gate.adopt_running()
+                await asyncio.sleep(RECOVERY_GRACE)
+                # Renews what the first pass adopted (the heartbeat is still paused).
                 for gate in list(self._gates.values()):
                     await gate.adopt_running()
             except REDIS_ERRORS:
+                if self.recovering:  # Redis failed again: local permits may start again
+                    self.recovering = False
+                    for gate in list(self._gates.values()):
+                        await gate.wake_local()
                 continue
             break
+        self.recovering = False
+        if self._closing:
+            return
         self.fallback_active = False
         log.warning("Redis at %s reachable again: back to fleet mode", redact(self.url))
         for gate in self._gates.values():
@@ -321,10 +356,12 @@ class Fleet:
         key = gate.keys.wake(self.pod_id)
         await prepare(conn)
         try:
-            while True:
+            while not self._closing:
                 try:
                     item = await conn.blpop([key], timeout=self.wake_block)
                 except REDIS_ERRORS as exc:
+                    if self._closing:
+                        break
                     log.debug("gate %s: wake listener error %s; reconnecting", gate.name, exc)
                     await asyncio.sleep(min(1.0, self.heartbeat_interval))
                     continue
@@ -334,7 +371,7 @@ class Fleet:
             await conn.aclose()
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._closing:
             # Renew at least three times per TTL, whatever the configured interval.
             ttls = [g.ttl_ms / 3000 for g in self._gates.values()]
             await asyncio.sleep(min([self.heartbeat_interval, *ttls]))

@@ -21,9 +21,10 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- A number, or the default for nil, NaN and infinities (tonumber accepts 'inf' and '1e400').
 local function num(v, default)
   local n = tonumber(v)
-  if n == nil or n ~= n then return default end
+  if n == nil or n ~= n or n == math.huge or n == -math.huge then return default end
   return n
 end
 
