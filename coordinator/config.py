@@ -40,11 +40,11 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
-from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta
 
+from fleetgate._redis import validate_redis_url
 from fleetgate.errors import ConfigError
 from fleetgate.keys import validate_gate_name, validate_prefix
 
@@ -72,13 +72,6 @@ def _check(field: str, validate: Callable[[_T], object], value: _T) -> None:
         raise ConfigError(f"{field}: {exc}") from None
 
 
-def _validate_redis_url(url: str) -> None:
-    scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "unix"):
-        # The URL may carry a password: name the scheme only.
-        raise ConfigError(f"expected a redis://, rediss:// or unix:// URL, got scheme {scheme!r}")
-
-
 def _parse_listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or int(port) > 65535:
@@ -95,7 +88,9 @@ class RedisSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefix: str = "fg"
 
     def __post_init__(self) -> None:
-        _check("url", _validate_redis_url, self.url)
+        # Scheme, port and query parameters (a TLS option misspelt is caught here, not at the
+        # first command); messages never echo the password. See docs/security.md for TLS.
+        _check("url", validate_redis_url, self.url)
         _check("prefix", validate_prefix, self.prefix)
 
 
@@ -132,15 +127,22 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
         return self.target_ttl_polls * self.poll_interval
 
 
+# Upper bounds: beyond them a value is a typo, not a plan -- a lease of days outlives any crash
+# it is meant to recover from, and the scripts compute with doubles (exact below 2^53).
+MAX_PERMITS = 1_000_000
+MAX_QUEUED = 10_000_000
+MAX_TTL_MS = 86_400_000  # one day
+
+
 class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One gate. ``floor`` is its static limit; ``ceiling`` bounds the adaptive target."""
 
     name: str
-    floor: Annotated[int, Meta(ge=1)]
-    ceiling: Annotated[int, Meta(ge=1)] = DEFAULT_CEILING
-    max_queued: Annotated[int, Meta(ge=0)] = 1000
-    lease_ms: Annotated[int, Meta(ge=100)] = 10_000
-    waiter_ms: Annotated[int, Meta(ge=100)] = 5_000
+    floor: Annotated[int, Meta(ge=1, le=MAX_PERMITS)]
+    ceiling: Annotated[int, Meta(ge=1, le=MAX_PERMITS)] = DEFAULT_CEILING
+    max_queued: Annotated[int, Meta(ge=0, le=MAX_QUEUED)] = 1000
+    lease_ms: Annotated[int, Meta(ge=100, le=MAX_TTL_MS)] = 10_000
+    waiter_ms: Annotated[int, Meta(ge=100, le=MAX_TTL_MS)] = 5_000
     base_url: str | None = None
     metrics_url: str | tuple[str, ...] | None = None
     model_name: str | None = None
@@ -218,7 +220,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         try:
             raw = msgspec.toml.decode(text)
         except msgspec.DecodeError as exc:
-            raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+            raise ConfigError(_one_line(f"{source}: invalid TOML: {exc}")) from None
         return cls.from_mapping(raw, env=env)
 
     @classmethod
@@ -382,4 +384,12 @@ def _explain(message: str, data: dict[str, Any], injected: Mapping[str, str]) ->
     shown = path.lstrip(".")
     if shown in injected:
         shown = injected[shown]
-    return f"{shown}: {msg}" if shown else msg
+    return _one_line(f"{shown}: {msg}" if shown else msg)
+
+
+def _one_line(text: str) -> str:
+    """``text`` with non-printable characters escaped: a key like ``"a\\nb"`` in the file must
+    not split the error into several lines (or forge log lines)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

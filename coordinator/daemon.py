@@ -9,7 +9,15 @@ take over when the lease lapses (or at once when the leader shuts down cleanly).
 * every second sweeps the expired leases and waiters of every registered gate (the reaper), so a
   crashed holder is reclaimed even when no client calls.
 
-A publish refused for a stale epoch means a newer leader exists: this one steps down at once.
+A publish refused for a stale epoch means a newer leader exists: this one steps down at once --
+unless the epoch counter says no newer epoch was ever issued, in which case the gate's stored
+epoch is corrupt and only that gate is skipped (logged), instead of flapping leadership forever.
+
+Bad state in Redis never stops the daemon: every loop catches and logs (repeats of one error at
+most once a minute), a key of the wrong type is named in the log (:mod:`fleetgate.safety`), a
+broken gate does not stop the others from being published, and the loops recover by themselves
+once the key is fixed. At start-up the server settings are checked (``maxmemory-policy``,
+replicas) and problems are logged as WARNING.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
 
-from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact
+from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact, scrub
+from fleetgate.keys import fleet_keys
+from fleetgate.safety import find_bad_keys, inspect_redis, is_wrongtype
 
 from .config import Config, GateConfig, load_config
 from .controller import ControllerParams, ControllerState, Observation, step
@@ -41,6 +51,44 @@ __all__ = ["Coordinator", "run_coordinator"]
 log = logging.getLogger("fleetgate.coordinator")
 
 REAP_INTERVAL = 1.0
+SCRAPE_CONCURRENCY = 64
+# The same error of one loop is logged at most this often (with a count of the repeats).
+ERROR_LOG_INTERVAL = 60.0
+# Retry of the start-up safety check while Redis is unreachable.
+SAFETY_RETRY = 5.0
+
+
+class _ErrorLog:
+    """Log each distinct error of a loop once, then at most every ``interval`` seconds, and say
+    when the loop recovers: a broken key must not turn into a line per second."""
+
+    def __init__(self, where: str, interval: float = ERROR_LOG_INTERVAL) -> None:
+        self.where = where
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._repeats: dict[str, int] = {}
+
+    def error(self, message: str, *, level: int = logging.ERROR, trace: bool = False) -> bool:
+        """Log ``message`` unless it was logged less than ``interval`` ago; True if logged."""
+        now = time.monotonic()
+        last = self._last.get(message)
+        if last is not None and now - last < self.interval:
+            self._repeats[message] = self._repeats.get(message, 0) + 1
+            return False
+        repeats = self._repeats.pop(message, 0)
+        more = f" (repeated {repeats} times since last logged)" if repeats else ""
+        log.log(level, "%s: %s%s", self.where, message, more, exc_info=trace)
+        if len(self._last) >= 256:  # messages that never repeat must not pile up
+            self._last.clear()
+        self._last[message] = now
+        return True
+
+    def ok(self) -> None:
+        """The loop succeeded: forget past errors (and say so if there were any)."""
+        if self._last:
+            log.info("%s: recovered", self.where)
+            self._last.clear()
+            self._repeats.clear()
 
 
 def default_coordinator_id() -> str:
@@ -75,6 +123,11 @@ class Coordinator:
         self._election: Election | None = None
         self._publisher: Publisher | None = None
         self._http: httpx.AsyncClient | None = None
+        self._errors = {
+            name: _ErrorLog(name) for name in ("election", "poll", "reaper", "diagnosis")
+        }
+        self.safety_findings: list[str] | None = None  # None until the start-up check ran
+        self._gate_failures = 0  # gates that failed in the current poll
 
     @property
     def election(self) -> Election:
@@ -97,7 +150,15 @@ class Coordinator:
         self._election = Election(
             self._client, cfg.redis.prefix, self.id, cfg.coordinator.leader_ttl
         )
-        self._http = httpx.AsyncClient(follow_redirects=False)
+        # Scrapes run at most SCRAPE_CONCURRENCY at once over kept-alive connections: a
+        # thousand simultaneous connects cost more (SYN backlog, TLS handshakes) than they save.
+        self._scrape_slots = asyncio.Semaphore(SCRAPE_CONCURRENCY)
+        self._http = httpx.AsyncClient(
+            follow_redirects=False,
+            limits=httpx.Limits(
+                max_connections=SCRAPE_CONCURRENCY, max_keepalive_connections=SCRAPE_CONCURRENCY
+            ),
+        )
         host, port = cfg.coordinator.metrics_address
         server, thread = start_http_server(port, addr=host, registry=self.registry)
         self.metrics_port = int(server.server_port)
@@ -115,6 +176,7 @@ class Coordinator:
             asyncio.create_task(self._election_loop(), name="election"),
             asyncio.create_task(self._poll_loop(), name="poll"),
             asyncio.create_task(self._reaper_loop(), name="reaper"),
+            asyncio.create_task(self._safety_check(), name="safety-check"),
         ]
         try:
             await stop.wait()
@@ -132,6 +194,40 @@ class Coordinator:
             thread.join(5)
             log.info("coordinator %s stopped", self.id)
 
+    def _text(self, exc: BaseException) -> str:
+        """``exc`` as one line for a log, never with the Redis password."""
+        return scrub(f"{type(exc).__name__}: {exc}", self.config.redis.url)
+
+    async def _safety_check(self) -> None:
+        """Check the server's settings once Redis answers; log every finding as WARNING."""
+        while not self._stopping:
+            try:
+                findings = await inspect_redis(self._client)
+            except REDIS_ERRORS:
+                await asyncio.sleep(SAFETY_RETRY)
+                continue
+            except Exception as exc:
+                log.warning("could not check the Redis settings: %s", self._text(exc))
+                return
+            self.safety_findings = [f.message for f in findings]
+            for finding in findings:
+                log.warning("Redis settings: %s", finding.message)
+            return
+
+    async def _diagnose(self, exc: BaseException) -> None:
+        """After a WRONGTYPE error, name the offending keys in the log."""
+        if not is_wrongtype(exc):
+            return
+        try:
+            findings = await find_bad_keys(
+                self._client, self.config.redis.prefix, [g.name for g in self.config.gates]
+            )
+        except Exception as diag:
+            self._errors["diagnosis"].error(f"could not find the bad key: {self._text(diag)}")
+            return
+        for finding in findings:
+            self._errors["diagnosis"].error(finding.message)
+
     # -- election ----------------------------------------------------------------------------
 
     async def _election_loop(self) -> None:
@@ -145,8 +241,16 @@ class Coordinator:
                         await self._on_new_term(term)
                 else:
                     await election.renew()
+                if election.is_leader:
+                    self._errors["election"].ok()
             except REDIS_ERRORS as exc:
-                log.warning("election: Redis unreachable (%s)", exc)
+                self._errors["election"].error(
+                    f"Redis unreachable ({self._text(exc)})", level=logging.WARNING
+                )
+            except Exception as exc:
+                # Bad state in Redis (fg:epoch of the wrong type, ...): log, keep campaigning.
+                if self._errors["election"].error(f"failed: {self._text(exc)}", trace=True):
+                    await self._diagnose(exc)
             leading = election.is_leader
             self.metrics.leader.set(1 if leading else 0)
             await asyncio.sleep(ttl / 3 if leading else min(1.0, ttl / 3))
@@ -154,10 +258,20 @@ class Coordinator:
     async def _on_new_term(self, term: Leadership) -> None:
         """Warm failover: continue from the controller states the last leader stored."""
         self.metrics.epoch.set(term.epoch)
-        self.states = await self.publisher.load_states(self.config.gates, self.params)
+        try:
+            self.states = await self.publisher.load_states(self.config.gates, self.params)
+        except Exception as exc:
+            # Unreachable or a util key of the wrong type: lead anyway, from a cold start.
+            log.warning(
+                "could not load the previous controller states (%s); cold start", self._text(exc)
+            )
+            self.states = {}
+            await self._diagnose(exc)
         self.published = {}
         resumed = {n: s.target for n, s in self.states.items() if self.params[n].adaptive}
-        log.info("leader with epoch %d; resuming targets %s", term.epoch, resumed)
+        shown = dict(list(resumed.items())[:10])
+        more = f" (+{len(resumed) - len(shown)} more)" if len(resumed) > len(shown) else ""
+        log.info("leader with epoch %d; resuming targets %s%s", term.epoch, shown, more)
         self._wake_poll.set()
 
     # -- polling -----------------------------------------------------------------------------
@@ -176,27 +290,36 @@ class Coordinator:
             self._wake_poll.clear()
             if not self.election.is_leader:
                 continue
+            errors = self._errors["poll"]
+            self._gate_failures = 0
             try:
                 await self.poll_once()
+                if not self._gate_failures:
+                    errors.ok()
             except REDIS_ERRORS as exc:
-                log.warning("poll: Redis unreachable (%s); targets decay if this persists", exc)
-            except Exception:
-                log.exception("poll failed")
+                errors.error(
+                    f"Redis unreachable ({self._text(exc)}); targets decay if this persists",
+                    level=logging.WARNING,
+                )
+            except Exception as exc:
+                if errors.error(f"failed: {self._text(exc)}", trace=True):
+                    await self._diagnose(exc)
 
     async def _scrape(self, gate: GateConfig) -> Signals | None:
         if not self.params[gate.name].adaptive:
             return None
         assert self._http is not None
         c = self.config.coordinator
-        t0 = time.perf_counter()
-        signals = await fetch_signals(
-            self._http,
-            gate.metrics_urls,
-            server=gate.server,
-            model_name=gate.model_name,
-            timeout=c.scrape_timeout,
-            max_bytes=c.max_body_bytes,
-        )
+        async with self._scrape_slots:
+            t0 = time.perf_counter()
+            signals = await fetch_signals(
+                self._http,
+                gate.metrics_urls,
+                server=gate.server,
+                model_name=gate.model_name,
+                timeout=c.scrape_timeout,
+                max_bytes=c.max_body_bytes,
+            )
         self.metrics.scrape_seconds.labels(gate.name).observe(time.perf_counter() - t0)
         if not signals.ok:
             self.metrics.scrape_errors.labels(gate.name).inc()
@@ -209,7 +332,7 @@ class Coordinator:
         gates = self.config.gates
         now = await self.publisher.server_time()
         signals = await asyncio.gather(*(self._scrape(g) for g in gates))
-        in_flight = await self.publisher.in_flight(gates)
+        in_flight = await self._in_flight(gates)
         pubs = [
             self._decide(g, s, in_flight.get(g.name), now)
             for g, s in zip(gates, signals, strict=True)
@@ -219,8 +342,9 @@ class Coordinator:
             log.warning("poll: no longer leader; nothing published")
             return pubs
         ttl_ms = int(self.config.coordinator.target_ttl * 1000)
-        accepted = await self.publisher.publish(term.epoch, ttl_ms, pubs)
-        if not all(accepted):
+        accepted = await self._publish(term.epoch, ttl_ms, pubs)
+        refused = [p.gate.name for p, ok in zip(pubs, accepted, strict=True) if ok is False]
+        if refused and await self._deposed(term.epoch, refused):
             self.metrics.refused.inc()
             log.error(
                 "targets refused for epoch %d: a newer leader exists; stepping down", term.epoch
@@ -229,6 +353,77 @@ class Coordinator:
             self.metrics.leader.set(0)
         self.metrics.poll_seconds.observe(time.perf_counter() - t0)
         return pubs
+
+    async def _in_flight(self, gates: tuple[GateConfig, ...]) -> dict[str, int]:
+        """Fleet in-flight per gate; a gate whose key is broken is unknown, not fatal."""
+        try:
+            return await self.publisher.in_flight(gates)
+        except REDIS_ERRORS:
+            raise
+        except Exception:
+            pass  # one bad key fails the whole pipeline: ask gate by gate
+        counts: dict[str, int] = {}
+        for gate in gates:
+            try:
+                counts.update(await self.publisher.in_flight((gate,)))
+            except REDIS_ERRORS:
+                raise
+            except Exception as exc:
+                self._gate_failures += 1
+                self._errors["poll"].error(
+                    f"gate {gate.name}: in-flight unknown: {self._text(exc)}"
+                )
+                await self._diagnose(exc)
+        return counts
+
+    async def _publish(self, epoch: int, ttl_ms: int, pubs: list[Publication]) -> list[bool | None]:
+        """Publish all gates in one pipeline; if one gate's keys are broken, publish the others
+        one by one. Per gate: accepted, refused (stale epoch) or None (failed, logged)."""
+        try:
+            return list(await self.publisher.publish(epoch, ttl_ms, pubs))
+        except REDIS_ERRORS:
+            raise
+        except Exception:
+            pass
+        results: list[bool | None] = []
+        for pub in pubs:
+            try:
+                results.append((await self.publisher.publish(epoch, ttl_ms, [pub]))[0])
+            except REDIS_ERRORS:
+                raise
+            except Exception as exc:
+                self._gate_failures += 1
+                results.append(None)
+                self._errors["poll"].error(
+                    f"gate {pub.gate.name}: not published: {self._text(exc)}"
+                )
+                await self._diagnose(exc)
+        return results
+
+    async def _deposed(self, epoch: int, refused: list[str]) -> bool:
+        """A refused target means a newer leader -- if a newer epoch was ever issued.
+
+        Epochs come only from ``INCR`` of the epoch counter. When the counter is still at our
+        epoch, nobody newer exists and the gate's stored epoch is corrupt (planted, or the
+        counter was reset): stepping down would only make every coordinator flap forever.
+        """
+        try:
+            counter = await self._client.get(fleet_keys(self.config.redis.prefix).epoch)
+            latest = int(counter) if counter is not None else None
+        except REDIS_ERRORS:
+            raise
+        except Exception:
+            latest = None
+        if latest is None or latest > epoch:
+            return True
+        self._gate_failures += 1
+        self._errors["poll"].error(
+            f"gates {', '.join(refused)}: target refused although no epoch above {epoch} was "
+            "ever issued (the stored target epoch is corrupt, or the epoch counter was reset); "
+            "these gates keep their old target until it expires. Delete their target keys "
+            f"(redis-cli DEL '{self.config.redis.prefix}:{{<gate>}}:target') to fix."
+        )
+        return False
 
     def _decide(
         self, gate: GateConfig, signals: Signals | None, in_flight: int | None, now: float
@@ -272,14 +467,18 @@ class Coordinator:
             await asyncio.sleep(self.reap_interval)
             if not self.election.is_leader:
                 continue
+            errors = self._errors["reaper"]
             try:
                 names = await self.publisher.registered_gates()
+                # A non-transactional pipeline runs every gate's sweep even if one fails.
                 await self.publisher.sweep(names)
                 self.metrics.reaped_gates.inc(len(names))
+                errors.ok()
             except REDIS_ERRORS as exc:
-                log.warning("reaper: Redis unreachable (%s)", exc)
-            except Exception:
-                log.exception("reaper sweep failed")
+                errors.error(f"Redis unreachable ({self._text(exc)})", level=logging.WARNING)
+            except Exception as exc:
+                if errors.error(f"sweep failed: {self._text(exc)}", trace=True):
+                    await self._diagnose(exc)
 
 
 def run_coordinator(config_path: str, *, coordinator_id: str | None = None) -> int:

@@ -56,14 +56,18 @@ __all__ = [
 
 
 def _redact(url: str) -> str:
-    """``url`` with any ``user:password@`` replaced, so error messages never echo a secret."""
+    """``url`` without secrets, for error messages: ``user:password@`` (up to the last ``@``)
+    and the query string (``?token=...``) are replaced by ``***``."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    netloc, slash, tail = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return f"{scheme}{sep}{netloc}{slash}{tail}"
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    for mark in ("?", "#"):
+        head, found, _ = rest.partition(mark)
+        if found:
+            rest = f"{head}{mark}***"
+    return f"{scheme}{sep}{rest}"
 
 
 def validate_metrics_url(url: str) -> str:
@@ -155,8 +159,14 @@ async def _fetch(
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_bytes:
             return fail(f"body of {declared} bytes exceeds the {max_bytes}-byte cap")
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            # We asked for identity. A compressed body would be inflated chunk by chunk before
+            # the cap could see it (a 64 KiB gzip chunk of zeros inflates to ~64 MiB).
+            return fail(f"compressed body (Content-Encoding: {encoding[:20]}) refused")
         body = bytearray()
-        async for chunk in response.aiter_bytes():
+        # Raw bytes: never decoded, so the cap bounds what is held in memory.
+        async for chunk in response.aiter_raw():
             body += chunk
             if len(body) > max_bytes:
                 return fail(f"body exceeds the {max_bytes}-byte cap; aborted")
@@ -171,10 +181,12 @@ async def scrape(
 ) -> ScrapeResult:
     """GET ``url`` within ``timeout`` seconds in total, reading at most ``max_bytes`` of body.
 
-    Redirects are refused (a 3xx is a failure), so is any status but 200. httpx's own timeouts are
-    per operation, so the whole exchange also runs under a total timeout: a server that
-    trickles its body byte by byte cannot hold the poll past ``timeout``. Network and HTTP errors
-    come back as a failed result; only cancellation propagates.
+    Redirects are refused (a 3xx is a failure), so is any status but 200 and any compressed
+    body. httpx's own timeouts are per operation, so the whole exchange also runs under a total
+    timeout: a server that trickles its headers or body byte by byte cannot hold the poll past
+    ``timeout``. The body is read raw and dropped as soon as it passes ``max_bytes``, so memory
+    stays bounded whatever the server sends. Network and HTTP errors come back as a failed
+    result; only cancellation propagates.
     """
     start = time.monotonic()
     try:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+import os
 import re
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aredis
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, TryAgainError
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+
+from fleetgate.errors import ConfigError
 
 __all__ = [
     "REDIS_ERRORS",
@@ -18,7 +25,9 @@ __all__ = [
     "is_cluster",
     "prepare",
     "redact",
+    "scrub",
     "split_cluster_flag",
+    "validate_redis_url",
 ]
 
 AnyRedis = aredis.Redis | aredis.RedisCluster
@@ -33,7 +42,11 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 
-_TRUE = {"1", "true", "yes", "on"}
+# What prepare() tolerates: unreachable, or a cluster that cannot be mapped yet.
+_PREPARE_ERRORS: tuple[type[BaseException], ...] = (*REDIS_ERRORS, RedisClusterException)
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def split_cluster_flag(url: str) -> tuple[str, bool]:
@@ -60,12 +73,16 @@ async def prepare(client: Any) -> None:
 
     redis-py's asyncio ``RedisCluster`` can corrupt a connection when many first commands race
     its lazy initialisation (seen with redis-py 8.1); one explicit ``initialize()`` avoids it.
-    A standalone client needs nothing. Unreachable Redis is left to the caller's first command.
+    A standalone client needs nothing. Unreachable Redis is left to the caller's first command,
+    so a process may start before its Redis: that includes redis-py's ``RedisClusterException``
+    "Redis Cluster cannot be connected" (which is not a ``ConnectionError``), raised when no
+    startup node answers -- or when the ACL refuses ``CLUSTER SLOTS``/``COMMAND``, which
+    redis-py 8.1 misreports as "Cluster mode is not enabled on this node".
     """
     if is_cluster(client):
         try:
             await client.initialize()
-        except REDIS_ERRORS:
+        except _PREPARE_ERRORS:
             pass
 
 
@@ -82,7 +99,14 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
     error) instead of stalling the caller in redis-py's back-off. Short connect and socket
     timeouts make an outage visible within about a second. ``dedicated`` gives a client bound
     to one connection of its own (for blocking commands).
+
+    ``url`` is checked first (:func:`validate_redis_url`, plus: the TLS files it names exist), so
+    a typo is a :class:`ConfigError` naming the problem here, not a connection error later that
+    would read as an outage. ``rediss://`` verifies the server's host name unless the URL says
+    ``ssl_check_hostname=false`` (redis-py < 6 did not by default). No error raised here echoes
+    the URL's password.
     """
+    validate_redis_url(url, check_files=True)
     options: dict[str, Any] = {
         "decode_responses": True,
         "socket_connect_timeout": 1.0,
@@ -90,25 +114,209 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
     }
+    if urlsplit(url).scheme == "rediss":
+        options["ssl_check_hostname"] = True  # a query parameter in the URL wins over this
     options.update(overrides)
     url, cluster = split_cluster_flag(url)
-    if cluster:
-        # One pool per node, owned by the cluster client; a dedicated client is simply another
-        # cluster client whose connections nobody else uses.
-        options.pop("health_check_interval", None)
+    try:
+        if cluster:
+            # One pool per node, owned by the cluster client; a dedicated client is simply
+            # another cluster client whose connections nobody else uses.
+            options.pop("health_check_interval", None)
+            options.setdefault("max_connections", MAX_CONNECTIONS)
+            return aredis.RedisCluster.from_url(url, **options)
+        if dedicated:
+            return aredis.Redis.from_url(url, single_connection_client=True, **options)
         options.setdefault("max_connections", MAX_CONNECTIONS)
-        return aredis.RedisCluster.from_url(url, **options)
-    if dedicated:
-        return aredis.Redis.from_url(url, single_connection_client=True, **options)
-    options.setdefault("max_connections", MAX_CONNECTIONS)
-    options.setdefault("timeout", POOL_TIMEOUT)
-    pool = aredis.BlockingConnectionPool.from_url(url, **options)
-    return aredis.Redis.from_pool(pool)  # closing the client closes its pool
+        options.setdefault("timeout", POOL_TIMEOUT)
+        pool = aredis.BlockingConnectionPool.from_url(url, **options)
+        return aredis.Redis.from_pool(pool)  # closing the client closes its pool
+    except (ValueError, TypeError) as exc:
+        # redis-py's messages may quote parts of the URL (a password after a stray '/'):
+        # say what failed without them.
+        raise ConfigError(
+            f"Redis URL {redact(url)} rejected by redis-py: {scrub(str(exc), url)}"
+        ) from None
 
 
-_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<auth>[^@/]*@)", re.IGNORECASE)
+# ------------------------------------------------------------------------------ URL checking
+
+# Query parameters fleetgate accepts in a Redis URL (redis-py turns them into connection
+# options). A misspelt one would otherwise surface only at the first command, as a TypeError
+# or (a missing CA file) an OSError that reads as "Redis unreachable".
+_URL_PARAMS = frozenset(
+    {
+        "db",
+        "username",
+        "password",
+        "client_name",
+        "protocol",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "health_check_interval",
+        "max_connections",
+        # not "timeout" (the blocking pool's wait): the dedicated clients' pool passes it on to
+        # the connection, which refuses it
+    }
+)
+_TLS_PARAMS = frozenset(
+    {
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_ca_data",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_password",
+        "ssl_cert_reqs",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_ciphers",
+    }
+)
+_TLS_FILES = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+_CERT_REQS = frozenset({"none", "optional", "required"})
+
+
+def _init_params(cls: type) -> frozenset[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                names.add(p.name)
+    return frozenset(names)
+
+
+@functools.cache
+def _accepted(scheme: str, cluster: bool) -> frozenset[str]:
+    """The URL parameters the installed redis-py accepts for this kind of connection."""
+    if cluster:
+        supported = _init_params(aredis.RedisCluster)
+    else:
+        conn = {
+            "unix": aredis.UnixDomainSocketConnection,
+            "rediss": aredis.SSLConnection,
+        }.get(scheme, aredis.Connection)
+        supported = _init_params(conn) | _init_params(aredis.BlockingConnectionPool)
+    wanted = _URL_PARAMS | (_TLS_PARAMS if scheme == "rediss" else frozenset())
+    return frozenset(wanted & supported) | {"cluster"}
+
+
+def validate_redis_url(url: object, *, check_files: bool = False) -> str:
+    """Return ``url`` if it is a usable Redis URL, else raise :class:`ConfigError` saying why.
+
+    Accepted: ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs; query parameters are
+    redis-py connection options (``db``, ``socket_timeout``, the ``ssl_*`` options of
+    ``rediss://``, ...) plus fleetgate's ``cluster=1``. ``check_files`` also checks that the TLS
+    files named by ``ssl_ca_certs``/``ssl_ca_path``/``ssl_certfile``/``ssl_keyfile`` exist.
+    Messages never contain the password.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError("the Redis URL must be a non-empty string")
+    shown = redact(url)
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
+        raise ConfigError(f"Redis URL {shown!r} contains whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a malformed port
+    except ValueError:
+        # urllib's message would quote the bad port, which is part of the password when the
+        # password holds an unescaped '/', '?' or '#'.
+        raise ConfigError(
+            f"Redis URL {shown!r} is malformed (bad port?); percent-encode any '@', '/', '?', "
+            "'#' or ':' in the user name or password"
+        ) from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError(
+            f"expected a redis://, rediss:// or unix:// URL, got scheme {parts.scheme!r}"
+        )
+    if scheme == "unix" and not parts.path:
+        raise ConfigError(f"Redis URL {shown!r} has no socket path")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    cluster_flags = [v for k, v in query if k == "cluster"]
+    cluster = bool(cluster_flags) and cluster_flags[-1].lower() in _TRUE
+    if cluster_flags and cluster_flags[-1].lower() not in _TRUE | _FALSE:
+        raise ConfigError(f"Redis URL {shown!r}: cluster= takes 1/0, true/false, yes/no, on/off")
+    if cluster and scheme == "unix":
+        raise ConfigError(f"Redis URL {shown!r}: a Redis Cluster cannot be reached by unix://")
+    accepted = _accepted(scheme, cluster)
+    for key, _ in query:
+        if key in accepted:
+            continue
+        if key in _TLS_PARAMS and scheme != "rediss":
+            raise ConfigError(
+                f"Redis URL {shown!r}: {key} needs a rediss:// (TLS) URL, not {scheme}://"
+            )
+        if key in _TLS_PARAMS | _URL_PARAMS:
+            kind = "Redis Cluster" if cluster else "this connection"
+            raise ConfigError(
+                f"Redis URL {shown!r}: {key} is not supported for {kind} by the installed redis-py"
+            )
+        close = difflib.get_close_matches(key, sorted(accepted), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"Redis URL {shown!r}: unknown query parameter {key!r}{hint}")
+    try:
+        parse_url(url if not cluster_flags else split_cluster_flag(url)[0])
+    except ValueError as exc:  # e.g. "Invalid value for 'db' in connection URL."
+        raise ConfigError(f"Redis URL {shown!r}: {scrub(str(exc), url)}") from None
+    options = dict(query)
+    reqs = options.get("ssl_cert_reqs")
+    if reqs is not None and reqs.lower() not in _CERT_REQS:
+        raise ConfigError(
+            f"Redis URL {shown!r}: ssl_cert_reqs must be none, optional or required, got {reqs!r}"
+        )
+    if check_files:
+        for key in _TLS_FILES:
+            path = options.get(key)
+            if path is not None and not os.path.exists(path):
+                raise ConfigError(f"Redis URL {shown!r}: {key} file {path!r} does not exist")
+    return url
+
+
+# ------------------------------------------------------------------------------ redaction
+
+# A scheme, then everything up to the LAST '@' before whitespace: a password may hold an
+# unescaped '@' or '/', and cutting at the first one would print the rest. When in doubt this
+# hides too much (an '@' in a query value), never too little.
+_CREDENTIALS = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<auth>[^\s'\"]*@)", re.IGNORECASE)
+# Query parameters that carry secrets: ?password=..., ?ssl_password=...
+_SECRET_PARAM = re.compile(
+    r"(?P<key>[?&][a-z_]*(?:password|secret|token)[a-z_]*=)(?P<value>[^&#\s'\"]*)",
+    re.IGNORECASE,
+)
 
 
 def redact(url: str) -> str:
-    """``url`` with any user:password part replaced, for logs, errors and status output."""
-    return _CREDENTIALS.sub(lambda m: f"{m.group('scheme')}***@", url)
+    """``url`` with any user:password part and password query values replaced by ``***``.
+
+    For logs, errors and status output. ``redis://u:p@h:6379/0`` -> ``redis://***@h:6379/0``.
+    """
+    url = _CREDENTIALS.sub(lambda m: f"{m.group('scheme')}***@", url)
+    return _SECRET_PARAM.sub(lambda m: f"{m.group('key')}***", url)
+
+
+def _secrets_of(url: str) -> list[str]:
+    secrets: list[str] = []
+    scheme_end = url.find("://")
+    if scheme_end >= 0:
+        rest = url[scheme_end + 3 :]
+        auth = rest.rpartition("@")[0] if "@" in rest else ""
+        if auth:
+            password = auth.partition(":")[2] if ":" in auth else auth
+            secrets += [password, unquote(password)]
+    for m in _SECRET_PARAM.finditer(url):
+        secrets += [m.group("value"), unquote(m.group("value"))]
+    # Longest first, so a secret that contains another is replaced whole.
+    return sorted({s for s in secrets if len(s) >= 3}, key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (an error message, say) with ``url``'s password, and any credentials of URLs in
+    it, replaced by ``***``: belt and braces for messages of third-party code."""
+    for secret in _secrets_of(url):
+        text = text.replace(secret, "***")
+    return redact(text)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import msgspec
 
 from fleetgate import __version__
-from fleetgate._redis import connect, prepare, redact
+from fleetgate._redis import connect, prepare, redact, scrub
 from fleetgate.errors import ConfigError, FleetgateError
 
 __all__ = ["main"]
@@ -105,8 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "check",
         help="health check (exit code 0 if Redis is usable)",
-        description="Connect to Redis, check the version and that maxmemory-policy is "
-        "noeviction (evicted semaphore keys would reset the cap). Exit 0 when healthy.",
+        description="Connect to Redis and check: version >= 6.2, maxmemory-policy noeviction "
+        "(evicted semaphore keys would reset the cap), connected to a primary, and fleetgate's "
+        "keys under the prefix hold the right types and numbers. Replicas are reported (a "
+        "failover can lose recent grants). Exit 0 when healthy, 1 on any error.",
     )
     _redis_options(p)
     _logging_options(p)
@@ -217,29 +219,34 @@ async def _inspect(args: argparse.Namespace) -> int:
 
 
 async def _check(args: argparse.Namespace) -> int:
-    url, _prefix = resolve_redis(args)
+    """Redis reachable, version >= 6.2, noeviction, a primary, fleetgate's keys intact.
+
+    Exit 1 on any error-level finding (see :mod:`fleetgate.safety`); warnings (replicas
+    attached, a setting that could not be read) are printed but keep exit code 0.
+    """
+    from fleetgate.safety import find_bad_keys, inspect_redis, redis_version
+
+    url, prefix = resolve_redis(args)
+    shown = redact(url)
     client = connect(url)
     try:
-        info = await client.info("server")
-        policy = (await client.config_get("maxmemory-policy")).get("maxmemory-policy")
+        await prepare(client)
+        await client.ping()
+        version = await redis_version(client)
+        findings = await inspect_redis(client)
+        findings += await find_bad_keys(client, prefix)
     except Exception as exc:
-        print(f"fleetgate check: Redis at {redact(url)} unusable: {exc}", file=sys.stderr)
+        # Anything redis-py raises; its text never holds the password, and scrub() makes sure.
+        print(
+            f"fleetgate check: Redis at {shown} unusable: {scrub(str(exc), url)}", file=sys.stderr
+        )
         return EXIT_ERROR
     finally:
         await client.aclose()
-    version = str(info.get("redis_version", "?"))
-    ok = True
-    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < (6, 2):
-        print(f"fleetgate check: Redis {version} is too old (need >= 6.2)", file=sys.stderr)
-        ok = False
-    if policy != "noeviction":
-        print(
-            f"fleetgate check: maxmemory-policy is {policy!r}; use 'noeviction' (an evicted "
-            "semaphore key would silently reset a gate's cap)",
-            file=sys.stderr,
-        )
-        ok = False
-    print(f"redis {version} at {redact(url)}: {'ok' if ok else 'NOT OK'}")
+    for finding in findings:
+        print(f"fleetgate check: {finding.level.upper()}: {finding.message}", file=sys.stderr)
+    ok = not any(f.level == "error" for f in findings)
+    print(f"redis {version or '?'} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
     return EXIT_OK if ok else EXIT_ERROR
 
 

@@ -1,0 +1,328 @@
+"""Checks of the Redis server and of fleetgate's keys that the scripts cannot make themselves.
+
+* :func:`check_redis` / :func:`inspect_redis`: server settings a semaphore depends on.
+  ``maxmemory-policy`` must be ``noeviction`` -- an evicted ``holders`` zset or ``cfg`` hash would
+  silently reset a gate's count or cap. Replicas are reported because a grant acknowledged by the
+  primary can vanish in a failover before it was replicated (docs/security.md, "Redis
+  settings"). The connection must reach a primary.
+* :func:`find_bad_keys`: keys under the prefix that hold the wrong Redis type (every script on
+  that gate then fails with ``WRONGTYPE``) or configuration values that are not numbers.
+
+The policy is read from ``INFO memory`` first and ``CONFIG GET`` only as a fallback: INFO needs no
+``CONFIG`` permission (``CONFIG GET`` can read ``requirepass``, so least-privilege ACLs and
+managed Redis services deny or rename it). When neither answers, the result says that the
+setting could not be checked instead of guessing.
+
+Connection errors propagate (the caller decides: the coordinator retries later, ``fleetgate
+check`` reports Redis unusable). Permission and unknown-command errors are findings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aredis
+from redis.exceptions import NoPermissionError, ResponseError
+
+from fleetgate._redis import is_cluster
+from fleetgate.keys import GateKeys, fleet_keys
+
+__all__ = [
+    "EXPECTED_TYPES",
+    "Finding",
+    "check_redis",
+    "find_bad_keys",
+    "inspect_redis",
+    "is_wrongtype",
+    "redis_version",
+]
+
+MIN_VERSION = (6, 2)
+
+Level = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: ``error`` means fleetgate's guarantees do not hold as configured."""
+
+    level: Level
+    code: str  # version, eviction, unchecked, replica_role, replicas, wrong_type, bad_value
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# Redis type of every key of one gate (GateKeys attribute -> TYPE reply); absent keys are fine.
+EXPECTED_TYPES: Mapping[str, str] = {
+    "cfg": "hash",
+    "target": "hash",
+    "holders": "zset",
+    "queue": "zset",
+    "waiters": "zset",
+    "seq": "string",
+    "stats": "hash",
+    "pods": "zset",
+    "util": "hash",
+}
+_FLEET_TYPES: Mapping[str, str] = {"gates": "set", "leader": "string", "epoch": "string"}
+_CFG_FIELDS = {"floor": 1, "ceiling": 1, "max_queued": 0, "lease_ms": 100, "waiter_ms": 100}
+_TARGET_FIELDS = ("value", "epoch", "expires_at")
+# Larger numbers are no configuration anyone means (a lease of 30 years, a cap of 10^18), and
+# make the scripts compute with floats that Redis cannot return.
+_MAX_VALUE = 2**53
+
+_WAIT_NOTE = (
+    "a grant is acknowledged by the primary before it reaches the replicas; after a failover "
+    "the new primary may not know recent leases, so a gate can briefly admit more than its "
+    "limit (see docs/security.md, 'Redis settings', for WAIT)"
+)
+
+
+def is_wrongtype(exc: BaseException) -> bool:
+    """True for Redis' ``WRONGTYPE`` error (a key of fleetgate's holds another type)."""
+    return isinstance(exc, ResponseError) and "WRONGTYPE" in str(exc)  # also in pipelines
+
+
+def _denied(exc: ResponseError) -> bool:
+    """ACL refusal, or a command renamed away / unknown (managed Redis)."""
+    if isinstance(exc, NoPermissionError):  # redis-py strips the NOPERM prefix
+        return True
+    text = str(exc).upper()
+    return "NOPERM" in text or "UNKNOWN COMMAND" in text or "UNKNOWN SUBCOMMAND" in text
+
+
+async def _per_node(client: Any, section: str) -> list[tuple[str, dict[str, Any]]]:
+    """``INFO section`` of every node the client writes to (one node when standalone)."""
+    if not is_cluster(client):
+        return [("", dict(await client.info(section)))]
+    out = []
+    for node in client.get_primaries():
+        info = await client.info(section, target_nodes=node)
+        out.append((f"{node.host}:{node.port} ", dict(info)))
+    return out
+
+
+async def _policy(client: Any) -> list[tuple[str, str | None, str | None]]:
+    """(node, maxmemory-policy or None, why unknown) per node."""
+    try:
+        nodes = await _per_node(client, "memory")
+    except ResponseError as exc:
+        if not _denied(exc):
+            raise
+        nodes = []
+    found: list[tuple[str, str | None, str | None]] = [
+        (n, str(i["maxmemory_policy"]), None) for n, i in nodes if "maxmemory_policy" in i
+    ]
+    if found and len(found) == len(nodes):
+        return found
+    try:
+        reply = await client.config_get("maxmemory-policy")
+    except ResponseError as exc:
+        if not _denied(exc):
+            raise
+        return [("", None, f"INFO lacks it and CONFIG GET was refused ({exc})")]
+    # A cluster client merges the nodes' replies; one value stands for all of them.
+    value = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
+    return [("", str(value) if value is not None else None, "CONFIG GET gave no value")]
+
+
+async def redis_version(client: aredis.Redis | aredis.RedisCluster) -> str | None:
+    """The lowest ``redis_version`` of the nodes, None when INFO is refused."""
+    try:
+        nodes = await _per_node(client, "server")
+    except ResponseError as exc:
+        if not _denied(exc):
+            raise
+        return None
+    versions = [str(info.get("redis_version", "")) for _, info in nodes]
+    known = [v for v in versions if v]
+    return min(known, key=_version_tuple) if known else None
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(x) if x.isdigit() else 0 for x in version.split(".")[:3])
+
+
+async def inspect_redis(client: aredis.Redis | aredis.RedisCluster) -> list[Finding]:
+    """Findings about the server's settings (empty when everything fleetgate needs holds)."""
+    findings: list[Finding] = []
+    version = await redis_version(client)
+    if version is None:
+        findings.append(
+            Finding("warning", "unchecked", "the Redis version could not be checked (INFO refused)")
+        )
+    elif _version_tuple(version) < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        findings.append(
+            Finding("error", "version", f"Redis {version} is too old: fleetgate needs >= {need}")
+        )
+    for node, policy, why in await _policy(client):
+        if policy is None:
+            findings.append(
+                Finding(
+                    "warning",
+                    "unchecked",
+                    f"{node}maxmemory-policy could not be checked ({why}); make sure it is "
+                    "'noeviction': an evicted semaphore key would silently reset a gate's cap",
+                )
+            )
+        elif policy != "noeviction":
+            findings.append(
+                Finding(
+                    "error",
+                    "eviction",
+                    f"{node}maxmemory-policy is {policy!r}; use 'noeviction': under memory "
+                    "pressure Redis would evict semaphore keys and silently reset gates' caps "
+                    "and queues",
+                )
+            )
+    try:
+        replication = await _per_node(client, "replication")
+    except ResponseError as exc:
+        if not _denied(exc):
+            raise
+        findings.append(
+            Finding("warning", "unchecked", f"replication could not be checked ({exc})")
+        )
+        return findings
+    for node, info in replication:
+        role = str(info.get("role", ""))
+        if role in ("slave", "replica"):
+            findings.append(
+                Finding(
+                    "error",
+                    "replica_role",
+                    f"{node}connected to a replica (role {role}): fleetgate needs the primary "
+                    "(scripts write, a replica refuses them)",
+                )
+            )
+            continue
+        replicas = int(info.get("connected_slaves", 0) or 0)
+        if replicas:
+            findings.append(
+                Finding(
+                    "warning", "replicas", f"{node}{replicas} replica(s) attached: {_WAIT_NOTE}"
+                )
+            )
+    return findings
+
+
+async def check_redis(client: aredis.Redis | aredis.RedisCluster) -> list[str]:
+    """Warnings about the server's settings, one line each (empty: nothing to report).
+
+    See :func:`inspect_redis` for the levels; ``fleetgate check`` fails on error-level ones.
+    """
+    return [f.message for f in await inspect_redis(client)]
+
+
+def _bad_number(value: str, low: int) -> str | None:
+    try:
+        number = float(value)
+    except ValueError:
+        return "is not a number"
+    if not math.isfinite(number):
+        return "is not finite"
+    if number != int(number):
+        return "is not an integer"
+    if number < low or number > _MAX_VALUE:
+        return f"is outside [{low}, 2^53]"
+    return None
+
+
+async def find_bad_keys(
+    client: aredis.Redis | aredis.RedisCluster,
+    prefix: str,
+    gates: Iterable[str] = (),
+    *,
+    max_gates: int = 1000,
+) -> list[Finding]:
+    """Keys under ``prefix`` of the wrong type and garbled ``cfg``/``target`` values.
+
+    Looks at the fleet keys and at ``gates`` plus the registered gates (at most ``max_gates``).
+    The per-pod wake lists are not looked at (their names are not known without a SCAN).
+    Needs ``TYPE``, ``SMEMBERS`` and ``HGETALL``; a refused command is a warning, not a crash.
+    """
+    fk = fleet_keys(prefix)
+    findings: list[Finding] = []
+
+    def wrong(key: str, found: str, expected: str) -> Finding:
+        return Finding(
+            "error",
+            "wrong_type",
+            f"key {key} is a {found}, expected a {expected}: every command on it fails with "
+            f"WRONGTYPE; delete it (redis-cli DEL '{key}') -- fleetgate recreates it",
+        )
+
+    try:
+        fleet_types = await _types(client, [getattr(fk, a) for a in _FLEET_TYPES])
+        names = set(gates)
+        if fleet_types[0] in ("set", "none"):
+            names |= {str(n) for n in await client.smembers(fk.gates)}
+        for (attr, expected), found in zip(_FLEET_TYPES.items(), fleet_types, strict=True):
+            if found not in ("none", expected):
+                findings.append(wrong(getattr(fk, attr), found, expected))
+        for name in sorted(names)[:max_gates]:
+            try:
+                keys = GateKeys.of(prefix, name)
+            except ValueError:
+                findings.append(
+                    Finding("error", "bad_value", f"{fk.gates} holds an invalid gate name {name!r}")
+                )
+                continue
+            findings += await _gate_findings(client, keys, wrong)
+    except ResponseError as exc:
+        if not _denied(exc):
+            raise
+        findings.append(Finding("warning", "unchecked", f"keys could not be checked ({exc})"))
+    return findings
+
+
+async def _types(client: Any, keys: list[str]) -> list[str]:
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.type(key)
+    return [str(t) for t in await pipe.execute()]
+
+
+async def _gate_findings(client: Any, keys: GateKeys, wrong: Any) -> list[Finding]:
+    out: list[Finding] = []
+    attrs = list(EXPECTED_TYPES)
+    types = dict(zip(attrs, await _types(client, [getattr(keys, a) for a in attrs]), strict=True))
+    for attr, expected in EXPECTED_TYPES.items():
+        if types[attr] not in ("none", expected):
+            out.append(wrong(getattr(keys, attr), types[attr], expected))
+    if types["cfg"] == "hash":
+        cfg = await client.hgetall(keys.cfg)
+        for name, low in _CFG_FIELDS.items():
+            value = cfg.get(name)
+            problem = None if value is None else _bad_number(str(value), low)
+            if problem:
+                out.append(
+                    Finding(
+                        "error",
+                        "bad_value",
+                        f"{keys.cfg} field {name}={str(value)[:40]!r} {problem}: the scripts "
+                        "fall back to a default or fail; the coordinator rewrites it from its "
+                        f"config, or fix it (redis-cli DEL '{keys.cfg}')",
+                    )
+                )
+    if types["target"] == "hash":
+        target = await client.hgetall(keys.target)
+        for name in _TARGET_FIELDS:
+            value = target.get(name)
+            problem = None if value is None else _bad_number(str(value), 0)
+            if problem:
+                out.append(
+                    Finding(
+                        "error",
+                        "bad_value",
+                        f"{keys.target} field {name}={str(value)[:40]!r} {problem}: delete the "
+                        f"target (redis-cli DEL '{keys.target}'); the leader publishes a new one",
+                    )
+                )
+    return out

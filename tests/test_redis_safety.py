@@ -1,0 +1,165 @@
+"""fleetgate.safety against real servers: eviction policy, replicas, refused CONFIG/INFO, the
+coordinator's start-up check and ``fleetgate check``'s exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
+
+from fleetgate.coordinator import daemon
+from fleetgate.coordinator.config import Config
+from fleetgate.coordinator.daemon import Coordinator
+from fleetgate.redisproc import RedisProcess
+from fleetgate.safety import check_redis, inspect_redis
+
+
+def _cli_check(url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetgate.cli", "check", "--redis", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+async def r(own_redis: RedisProcess) -> AsyncIterator[aredis.Redis]:
+    client = aredis.Redis.from_url(own_redis.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def test_healthy_server_has_nothing_to_report(r: aredis.Redis) -> None:
+    assert await check_redis(r) == []
+
+
+async def test_eviction_policy_is_an_error(own_redis: RedisProcess, r: aredis.Redis) -> None:
+    await r.config_set("maxmemory-policy", "allkeys-lru")
+    [finding] = await inspect_redis(r)
+    assert finding.level == "error" and finding.code == "eviction"
+    assert "'allkeys-lru'" in finding.message and "noeviction" in finding.message
+    out = await asyncio.to_thread(_cli_check, own_redis.url)
+    assert out.returncode == 1 and "maxmemory-policy is 'allkeys-lru'" in out.stderr
+    assert "NOT OK" in out.stdout
+
+
+@pytest.fixture
+def no_config_redis() -> Iterator[RedisProcess]:
+    """A managed-Redis look-alike: CONFIG renamed away."""
+    with RedisProcess(extra_args=["--rename-command", "CONFIG", ""]) as proc:
+        yield proc
+
+
+async def test_config_disabled_falls_back_to_info(no_config_redis: RedisProcess) -> None:
+    client = aredis.Redis.from_url(no_config_redis.url, decode_responses=True)
+    try:
+        with pytest.raises(redis.ResponseError):
+            await client.config_get("maxmemory-policy")
+        assert await check_redis(client) == []  # INFO memory told us
+    finally:
+        await client.aclose()
+    out = await asyncio.to_thread(_cli_check, no_config_redis.url)
+    assert out.returncode == 0, out.stderr
+
+
+async def test_nothing_readable_is_a_warning_not_a_crash(
+    own_redis: RedisProcess, r: aredis.Redis
+) -> None:
+    await r.execute_command(
+        "ACL", "SETUSER", "blind", "on", ">pw", "~fg:*", "-@all", "+ping", "+type", "+smembers",
+        "+hgetall",
+    )  # fmt: skip
+    url = f"redis://blind:pw@127.0.0.1:{own_redis.port}/0"
+    blind = aredis.Redis.from_url(url, decode_responses=True)
+    try:
+        findings = await inspect_redis(blind)
+    finally:
+        await blind.aclose()
+    assert {f.code for f in findings} == {"unchecked"}
+    assert all(f.level == "warning" for f in findings)
+    assert any("maxmemory-policy could not be checked" in f.message for f in findings)
+    out = await asyncio.to_thread(_cli_check, url)
+    assert out.returncode == 0, out.stderr  # unknown is reported, not failed
+    assert "could not be checked" in out.stderr
+
+
+@pytest.fixture
+def replicated() -> Iterator[tuple[RedisProcess, RedisProcess]]:
+    with RedisProcess() as primary, RedisProcess() as replica:
+        with redis.Redis(port=replica.port) as client:
+            client.replicaof("127.0.0.1", primary.port)
+        with redis.Redis(port=primary.port, decode_responses=True) as client:
+            for _ in range(200):
+                if client.info("replication").get("connected_slaves"):
+                    break
+                time.sleep(0.02)
+        yield primary, replica
+
+
+async def test_replicas_are_reported_and_a_replica_is_refused(
+    replicated: tuple[RedisProcess, RedisProcess],
+) -> None:
+    primary, replica = replicated
+    client = aredis.Redis.from_url(primary.url, decode_responses=True)
+    try:
+        [finding] = await inspect_redis(client)
+    finally:
+        await client.aclose()
+    assert finding.code == "replicas" and finding.level == "warning"
+    assert "1 replica(s)" in finding.message and "WAIT" in finding.message
+    ok = await asyncio.to_thread(_cli_check, primary.url)
+    assert ok.returncode == 0 and "replica(s) attached" in ok.stderr
+    bad = await asyncio.to_thread(_cli_check, replica.url)
+    assert bad.returncode == 1 and "connected to a replica" in bad.stderr
+
+
+def _config(url: str) -> Config:
+    return Config.from_toml_text(
+        f"""
+[redis]
+url = "{url}"
+[coordinator]
+poll_interval = 0.2
+leader_ttl = 1.0
+metrics_listen = "127.0.0.1:0"
+scrape_timeout = 0.1
+""",
+        env={},
+    )
+
+
+async def test_coordinator_warns_loudly_at_start_up(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started before its Redis, the coordinator checks once Redis answers, and logs WARNING."""
+    monkeypatch.setattr(daemon, "SAFETY_RETRY", 0.1)
+    caplog.set_level(logging.WARNING, logger="fleetgate")
+    with RedisProcess(extra_args=["--maxmemory-policy", "volatile-lru"]) as proc:
+        proc.kill()
+        coord = Coordinator(_config(proc.url), registry=CollectorRegistry())
+        stop = asyncio.Event()
+        task = asyncio.create_task(coord.run(stop))
+        try:
+            await asyncio.sleep(0.3)
+            assert coord.safety_findings is None  # not checked yet, and not crashed
+            proc.start()
+            for _ in range(100):
+                if coord.safety_findings is not None:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+    assert coord.safety_findings is not None and len(coord.safety_findings) == 1
+    assert "'volatile-lru'" in coord.safety_findings[0]
+    [record] = [rec for rec in caplog.records if "volatile-lru" in rec.getMessage()]
+    assert record.levelno == logging.WARNING and record.name == "fleetgate.coordinator"
