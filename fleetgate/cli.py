@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 import msgspec
+from redis.exceptions import RedisError
 
 from fleetgate import __version__
 from fleetgate._redis import connect, prepare, redact, scrub
@@ -291,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return EXIT_OK
-    except OSError as exc:
-        print(f"fleetgate {args.command}: {exc}", file=sys.stderr)
+    except (OSError, RedisError) as exc:
+        # One line, never a traceback; redis-py messages carry host and port, never passwords.
+        print(f"fleetgate {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
 

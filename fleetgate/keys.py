@@ -30,7 +30,7 @@ __all__ = ["MAX_GATE_NAME_BYTES", "GateKeys", "fleet_keys", "validate_gate_name"
 
 MAX_GATE_NAME_BYTES = 200
 # Braces would break the hash tag; control characters make keys unreadable in redis-cli.
-_FORBIDDEN = re.compile(r"[{}\x00-\x1f\x7f]")
+_FORBIDDEN = re.compile(r"[{}\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def validate_gate_name(name: object) -> str:
@@ -39,7 +39,11 @@ def validate_gate_name(name: object) -> str:
         raise ConfigError(f"gate name must be a string, got {type(name).__name__}")
     if not name:
         raise ConfigError("gate name must not be empty")
-    if len(name.encode("utf-8")) > MAX_GATE_NAME_BYTES:
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ConfigError(f"gate name {name!r} is not valid Unicode text") from None
+    if size > MAX_GATE_NAME_BYTES:
         raise ConfigError(f"gate name {name[:40]!r}... is longer than {MAX_GATE_NAME_BYTES} bytes")
     bad = _FORBIDDEN.search(name)
     if bad:

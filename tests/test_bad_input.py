@@ -195,12 +195,6 @@ def test_gate_names_accepted_form_one_hash_tag_or_config_error(name: str) -> Non
     _check_name(name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="keys.validate_gate_name encodes to UTF-8 before checking: a lone surrogate raises "
-    "UnicodeEncodeError, not ConfigError (proposed fix in the security report)",
-)
 def test_gate_name_with_lone_surrogate_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         validate_gate_name("gate\ud800")
