@@ -21,10 +21,12 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- A number, or the default for nil, NaN and infinities (tonumber accepts 'inf' and '1e400').
+-- A number, or the default for nil, NaN, infinities (tonumber accepts 'inf' and '1e400') and
+-- magnitudes beyond 2^53, where a lease would never expire or a floor would lift the cap.
+local NUM_MAX = 9007199254740992
 local function num(v, default)
   local n = tonumber(v)
-  if n == nil or n ~= n or n == math.huge or n == -math.huge then return default end
+  if n == nil or n ~= n or n > NUM_MAX or n < -NUM_MAX then return default end
   return n
 end
 
@@ -55,7 +57,7 @@ end
 local function current_limit(now, cfg)
   local t = redis.call('HMGET', K_TARGET, 'value', 'expires_at')
   local lim = cfg.floor
-  local value, expires_at = tonumber(t[1]), tonumber(t[2])
+  local value, expires_at = num(t[1], nil), num(t[2], nil)
   if value and expires_at and expires_at > now then lim = math.floor(value) end
   if lim < cfg.floor then lim = cfg.floor end
   if lim > cfg.ceiling then lim = cfg.ceiling end
