@@ -1,0 +1,235 @@
+"""script_cost: server time of each gate script vs queue length, 10 -> 100,000 parked waiters.
+
+One gate per queue length n (10 ... 100,000) is filled directly with the acquire script
+(pipelined, ids of 10 fake pods, waiter and lease TTLs of an hour so nothing expires; one
+permanent holder and limit 1, so every acquire parks). Then rounds visit every gate in turn, each
+visit two pipelines of 50 pairs that leave n unchanged:
+
+* ``acquire (park) + cancel``: a fresh id parks at the tail and leaves the queue again;
+* ``release + hand-off + acquire (park)``: the holder releases, the script hands the slot to the
+  head waiter (ZRANGE, ZREM x2, ZADD, RPUSH + PEXPIRE of its pod's wake list), and a fresh id
+  parks at the tail.
+
+Each pipeline is framed by INFO commandstats, so the ``evalsha`` usec delta is the server time
+of exactly those scripts (their internal commands included), free of client and network noise;
+every size runs the same batch shape, so CPU caches and frequency are alike. Figures are medians
+over the pipelines (robust to the server being preempted by other processes). Growth factor =
+µs at the largest n / µs at n=10 (target <= 1.5, i.e. O(log n)). At the largest n the heartbeat
+is timed too, carrying k of one pod's waiters (its cost is O(k log n)).
+Server-side only: the parser/event-loop flavor does not change these figures.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import redis
+
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import script_source
+
+from ._common import (
+    Headline,
+    Options,
+    figure,
+    log,
+    save,
+    table,
+)
+from ._server import (
+    configure_gate,
+    private_redis,
+)
+
+NAME = "script_cost"
+GATE = "bench-script-cost"
+PODS = 10
+HOUR_MS = 3_600_000
+GROWTH_TARGET = 1.5
+KINDS = ("acquire (park) + cancel", "release + hand-off + acquire (park)")
+CHUNK = 50  # pairs per pipeline
+
+
+class Bench:
+    """One gate of a given queue length: its keys, the FIFO order of the ids we parked."""
+
+    def __init__(self, r: redis.Redis, scripts: dict[str, Any], keys: GateKeys) -> None:
+        self.r, self.s, self.gate = r, scripts, keys
+        self.keys = keys.script_keys()
+        self.queue: deque[str] = deque()
+        self.holder = "holder:0"
+        self.seq = 0
+        assert self.s["acquire"](keys=self.keys, args=self.acq_args(self.holder))[0] == 1
+
+    @staticmethod
+    def acq_args(wid: str) -> list[Any]:
+        return [wid, HOUR_MS, 1, 1, 10**7, HOUR_MS, HOUR_MS]
+
+    def new_id(self) -> str:
+        self.seq += 1
+        return f"fake{self.seq % PODS}:{self.seq}"
+
+    def timed(self, calls: Iterable[tuple[str, list[Any]]]) -> tuple[float, int]:
+        """Run script calls in one pipeline framed by INFO; (evalsha usec, calls) in between."""
+        with self.r.pipeline(transaction=False) as p:
+            p.info("commandstats")
+            n = 0
+            for name, args in calls:
+                self.s[name](keys=self.keys, args=args, client=p)
+                n += 1
+            p.info("commandstats")
+            out = p.execute()
+        a, b = out[0]["cmdstat_evalsha"], out[-1]["cmdstat_evalsha"]
+        assert b["calls"] - a["calls"] == n, "a script call failed"
+        return float(b["usec"] - a["usec"]), n
+
+    def fill(self, n: int) -> None:
+        while len(self.queue) < n:
+            ids = [self.new_id() for _ in range(min(2000, n - len(self.queue)))]
+            self.timed(("acquire", self.acq_args(i)) for i in ids)
+            self.queue.extend(ids)
+
+    def park_cancel(self, m: int) -> float:
+        """µs per pair: a fresh id parks at the tail and leaves again (length unchanged)."""
+        calls: list[tuple[str, list[Any]]] = []
+        for _ in range(m):
+            wid = self.new_id()
+            calls += [("acquire", self.acq_args(wid)), ("cancel", [wid])]
+        usec, n = self.timed(calls)
+        return 2 * usec / n
+
+    def release_handoff(self, m: int) -> float:
+        """µs per pair: the holder releases (the head is granted), a fresh id parks at the tail."""
+        calls: list[tuple[str, list[Any]]] = []
+        for _ in range(m):
+            wid = self.new_id()
+            calls += [("release", [self.holder]), ("acquire", self.acq_args(wid))]
+            self.holder = self.queue.popleft()
+            self.queue.append(wid)
+        usec, n = self.timed(calls)
+        return 2 * usec / n
+
+    def heartbeat(self, k: int, reps: int) -> float:
+        """µs per heartbeat of pod fake0 carrying k of its parked waiters."""
+        mine = [w for w in self.queue if w.startswith("fake0:")][:k]
+        assert len(mine) == k, "queue too short for this heartbeat"
+        args: list[Any] = ["fake0", 60_000, 0, len(mine)]
+        for w in mine:
+            args += [w, HOUR_MS]
+        usec, n = self.timed(("heartbeat", args) for _ in range(reps))
+        return usec / n
+
+    def sanity(self) -> None:
+        assert self.r.zcard(self.gate.queue) == len(self.queue)
+        assert self.r.zrange(self.gate.holders, 0, -1) == [self.holder]
+
+
+def _measure(url: str, opts: Options) -> dict[str, Any]:
+    sizes = (10, 100, 1_000, 10_000, 100_000)
+    rounds = opts.pick(100, 20)
+    r = redis.Redis.from_url(url, decode_responses=True)
+    scripts = {
+        n: r.register_script(script_source(n))
+        for n in ("acquire", "release", "cancel", "heartbeat")
+    }
+    benches: dict[int, Bench] = {}
+    for n in sizes:
+        keys = configure_gate(
+            url,
+            f"{GATE}-{n}",
+            floor=1,
+            ceiling=1,
+            max_queued=10**7,
+            lease_ms=HOUR_MS,
+            waiter_ms=HOUR_MS,
+        )
+        benches[n] = Bench(r, scripts, keys)
+        benches[n].fill(n)
+    log(f"{NAME}: filled gates of {', '.join(f'{n:,}' for n in sizes)} waiters")
+    # Rounds visit every size in turn, so noise from other processes hits all sizes alike.
+    per: dict[int, dict[str, list[float]]] = {n: {k: [] for k in KINDS} for n in sizes}
+    for i in range(rounds):
+        for n, b in benches.items():
+            per[n][KINDS[0]].append(b.park_cancel(CHUNK))
+            per[n][KINDS[1]].append(b.release_handoff(CHUNK))
+        if (i + 1) % max(1, rounds // 4) == 0:
+            log(f"{NAME}: round {i + 1}/{rounds}")
+    rows: list[dict[str, Any]] = []
+    for n, b in benches.items():
+        b.sanity()
+        rows.append(
+            {
+                "queue": n,
+                "encoding": r.object("encoding", b.gate.queue),
+                **{k: float(np.median(v)) for k, v in per[n].items()},
+                "mean": {k: float(np.mean(v)) for k, v in per[n].items()},
+                "p90_over_pipelines": {k: float(np.percentile(v, 90)) for k, v in per[n].items()},
+            }
+        )
+    reps = opts.pick(200, 40)
+    hb = {k: benches[sizes[-1]].heartbeat(k, reps) for k in (0, 10, 100, 250, 1000)}
+    r.close()
+    return {
+        "sizes": rows,
+        "heartbeat_us_by_waiters": hb,
+        "heartbeat_queue": sizes[-1],
+        "pairs_per_pipeline": CHUNK,
+        "pipelines_per_size": rounds,
+    }
+
+
+def run(opts: Options) -> list[Headline]:
+    with private_redis() as rp:
+        res = _measure(rp.url, opts)
+        rows = res["sizes"]
+        first, last = rows[0], rows[-1]
+        growth = {k: last[k] / first[k] for k in KINDS}
+        res["growth"] = growth
+        text = table(
+            ("queue", "encoding", *(f"{k} µs" for k in KINDS)),
+            [(r["queue"], r["encoding"], *(r[k] for k in KINDS)) for r in rows],
+        )
+        text += "\n" + table(
+            ("", *KINDS), [(f"growth {first['queue']}->{last['queue']}", *growth.values())]
+        )
+        hb = res["heartbeat_us_by_waiters"]
+        text += "\n" + table(
+            (f"heartbeat at n={res['heartbeat_queue']}: waiters carried", "µs", "µs / waiter"),
+            [(k, v, v / k if k else "-") for k, v in hb.items()],
+        )
+        fig, ax = figure(2)
+        xs = [r["queue"] for r in rows]
+        for k, style in zip(KINDS, ("o-", "s-"), strict=True):
+            ax[0][0].plot(xs, [r[k] for r in rows], style, label=k)
+        ax[0][0].set_xscale("log")
+        ax[0][0].set_ylim(bottom=0)
+        ax[0][0].set_xlabel("parked waiters (queue length)")
+        ax[0][0].set_ylabel("server µs per pair of script calls")
+        ax[0][0].legend()
+        ax[0][1].plot(list(hb), list(hb.values()), "o-")
+        ax[0][1].set_xlabel(f"waiters carried by one heartbeat (queue {res['heartbeat_queue']:,})")
+        ax[0][1].set_ylabel("server µs per heartbeat")
+        fig.suptitle("gate script cost (INFO commandstats, evalsha usec/call)")
+        save(NAME, opts, rp.url, res, text, fig)
+    worst = max(growth.values())
+    return [
+        Headline(
+            NAME,
+            f"growth {first['queue']}->{last['queue']:,} waiters, worst script",
+            f"{worst:.2f}x",
+            f"<= {GROWTH_TARGET}x",
+            worst <= GROWTH_TARGET,
+        ),
+        Headline(NAME, "heartbeat carrying 1000 waiters", f"{hb[1000]:.0f} µs", "-", None),
+    ]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ._common import main
+
+    sys.exit(main(only=[NAME]))
