@@ -17,12 +17,12 @@ import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact
+from fleetgate._redis import connect, prepare, redact
 from fleetgate.errors import ConfigError, FleetgateError, RedisUnavailable
 from fleetgate.keys import GateKeys, fleet_keys, validate_gate_name, validate_prefix
 from fleetgate.scripts import GateDefaults, GateScripts
 
-from ._gate import Gate
+from ._gate import REDIS_ERRORS, Gate
 from ._metrics import ClientMetrics, client_metrics
 
 __all__ = ["Fleet", "GateUtilization"]
@@ -31,10 +31,13 @@ log = logging.getLogger("fleetgate.client")
 
 OnRedisError = Literal["fair_share", "fail"]
 _MAX_POD_ID = 64
-# After Redis answers again, seconds a pod waits (its running work adopted, no new local permits)
-# before granting from Redis: longer than the slowest probe period (0.5 s) of the other pods, so
-# they adopt their running work first. See Fleet._probe_loop.
-RECOVERY_GRACE = 0.75
+# While Redis is unreachable each pod probes it every PROBE_PERIOD seconds (at most). After it
+# answers again, a pod waits RECOVERY_GRACE seconds (its running work adopted, no new local
+# permit started) before it is granted from Redis: longer than the other pods' probe period, so
+# they adopt their running work first, and short enough that the fleet is back within about a
+# heartbeat (1 s by default) of Redis returning. See Fleet._probe_loop.
+PROBE_PERIOD = 0.25
+RECOVERY_GRACE = 0.4
 
 
 class GateUtilization(msgspec.Struct, kw_only=True):
@@ -256,21 +259,25 @@ class Fleet:
         return task
 
     def forget_later(self, gate: Gate, lease_id: str) -> None:
-        """An acquire whose outcome is unknown (connection lost mid-call): cancel it once Redis
-        answers; if that never happens, the entry expires by TTL."""
+        """An acquire whose outcome is unknown (connection lost mid-call), or a release or
+        cancel that failed: cancel the id once Redis answers (retried at least every second, so
+        a slot is freed within about a second of recovery); if that never happens, the entry
+        expires by TTL."""
 
         async def forget() -> None:
             try:
                 async for attempt in AsyncRetrying(
                     retry=retry_if_exception_type(REDIS_ERRORS),
-                    wait=wait_exponential(multiplier=0.1, max=2.0),
+                    wait=wait_exponential(multiplier=0.1, max=1.0),
                     stop=stop_after_delay(gate.defaults.lease_ms / 1000),
                     reraise=True,
                 ):
                     with attempt:
                         await self.scripts.cancel(gate.keys, lease_id)
             except REDIS_ERRORS:
-                pass
+                pass  # never answered: the entry expires by TTL
+            except Exception as exc:  # e.g. WRONGTYPE: logged, never an unretrieved task error
+                log.warning("gate %s: could not cancel %s: %s", gate.name, lease_id, exc)
 
         self.spawn(forget())
 
@@ -301,17 +308,18 @@ class Fleet:
 
     async def _probe_loop(self) -> None:
         while not self._closing:
-            await asyncio.sleep(min(0.5, self.heartbeat_interval))
+            await asyncio.sleep(min(PROBE_PERIOD, self.heartbeat_interval))
             try:
                 await self.redis.ping()
+                await _drop_idle_connections(self.redis)
                 await prepare(self.redis)
                 # Before fleet mode resumes, what still runs counts against the fleet cap.
                 # From here no new local permit starts (``recovering``), and this pod waits
                 # RECOVERY_GRACE before it is granted from Redis again: every other pod in
-                # fallback probes within 0.5 s and adopts its running work meanwhile. Without
-                # this, the first pod back was granted up to the whole limit while the other
-                # pods' local permits still ran uncounted (up to 17 calls running under a limit
-                # of 12 in tests/chaos/test_redis_restart.py::test_redis_restart_fair_share).
+                # fallback probes within PROBE_PERIOD and adopts its running work meanwhile.
+                # Without this, the first pod back was granted up to the whole limit while the
+                # other pods' local permits still ran uncounted (up to 17 calls running under a
+                # limit of 12 in tests/chaos/test_redis_restart.py::test_redis_restart_fair_share).
                 self.recovering = True
                 for gate in list(self._gates.values()):
                     await gate.adopt_running()
@@ -384,13 +392,29 @@ class Fleet:
             await asyncio.gather(*(self._beat(g) for g in due))
 
     async def _beat(self, gate: Gate) -> None:
-        waiters = [(w.id, w.remaining_ms()) for w in gate.waiters.values() if not w.future.done()]
+        waiters = [
+            (w.id, w.remaining_ms())
+            for w in gate.waiters.values()
+            if w.parked and not w.future.done()
+        ]
         pod_ttl_ms = int(max(10.0, 10 * self.heartbeat_interval) * 1000)
-        try:
-            if not gate.registered:
-                # The registry lives outside the gate's slot: a separate command, once.
+        if not gate.registered:
+            # The registry lives outside the gate's slot: a separate command, once. A broken
+            # registry (say a key of the wrong type) must never stop the lease renewal below.
+            try:
                 await self.redis.sadd(fleet_keys(self.prefix).gates, gate.name)
                 gate.registered = True
+            except REDIS_ERRORS:
+                pass  # the heartbeat below meets the same outage and handles it
+            except Exception as exc:
+                log.warning(
+                    "gate %s: cannot register in %s: %s",
+                    gate.name,
+                    fleet_keys(self.prefix).gates,
+                    exc,
+                )
+                gate.registered = True  # do not retry every beat
+        try:
             reply = await self.scripts.heartbeat(
                 gate.keys, self.pod_id, pod_ttl_ms, list(gate.leases), waiters
             )
@@ -406,6 +430,24 @@ class Fleet:
             log.exception("gate %s: heartbeat failed", gate.name)
             return
         gate.on_heartbeat(reply)
+
+
+async def _drop_idle_connections(client: Any) -> None:
+    """Close the idle pooled connections of ``client`` (of every node, for a cluster client).
+
+    Connections that were mid-command when Redis went away go back to redis-py's pool (8.1) in a
+    state its connection check misses: their next command fails with "Connection closed by
+    server.", which read as a second outage right after recovery (every pod fell back again
+    within 2 ms of resuming fleet mode in
+    tests/chaos/test_redis_restart.py::test_redis_restart_fair_share). New connections are
+    opened on demand.
+    """
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        await pool.disconnect(inuse_connections=False)
+        return
+    for node in client.get_nodes():
+        await node.disconnect_free_connections()
 
 
 def validate_gate_settings(name: str, values: dict[str, int]) -> dict[str, int]:

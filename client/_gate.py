@@ -12,7 +12,9 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fleetgate._redis import REDIS_ERRORS
+from redis.exceptions import ClusterError, SlotNotCoveredError
+
+from fleetgate._redis import REDIS_ERRORS as _REDIS_ERRORS
 from fleetgate.errors import Overloaded
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import GRANTED, REJECTED, GateDefaults, HeartbeatReply, Snapshot
@@ -30,6 +32,26 @@ R = TypeVar("R")
 __all__ = ["Gate", "Lease"]
 
 log = logging.getLogger("fleetgate.client")
+
+# "Redis unreachable right now" as the client sees it: fleetgate._redis.REDIS_ERRORS plus what
+# redis-py's cluster client raises while a slot migrates or a master fails over:
+# * ClusterError ("TTL exhausted.") once ASK/MOVED/TRYAGAIN replies outlast its retries, and
+#   SlotNotCoveredError while no node serves the slot. Without them a caller saw
+#   "ClusterError: TTL exhausted." instead of the fallback, and background cleanups died with it
+#   (tests/chaos/test_cluster_faults.py::test_slot_migration_under_load);
+# * AttributeError "'NoneType' object has no attribute 'writelines'": redis-py 8.1's cluster
+#   client, on a connection error, disconnects a node's free connections from a snapshot while
+#   another task may already be writing on one of them (a race in redis-py, not a fleetgate
+#   bug). A caller saw it when the gate's master was killed
+#   (tests/chaos/test_cluster_faults.py::test_master_failover_under_load[kill]). These except
+#   clauses wrap only the script calls, so anything else raising AttributeError there would also
+#   read as an outage: it is logged with its message when the fallback starts.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (
+    *_REDIS_ERRORS,
+    ClusterError,
+    SlotNotCoveredError,
+    AttributeError,
+)
 
 # Park "forever" when the caller gives no deadline; the waiter heartbeat still bounds how long a
 # dead process' entry survives.
@@ -89,6 +111,9 @@ class _Waiter:
     future: asyncio.Future[None]
     deadline: Deadline
     parked_at: float = field(default_factory=time.monotonic)
+    # Set once the acquire reply said "parked": only then does the heartbeat refresh it (before,
+    # Redis may not have it yet and would report it lost).
+    parked: bool = False
 
     def remaining_ms(self) -> int:
         left = self.deadline.remaining()
@@ -273,6 +298,7 @@ class Gate:
 
     async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
         """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""
+        waiter.parked = True
         depth = self.fleet.metrics.queue_depth.labels(self.name)
         depth.inc()
         self.fleet.ensure_listener(self)
@@ -311,9 +337,10 @@ class Gate:
         try:
             await self.fleet.scripts.cancel(self.keys, waiter_id)
         except REDIS_ERRORS as exc:
-            log.debug(
-                "gate %s: cancel of %s failed (%s); it expires by TTL", self.name, waiter_id, exc
-            )
+            # Retried until Redis answers (see _release): a parked entry left behind is handed
+            # a slot that nobody uses until its TTL.
+            log.debug("gate %s: cancel of %s failed (%s); retrying", self.name, waiter_id, exc)
+            self.fleet.forget_later(self, waiter_id)
 
     # -- releasing ---------------------------------------------------------------------------
 
@@ -332,9 +359,13 @@ class Gate:
         try:
             await self.fleet.scripts.release(self.keys, lease.id)
         except REDIS_ERRORS as exc:
-            log.debug(
-                "gate %s: release of %s failed (%s); it expires by TTL", self.name, lease.id, exc
-            )
+            # Retried (as a cancel, which releases a held id) until Redis answers, else it
+            # expires by TTL. Without the retry, permits released while Redis was unreachable
+            # but not lost (a cut link, a slot migration, a failover) kept their slots after
+            # recovery until their lease TTL: the gate stood still with every slot held by
+            # nobody (tests/chaos/test_cluster_faults.py::test_slot_migration_under_load).
+            log.debug("gate %s: release of %s failed (%s); retrying", self.name, lease.id, exc)
+            self.fleet.forget_later(self, lease.id)
 
     # -- events from the wake listener and the heartbeat ---------------------------------------
 
@@ -367,6 +398,7 @@ class Gate:
             if waiter is not None and not waiter.future.done():
                 log.warning("gate %s: parked entry %s expired; parking again", self.name, lease_id)
                 waiter.future.set_exception(_Requeue())
+                waiter.future.exception()  # seen, even if its acquire call is still in flight
 
     def fail_waiters(self, exc: BaseException | None) -> None:
         """Redis is gone: parked callers continue locally (exc None) or fail with ``exc``."""
@@ -390,7 +422,12 @@ class Gate:
             await self._local_cond.wait_for(
                 lambda: (
                     not fleet.fallback_active
-                    or len(self.local_leases) + len(self.leases) < self.fair_share()
+                    or (
+                        # Not while Redis is back and running work is being adopted: a permit
+                        # started now would be uncounted when another pod resumes fleet mode.
+                        not fleet.recovering
+                        and len(self.local_leases) + len(self.leases) < self.fair_share()
+                    )
                 )
             )
             if not fleet.fallback_active:

@@ -268,12 +268,6 @@ async def test_wrong_type_gives_the_caller_a_prompt_error(
         assert await _acquire_outcome(fleet, "g") == "granted"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client/_fleet.py _beat(): the registry SADD runs first in the heartbeat's try block; "
-    "when it fails (fg:gates of the wrong type) the leases are never renewed and lapse in Redis "
-    "while lease.lost stays unset (proposed fix in the report)",
-)
 async def test_broken_registry_does_not_stop_lease_renewal(
     own_redis: RedisProcess, r: aredis.Redis
 ) -> None:
@@ -337,11 +331,6 @@ async def test_non_finite_cfg_falls_back(
     assert expiry is not None and expiry < time.time() * 1000 + 3_600_000, "a lease forever"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lua/lib.lua num() takes any finite number: lease_ms=1e18 makes a lease that outlives "
-    "any crash, floor=1e18 lifts the cap (proposed bound 2^53 and config bounds in the report)",
-)
 async def test_absurd_finite_cfg_falls_back(own_redis: RedisProcess, r: aredis.Redis) -> None:
     keys = GateKeys.of("fg", "g")
     await r.hset(keys.cfg, mapping={"floor": "1e18", "lease_ms": "1e18"})
@@ -353,11 +342,6 @@ async def test_absurd_finite_cfg_falls_back(own_redis: RedisProcess, r: aredis.R
     assert granted <= 2 and expiry is not None and expiry < time.time() * 1000 + 86_400_000
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lua/lib.lua current_limit() reads the target with tonumber, not num(): a NaN value "
-    "makes every script of the gate fail (proposed fix in the report)",
-)
 async def test_nan_target_falls_back_to_the_floor(own_redis: RedisProcess, r: aredis.Redis) -> None:
     keys = GateKeys.of("fg", "g")
     await r.hset(keys.target, mapping={"value": "nan", "epoch": "1", "expires_at": "1e15"})

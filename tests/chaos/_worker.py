@@ -1,0 +1,441 @@
+"""A chaos worker process: ``python -m tests.chaos._worker '<json spec>'``.
+
+It runs one :class:`fleetgate.client.Fleet` against the Redis under test and calls the rerank
+simulator inside permits of one gate, reporting to the control Redis (``spec["control"]``),
+which faults never touch:
+
+* ``chaos:<run>:w:<pod>`` (hash, refreshed every 50 ms): state, fallback, live_pods, limit,
+  in_permit, counters (ok, err:<Type>, fleet_grants, local_grants, lost, ...), max_attempt_s;
+* ``chaos:<run>:ev:<pod>`` (list of JSON): timestamped events (fallback on/off, victim steps);
+* ``chaos:<run>:result:<pod>`` (JSON): the final summary, written before a clean exit.
+
+It stops when ``chaos:<run>:stop`` exists (or after ``spec["duration"]`` seconds): loops
+finish the permit they hold, then the fleet closes. Roles:
+
+* ``load``: ``loops`` concurrent callers, each ``permit()`` covering ``calls_per_permit``
+  simulator calls of ``passages`` passages (skipping the rest once ``lease.lost`` is set);
+* ``victim``: one permit around one long call, then waits for ``lease.lost`` (the SIGSTOP test);
+* ``cancel``: the cancellation storm (see :func:`cancel_storm`).
+
+Every call carries the lease id as the query text, so the simulator can attribute it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import json
+import logging
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
+
+from fleetgate.client import Fleet, Gate, Lease
+from fleetgate.scripts import PARKED
+
+log = logging.getLogger("chaos.worker")
+
+
+class Worker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.pod: str = spec["pod"]
+        self.stats: Counter[str] = Counter()
+        self.max_attempt = 0.0
+        self.max_error_attempt = 0.0
+        self.in_permit = 0
+        self.stopping = asyncio.Event()
+        self.state = "starting"
+        self.finished = False
+        self.fleet: Fleet | None = None
+        self.gate: Gate | None = None
+        self.ctl = aredis.Redis.from_url(spec["control"], decode_responses=True)
+        base = f"chaos:{spec['run']}"
+        self.k_status = f"{base}:w:{self.pod}"
+        self.k_events = f"{base}:ev:{self.pod}"
+        self.k_result = f"{base}:result:{self.pod}"
+        self.k_stop = f"{base}:stop"
+        self.extra: dict[str, Any] = {}
+        # (lease id, wall time of the grant, acquire s, calls s, local) per permit, if asked.
+        self.trace: list[tuple[str, float, float, float, int]] | None = (
+            [] if spec.get("trace") else None
+        )
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    async def event(self, name: str, **fields: Any) -> None:
+        await self.ctl.rpush(self.k_events, json.dumps({"ev": name, "t": time.time(), **fields}))
+
+    def snapshot(self) -> dict[str, Any]:
+        fleet, gate = self.fleet, self.gate
+        out: dict[str, Any] = {
+            "state": self.state,
+            "ts": time.time(),
+            "in_permit": self.in_permit,
+            "max_attempt_s": round(self.max_attempt, 4),
+            "max_error_attempt_s": round(self.max_error_attempt, 4),
+            **{k: v for k, v in self.stats.items()},
+            **{k: v for k, v in self.extra.items() if isinstance(v, (int, float, str))},
+        }
+        if fleet is not None and gate is not None:
+            out.update(
+                fallback=int(fleet.fallback_active),
+                live_pods=gate.last_live_pods,
+                limit=gate.last_limit,
+                leases=len(gate.leases),
+                local_leases=len(gate.local_leases),
+                waiters=len(gate.waiters),
+                bg_tasks=len(fleet._tasks),
+            )
+        return out
+
+    async def reporter(self) -> None:
+        while not self.finished:
+            try:
+                await self.ctl.hset(self.k_status, mapping=self.snapshot())
+                if await self.ctl.exists(self.k_stop):
+                    self.stopping.set()
+            except Exception as exc:  # the control Redis is never faulted; log and go on
+                log.warning("report failed: %s", exc)
+            await asyncio.sleep(0.05)
+
+    async def watch_fallback(self) -> None:
+        """Timestamp every fallback transition (10 ms resolution)."""
+        assert self.fleet is not None
+        was = self.fleet.fallback_active
+        while True:
+            now = self.fleet.fallback_active
+            if now != was:
+                was = now
+                self.stats["fallback_on" if now else "fallback_off"] += 1
+                await self.event("fallback", on=now)
+            await asyncio.sleep(0.01)
+
+    # -- the calls ------------------------------------------------------------------------------
+
+    async def call(self, http: httpx.AsyncClient, lease: Lease, passages: int) -> None:
+        body = {
+            "query": {"text": lease.id},
+            "passages": [{"text": f"p{i}"} for i in range(passages)],
+        }
+        resp = await http.post("/v1/ranking", json=body)
+        if resp.status_code != 200:
+            self.stats[f"http:{resp.status_code}"] += 1
+
+    async def load_loop(self, http: httpx.AsyncClient) -> None:
+        spec, gate = self.spec, self.gate
+        assert gate is not None
+        rng = random.Random()
+        while not self.stopping.is_set():
+            t0 = time.monotonic()
+            try:
+                async with gate.permit(deadline=spec.get("deadline", 30.0)) as lease:
+                    t_granted, wall_granted = time.monotonic(), time.time()
+                    self.stats["local_grants" if lease.local else "fleet_grants"] += 1
+                    self.in_permit += 1
+                    try:
+                        for _ in range(spec.get("calls_per_permit", 1)):
+                            if lease.is_lost:
+                                self.stats["lost_stop"] += 1
+                                break
+                            await self.call(http, lease, spec.get("passages", 4))
+                    finally:
+                        self.in_permit -= 1
+                        if self.trace is not None:
+                            self.trace.append(
+                                (lease.id, wall_granted, t_granted - t0,
+                                 time.monotonic() - t_granted, int(lease.local))
+                            )  # fmt: skip
+                    if lease.is_lost:
+                        self.stats["lost"] += 1
+                self.stats["ok"] += 1
+                self.max_attempt = max(self.max_attempt, time.monotonic() - t0)
+            except Exception as exc:
+                took = time.monotonic() - t0
+                self.max_attempt = max(self.max_attempt, took)
+                self.max_error_attempt = max(self.max_error_attempt, took)
+                name = type(exc).__name__
+                self.stats[f"err:{name}"] += 1
+                if self.stats[f"err:{name}"] == 1:
+                    await self.event("error", type=name, took=took, msg=str(exc)[:200])
+                if self.stats[f"err:{name}"] <= 3:
+                    log.warning("call failed after %.3fs: %r", took, exc)
+                await asyncio.sleep(spec.get("error_backoff", 0.05))
+            think = spec.get("think_s", 0.0)
+            if think:
+                await asyncio.sleep(rng.uniform(0, 2 * think))
+
+    async def victim(self, http: httpx.AsyncClient) -> None:
+        """One permit around one long call; then wait for ``lease.lost`` before leaving it."""
+        gate, spec = self.gate, self.spec
+        assert gate is not None
+        async with gate.permit(deadline=None) as lease:
+            self.extra.update(lease_id=lease.id, token=lease.token)
+            await self.event("acquired", lease=lease.id)
+            await self.call(http, lease, spec["long_passages"])
+            returned = time.time()
+            lost_at_return = lease.is_lost
+            try:
+                await asyncio.wait_for(lease.lost.wait(), spec.get("lost_wait", 10.0))
+                lost_at: float | None = time.time()
+            except asyncio.TimeoutError:
+                lost_at = None
+            await self.event(
+                "call_returned", at=returned, lost_at_return=lost_at_return, lost_at=lost_at
+            )
+        await self.event("released", lost=lease.is_lost)
+        self.extra.update(lost=int(lease.is_lost), released_at=time.time())
+        await self.stopping.wait()
+
+    # -- main -----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        spec = self.spec
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump_tasks)
+        await self.ctl.delete(self.k_status, self.k_events, self.k_result)
+        reporter = asyncio.create_task(self.reporter())
+        fleet = Fleet(
+            spec["url"],
+            prefix=spec["prefix"],
+            pod_id=self.pod,
+            on_redis_error=spec.get("on_redis_error", "fair_share"),
+            heartbeat_interval=spec.get("hb", 1.0),
+            registry=CollectorRegistry(),
+        )
+        self.fleet = fleet
+        limit = spec["limit"]
+        deadline_at = time.monotonic() + spec.get("duration", 600.0)
+        async with fleet:
+            self.gate = fleet.gate(
+                spec["gate"],
+                floor=limit,
+                ceiling=spec.get("ceiling", limit),
+                max_queued=spec.get("max_queued", 100_000),
+                lease_ms=spec.get("lease_ms", 10_000),
+                waiter_ms=spec.get("waiter_ms", 5_000),
+            )
+            watcher = asyncio.create_task(self.watch_fallback())
+            limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+            async with httpx.AsyncClient(base_url=spec["sim"], timeout=120, limits=limits) as http:
+                self.state = "running"
+                role = spec.get("role", "load")
+                if role == "load":
+                    work = [asyncio.create_task(self.load_loop(http)) for _ in range(spec["loops"])]
+                elif role == "victim":
+                    work = [asyncio.create_task(self.victim(http))]
+                elif role == "cancel":
+                    work = [asyncio.create_task(cancel_storm(self, http))]
+                else:
+                    raise SystemExit(f"unknown role {role!r}")
+
+                async def timer() -> None:
+                    await asyncio.sleep(max(0.0, deadline_at - time.monotonic()))
+                    self.stopping.set()
+
+                stopper = asyncio.create_task(timer())
+                await self.stopping.wait()
+                self.state = "stopping"
+                # Loops finish the permit they hold; a bound keeps a hang visible as a failure
+                # of the test (it measures how long the exit took), not as a stuck process.
+                _, pending = await asyncio.wait(work, timeout=spec.get("drain_s", 15.0))
+                if pending:
+                    log.error("%d loops still busy %.0f s after stop:", len(pending), 15.0)
+                    for t in list(pending)[:3]:
+                        t.print_stack(file=sys.stderr)
+                    log.error("fleet state: %s", self.snapshot())
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*work, return_exceptions=True)
+                self.stats["undrained"] += len(pending)
+                stopper.cancel()
+            watcher.cancel()
+        self.state = "done"
+        self.finished = True
+        if self.trace is not None:
+            path = Path(spec["trace"] + f".{self.pod}.json")
+            await asyncio.to_thread(path.write_text, json.dumps(self.trace))
+        await self.ctl.set(self.k_result, json.dumps(self.snapshot()))
+        await self.ctl.hset(self.k_status, mapping=self.snapshot())
+        reporter.cancel()
+        await asyncio.gather(reporter, return_exceptions=True)
+        await self.ctl.aclose()
+
+
+async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
+    """Cancel ``spec["cancels"]`` tasks at random points of a permit's life.
+
+    Tasks run ``permit()`` around one short simulator call (or a short sleep). Cancellation is
+    aimed by hooks on the fleet's script calls -- which a caller cannot see, so this is test
+    instrumentation only -- and by a random-time canceller:
+
+    * ``acquire_in_flight``: cancelled 0-0.5 ms after the acquire script was sent;
+    * ``parked``: cancelled while parked in the fleet queue (random delay after parking);
+    * ``just_granted``: cancelled right after the hand-off resolved its future, before the
+      task resumed (the grant/cancel race);
+    * ``in_permit``: cancelled inside the block (during the HTTP call or the sleep);
+    * ``releasing``: cancelled while its release script is in flight (the release itself is
+      shielded and must still happen);
+    * plus cancels at random times, counted under whatever phase the task was in.
+
+    After the storm every task has ended. The worker then waits until its fleet has no
+    background task left (pending cancels/releases), reports ``done`` and the ids it still holds
+    (none), and stays alive -- heartbeats running -- until told to stop, so TTL expiry cannot
+    hide a leak: the test reads Redis while the processes live.
+    """
+    spec = w.spec
+    fleet, gate = w.fleet, w.gate
+    assert fleet is not None and gate is not None
+    loop = asyncio.get_running_loop()
+    rng = random.Random(spec.get("seed"))
+    target = spec["cancels"]
+    concurrency = spec.get("concurrency", 24)
+    p = spec.get("p", {})
+    phase: dict[asyncio.Task[Any], str] = {}
+    task_of: dict[str, asyncio.Task[Any]] = {}
+    hits: Counter[str] = Counter()
+    sent = 0
+
+    def cancel(t: asyncio.Task[Any], aim: str) -> None:
+        nonlocal sent
+        if t.done() or sent >= target or getattr(t, "_chaos_cancelled", False):
+            return
+        where = phase.get(t, "other")
+        if where == "done":
+            return
+        t._chaos_cancelled = True  # type: ignore[attr-defined]
+        hits[where] += 1
+        hits[f"aim:{aim}"] += 1
+        sent += 1
+        t.cancel()
+
+    scripts = fleet.scripts
+    orig_acquire, orig_release = scripts.acquire, scripts.release
+    orig_on_granted = gate.on_granted
+
+    async def acquire(keys: Any, lease_id: str, wait_ms: int, defaults: Any) -> Any:
+        t = asyncio.current_task()
+        assert t is not None
+        task_of[lease_id] = t
+        phase[t] = "acquire_in_flight"
+        if rng.random() < p.get("acquire", 0.12):
+            loop.call_later(rng.uniform(0, 0.0005), cancel, t, "acquire")
+        reply = await orig_acquire(keys, lease_id, wait_ms, defaults)
+        if reply.status == PARKED:
+            phase[t] = "parked"
+            if rng.random() < p.get("parked", 0.25):
+                loop.call_later(rng.uniform(0, 0.02), cancel, t, "parked")
+        else:
+            phase[t] = "granted"
+        return reply
+
+    async def release(keys: Any, lease_id: str) -> Any:
+        t = task_of.get(lease_id)
+        if t is not None and phase.get(t) == "releasing" and rng.random() < p.get("release", 0.2):
+            # The caller's task: it awaits the shielded release, which must go on regardless.
+            loop.call_soon(cancel, t, "release")
+        return await orig_release(keys, lease_id)
+
+    def on_granted(lease_id: str) -> None:
+        orig_on_granted(lease_id)
+        t = task_of.get(lease_id)
+        if t is not None and phase.get(t) == "parked" and rng.random() < p.get("granted", 0.35):
+            phase[t] = "just_granted"
+            cancel(t, "granted")
+
+    scripts.acquire = acquire  # type: ignore[method-assign]
+    scripts.release = release  # type: ignore[method-assign]
+    gate.on_granted = on_granted  # type: ignore[method-assign]
+
+    async def one() -> None:
+        t = asyncio.current_task()
+        assert t is not None
+        phase[t] = "start"
+        lease_id = None
+        try:
+            async with gate.permit(deadline=None) as lease:
+                lease_id = lease.id
+                phase[t] = "in_permit"
+                if rng.random() < p.get("permit", 0.08):
+                    loop.call_later(rng.uniform(0, 0.01), cancel, t, "permit")
+                if rng.random() < 0.5:
+                    await w.call(http, lease, 2)
+                else:
+                    await asyncio.sleep(rng.uniform(0, 0.005))
+                phase[t] = "releasing"
+            w.stats["completed"] += 1
+        except asyncio.CancelledError:
+            w.stats["cancelled"] += 1
+        except Exception as exc:
+            w.stats[f"err:{type(exc).__name__}"] += 1
+            log.warning("task failed: %r", exc)
+        finally:
+            phase[t] = "done"
+            if lease_id is not None:
+                task_of.pop(lease_id, None)
+
+    running: set[asyncio.Task[None]] = set()
+
+    async def random_canceller() -> None:
+        while True:
+            await asyncio.sleep(rng.uniform(0, 0.004))
+            live = [t for t in running if not t.done()]
+            if live and rng.random() < p.get("random", 0.5):
+                cancel(rng.choice(live), "random")
+
+    rc = asyncio.create_task(random_canceller())
+    t0 = time.monotonic()
+    while sent < target and not w.stopping.is_set():
+        while len(running) < concurrency:
+            t = asyncio.create_task(one())
+            running.add(t)
+            t.add_done_callback(running.discard)
+        await asyncio.sleep(0.001)
+        w.extra["cancels_sent"] = sent
+    rc.cancel()
+    if running:
+        await asyncio.wait(list(running))
+    # Drain the fleet's background work (cancels and releases spawned by the cancellations).
+    while fleet._tasks:
+        await asyncio.sleep(0.01)
+    for key in list(phase):
+        if phase[key] == "done":
+            del phase[key]
+    w.extra.update(
+        cancels_sent=sent,
+        storm_s=round(time.monotonic() - t0, 2),
+        live_leases=json.dumps(list(gate.leases)),
+        hits=json.dumps(dict(hits)),
+        waiters_left=len(gate.waiters),
+    )
+    w.state = "done"
+    await w.ctl.hset(w.k_status, mapping=w.snapshot())
+    await w.stopping.wait()
+
+
+def dump_tasks() -> None:
+    """Every asyncio task's stack to stderr (the harness asks with SIGUSR2 when we hang)."""
+    for t in asyncio.all_tasks():
+        print(f"--- task {t.get_name()} done={t.done()}", file=sys.stderr)
+        t.print_stack(file=sys.stderr)
+    sys.stderr.flush()
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    spec = json.loads(sys.argv[1])
+    faulthandler.register(signal.SIGUSR1)  # the harness dumps our stacks into the log on a hang
+    asyncio.run(Worker(spec).run())
+
+
+if __name__ == "__main__":
+    main()
