@@ -12,8 +12,6 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from redis.exceptions import ClusterError, SlotNotCoveredError
-
 from fleetgate._redis import REDIS_ERRORS as _REDIS_ERRORS
 from fleetgate.errors import Overloaded
 from fleetgate.keys import GateKeys
@@ -33,25 +31,14 @@ __all__ = ["Gate", "Lease"]
 
 log = logging.getLogger("fleetgate.client")
 
-# "Redis unreachable right now" as the client sees it: fleetgate._redis.REDIS_ERRORS plus what
-# redis-py's cluster client raises while a slot migrates or a master fails over:
-# * ClusterError ("TTL exhausted.") once ASK/MOVED/TRYAGAIN replies outlast its retries, and
-#   SlotNotCoveredError while no node serves the slot. Without them a caller saw
-#   "ClusterError: TTL exhausted." instead of the fallback, and background cleanups died with it
-#   (tests/chaos/test_cluster_faults.py::test_slot_migration_under_load);
-# * AttributeError "'NoneType' object has no attribute 'writelines'": redis-py 8.1's cluster
-#   client, on a connection error, disconnects a node's free connections from a snapshot while
-#   another task may already be writing on one of them (a race in redis-py, not a fleetgate
-#   bug). A caller saw it when the gate's master was killed
-#   (tests/chaos/test_cluster_faults.py::test_master_failover_under_load[kill]). These except
-#   clauses wrap only the script calls, so anything else raising AttributeError there would also
-#   read as an outage: it is logged with its message when the fallback starts.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (
-    *_REDIS_ERRORS,
-    ClusterError,
-    SlotNotCoveredError,
-    AttributeError,
-)
+# "Redis unreachable right now" as the client sees it: fleetgate._redis.REDIS_ERRORS plus an
+# AttributeError "'NoneType' object has no attribute 'writelines'" from redis-py 8.1's cluster
+# client: on a connection error it disconnects a node's free connections from a snapshot while
+# another task may already be writing on one of them (a race in redis-py, not a fleetgate bug;
+# tests/chaos/test_cluster_faults.py::test_master_failover_under_load[kill]). These except
+# clauses wrap only the script calls, so anything else raising AttributeError there would also
+# read as an outage: it is logged with its message when the fallback starts.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (*_REDIS_ERRORS, AttributeError)
 
 # Park "forever" when the caller gives no deadline; the waiter heartbeat still bounds how long a
 # dead process' entry survives.

@@ -14,7 +14,13 @@ import redis.asyncio as aredis
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    ClusterError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from fleetgate.errors import ConfigError
 
@@ -39,6 +45,11 @@ REDIS_ERRORS: tuple[type[BaseException], ...] = (
     aredis.TimeoutError,
     ClusterDownError,
     TryAgainError,
+    # While a slot migrates or a master fails over: "TTL exhausted." once ASK/MOVED/TRYAGAIN
+    # replies outlast redis-py's retries, or no node serves the slot
+    # (tests/chaos/test_cluster_faults.py::test_slot_migration_under_load).
+    ClusterError,
+    SlotNotCoveredError,
     OSError,
 )
 
