@@ -70,6 +70,7 @@ def closed_loop(sync: Sync, url: str, sim_url: str, n: int, flavor: Flavor) -> d
     async def main() -> dict[str, Any]:
         done: list[int] = []
         errors = 0
+        stopping = False
         async with ShardedHTTP(sim_url, n // 8, 8) as http:
             await http.warm()
             async with worker_fleet(sync, url, flavor, connections=n, overdue_s=600) as run:
@@ -78,7 +79,7 @@ def closed_loop(sync: Sync, url: str, sim_url: str, n: int, flavor: Flavor) -> d
 
                 async def one() -> None:
                     nonlocal errors
-                    while True:
+                    while not stopping:
                         try:
                             async with gate.permit(deadline=120):
                                 resp = await http.post("/v1/completions", json=body)
@@ -95,9 +96,14 @@ def closed_loop(sync: Sync, url: str, sim_url: str, n: int, flavor: Flavor) -> d
                 tasks = [asyncio.create_task(one()) for _ in range(n)]
                 while not await run.fleet.redis.exists(STOP_KEY):
                     await asyncio.sleep(0.1)
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                # Stop by flag and by cancellation, re-sent until every task has ended: on
+                # Python 3.11 a cancellation racing redis-py's internal wait_for can be lost.
+                stopping = True
+                pending: set[asyncio.Task[None]] = set(tasks)
+                while pending:
+                    for t in pending:
+                        t.cancel()
+                    _, pending = await asyncio.wait(pending, timeout=1.0)
                 result = {"done": done, "errors": errors, "events": run.events}
                 sync.publish(result)
                 return result
