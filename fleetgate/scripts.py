@@ -31,7 +31,6 @@ SCRIPT_NAMES = ("acquire", "release", "cancel", "heartbeat", "set_target", "insp
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
 GRANTED, PARKED, REJECTED = 1, 2, 0
-LEFT_QUEUE, RELEASED_RACE, UNKNOWN = 1, 2, 0
 
 
 @functools.cache

@@ -14,10 +14,9 @@ Contracts checked here:
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,23 +37,7 @@ from fleetgate.sim import serve_in_thread
 
 from ._stub import StubValues, metrics_stub
 
-
-@pytest.fixture(autouse=True)
-def _no_gc_during_test() -> Iterator[None]:
-    """Collect the client's dead background tasks after the test, not in the middle of it.
-
-    client/_fleet.py's forget() task re-raises NOPERM/WRONGTYPE and nobody retrieves it. If the
-    garbage collector finalises it while Python 3.11.7 is inside ``ast.parse`` (which its own
-    traceback printing calls, e.g. for a logged exception), the nested traceback print makes
-    CPython raise "SystemError: AST constructor recursion depth mismatch" and pytest dies with
-    INTERNALERROR. Reported with a fix for the client; this keeps the run deterministic.
-    """
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.collect()
+pytestmark = pytest.mark.usefixtures("no_gc_during_test")
 
 
 # ------------------------------------------------------------------------ config decoder fuzz
