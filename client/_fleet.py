@@ -78,8 +78,12 @@ class Fleet:
     ``async with Fleet("redis://redis:6379/0") as fleet:`` then ``fleet.gate("bge-m3")``.
 
     on_redis_error: ``"fair_share"`` (default) keeps serving while Redis is unreachable, each pod
-    bounded by ``ceil(last limit / last live pods)`` of the gate, and returns to fleet mode when
-    Redis answers again; ``"fail"`` raises :class:`RedisUnavailable` instead.
+    bounded by ``ceil(last limit / last live pods)`` of the gate (1 while it has not counted its
+    peers yet), and returns to fleet mode when Redis answers again; ``"fail"`` raises
+    :class:`RedisUnavailable` instead.
+
+    pod_id is a label (logs, the worker's metrics); lease ids stay unique per process whatever
+    it says (:attr:`pod_key` adds a random suffix), so several processes may share one.
     """
 
     def __init__(
@@ -106,8 +110,16 @@ class Fleet:
         if len(self.pod_id) > _MAX_POD_ID:
             raise ConfigError(f"pod_id: at most {_MAX_POD_ID} characters, got {len(self.pod_id)}")
         validate_gate_name(self.pod_id)  # same character rules as gate names
+        # What lease ids, wake lists and the live-pod registry use: unique per process even
+        # when several processes are given the same pod_id ($HOSTNAME with several workers):
+        # two processes minting the same lease ids would share holder entries (limit 2 -> 3
+        # running; tests/test_fault_holes.py::test_processes_sharing_a_pod_id_keep_the_cap).
+        self.pod_key = self.pod_id if pod_id is None else f"{self.pod_id}-{uuid.uuid4().hex[:8]}"
         self.on_redis_error = on_redis_error
         self.heartbeat_interval = heartbeat_interval
+        # Every pod registers itself as live on each gate it uses at least this often (an idle
+        # gate's heartbeat); a live-pod count is trusted one such period after registering.
+        self.register_period = 3 * heartbeat_interval
         self.wake_block = wake_block
         self.metrics: ClientMetrics = client_metrics(registry)
         self._redis_options = dict(redis_options or {})
@@ -119,7 +131,7 @@ class Fleet:
         self._probe: asyncio.Task[None] | None = None
         self._redis: aredis.Redis | None = None
         self._scripts: GateScripts | None = None
-        self._beats = 0
+        self._poke = asyncio.Event()  # wakes the heartbeat loop to re-plan (see _nap)
         self._closing = False
         self.fallback_active = False
         # Redis answers again after an outage: running work is being adopted, no new local
@@ -218,6 +230,7 @@ class Fleet:
         defaults = GateDefaults(**validate_gate_settings(name, values))
         gate = Gate(self, name, defaults)
         self._gates[name] = gate
+        self.poke_heartbeat()  # register as a live pod of the gate now, not a period later
         return gate
 
     async def utilization(self, name: str) -> GateUtilization:
@@ -249,7 +262,23 @@ class Fleet:
     # -- plumbing used by gates --------------------------------------------------------------
 
     def next_id(self) -> str:
-        return f"{self.pod_id}:{next(self._ids)}"
+        return f"{self.pod_key}:{next(self._ids)}"
+
+    def poke_heartbeat(self) -> None:
+        """Make the heartbeat loop re-plan now (a gate appeared, or its TTLs changed)."""
+        self._poke.set()
+
+    def work_started(self, gate: Gate) -> None:
+        """``gate`` gets its first lease or waiter: renew it a renewal period from now (the
+        grant is as fresh as a renewal), whatever the heartbeat was sleeping on before."""
+        gate.last_beat = asyncio.get_running_loop().time()
+        self._poke.set()
+
+    def background_error(self, task: str, exc: BaseException, gate: str = "") -> None:
+        """A background task met an unexpected error: logged and counted; the task goes on."""
+        self.metrics.background_errors.labels(task).inc()
+        where = f"gate {gate}: " if gate else ""
+        log.warning("%s%s failed: %s: %s (retrying)", where, task, type(exc).__name__, exc)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background, keeping a reference until it ends."""
@@ -307,27 +336,18 @@ class Fleet:
         self._probe = asyncio.create_task(self._probe_loop(), name="fleetgate-probe")
 
     async def _probe_loop(self) -> None:
+        # Survives every exception: a reply that means "cannot serve writes now" (READONLY
+        # after a failover, OOM, ...) is an outage like a refused connection (the scripts
+        # raise ServerUnavailable), and anything else is logged, counted and retried. Before,
+        # a ResponseError during adoption ended this task and the pod stayed in fallback for
+        # good (tests/test_fault_holes.py::test_pod_resumes_after_redis_refused_writes).
         while not self._closing:
             await asyncio.sleep(min(PROBE_PERIOD, self.heartbeat_interval))
             try:
-                await self.redis.ping()
-                await _drop_idle_connections(self.redis)
-                await prepare(self.redis)
-                # Before fleet mode resumes, what still runs counts against the fleet cap.
-                # From here no new local permit starts (``recovering``), and this pod waits
-                # RECOVERY_GRACE before it is granted from Redis again: every other pod in
-                # fallback probes within PROBE_PERIOD and adopts its running work meanwhile.
-                # Without this, the first pod back was granted up to the whole limit while the
-                # other pods' local permits still ran uncounted (up to 17 calls running under a
-                # limit of 12 in tests/chaos/test_redis_restart.py::test_redis_restart_fair_share).
-                self.recovering = True
-                for gate in list(self._gates.values()):
-                    await gate.adopt_running()
-                await asyncio.sleep(RECOVERY_GRACE)
-                # Renews what the first pass adopted (the heartbeat is still paused).
-                for gate in list(self._gates.values()):
-                    await gate.adopt_running()
-            except REDIS_ERRORS:
+                await self._resume()
+            except Exception as exc:
+                if not isinstance(exc, REDIS_ERRORS):
+                    self.background_error("probe", exc)
                 if self.recovering:  # Redis failed again: local permits may start again
                     self.recovering = False
                     for gate in list(self._gates.values()):
@@ -342,6 +362,32 @@ class Fleet:
         for gate in self._gates.values():
             self.metrics.fallback.labels(gate.name).set(0)
             await gate.wake_local()
+
+    async def _resume(self) -> None:
+        """Redis answers again: adopt running work, wait out the grace, adopt again."""
+        await self.redis.ping()
+        await _drop_idle_connections(self.redis)
+        await prepare(self.redis)
+        # Before fleet mode resumes, what still runs counts against the fleet cap. From here
+        # no new local permit starts (``recovering``), and this pod waits RECOVERY_GRACE before
+        # it is granted from Redis again: every other pod in fallback probes within
+        # PROBE_PERIOD and adopts its running work meanwhile. Without this, the first pod back
+        # was granted up to the whole limit while the other pods' local permits still ran
+        # uncounted (up to 17 calls running under a limit of 12 in
+        # tests/chaos/test_redis_restart.py::test_redis_restart_fair_share).
+        self.recovering = True
+        await self._adopt_all()
+        await asyncio.sleep(RECOVERY_GRACE)
+        await self._adopt_all()  # renews what the first pass adopted (no heartbeat yet)
+
+    async def _adopt_all(self) -> None:
+        for gate in list(self._gates.values()):
+            try:
+                await gate.adopt_running()
+            except REDIS_ERRORS:
+                raise
+            except Exception as exc:  # one gate's broken keys never hold the others back
+                self.background_error("adopt", exc, gate.name)
 
     def ensure_listener(self, gate: Gate) -> None:
         """Start the wake listener of ``gate`` (one dedicated connection per gate)."""
@@ -361,16 +407,19 @@ class Fleet:
             dedicated=True,
             **{**self._redis_options, "socket_timeout": self.wake_block + 3.0},
         )
-        key = gate.keys.wake(self.pod_id)
+        key = gate.keys.wake(self.pod_key)
         await prepare(conn)
         try:
             while not self._closing:
                 try:
                     item = await conn.blpop([key], timeout=self.wake_block)
-                except REDIS_ERRORS as exc:
+                except Exception as exc:  # never ends: the heartbeat covers the gap
                     if self._closing:
                         break
-                    log.debug("gate %s: wake listener error %s; reconnecting", gate.name, exc)
+                    if isinstance(exc, REDIS_ERRORS):
+                        log.debug("gate %s: wake listener error %s; reconnecting", gate.name, exc)
+                    else:
+                        self.background_error("wake listener", exc, gate.name)
                     await asyncio.sleep(min(1.0, self.heartbeat_interval))
                     continue
                 if item is not None:
@@ -379,19 +428,46 @@ class Fleet:
             await conn.aclose()
 
     async def _heartbeat_loop(self) -> None:
+        # Each gate is renewed on its own schedule: a gate with leases or waiters every
+        # min(heartbeat_interval, TTL / 3) -- the TTLs in force, learnt from every acquire and
+        # heartbeat reply, so a short lease_ms set by the coordinator is honoured from the very
+        # first grant -- and an idle gate every register_period (to stay a counted live pod).
+        loop = asyncio.get_running_loop()
         while not self._closing:
-            # Renew at least three times per TTL, whatever the configured interval.
-            ttls = [g.ttl_ms / 3000 for g in self._gates.values()]
-            await asyncio.sleep(min([self.heartbeat_interval, *ttls]))
-            if self.fallback_active:
-                continue
-            self._beats += 1
-            # Gates with parked or held work beat every interval; idle ones every 3rd, which is
-            # enough to stay registered as a live pod for the fair-share fallback.
-            due = [g for g in self._gates.values() if g.leases or g.waiters or self._beats % 3 == 0]
-            await asyncio.gather(*(self._beat(g) for g in due))
+            try:
+                now = loop.time()
+                gates = list(self._gates.values())
+                due = [g for g in gates if now >= self._next_beat(g)]
+                if self.fallback_active or not due:
+                    nxt = min((self._next_beat(g) for g in gates), default=now + 3600)
+                    wait = self.heartbeat_interval if self.fallback_active else nxt - now
+                    await self._nap(max(0.001, wait))
+                    continue
+                for g in due:
+                    g.last_beat = now
+                await asyncio.gather(*(self._beat(g) for g in due))
+            except Exception as exc:  # never ends: the next round retries
+                self.background_error("heartbeat", exc)
+                await asyncio.sleep(min(1.0, self.heartbeat_interval))
+
+    def _next_beat(self, gate: Gate) -> float:
+        if gate.leases or gate.waiters:
+            return gate.last_beat + min(self.heartbeat_interval, gate.ttl_ms / 3000)
+        return gate.last_beat + self.register_period
+
+    async def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds`` or until poke_heartbeat() (no asyncio.wait_for: see _deadline)."""
+        handle = asyncio.get_running_loop().call_later(seconds, self._poke.set)
+        try:
+            await self._poke.wait()
+        finally:
+            handle.cancel()
+            self._poke.clear()
 
     async def _beat(self, gate: Gate) -> None:
+        sent_at = asyncio.get_running_loop().time()
+        held = list(gate.leases.values())
+        leases = [(lease.id, lease.expires_at) for lease in held]
         waiters = [
             (w.id, w.remaining_ms())
             for w in gate.waiters.values()
@@ -407,16 +483,17 @@ class Fleet:
             except REDIS_ERRORS:
                 pass  # the heartbeat below meets the same outage and handles it
             except Exception as exc:
-                log.warning(
-                    "gate %s: cannot register in %s: %s",
-                    gate.name,
-                    fleet_keys(self.prefix).gates,
-                    exc,
-                )
+                self.background_error("registry", exc, gate.name)
                 gate.registered = True  # do not retry every beat
         try:
             reply = await self.scripts.heartbeat(
-                gate.keys, self.pod_id, pod_ttl_ms, list(gate.leases), waiters
+                gate.keys,
+                self.pod_key,
+                pod_ttl_ms,
+                leases,
+                waiters,
+                max_token=max((lease.token for lease in held), default=0),
+                defaults=gate.defaults,
             )
         except REDIS_ERRORS as exc:
             if self.on_redis_error == "fail":
@@ -426,10 +503,10 @@ class Fleet:
             else:
                 self._enter_fallback(exc)
             return
-        except Exception:
-            log.exception("gate %s: heartbeat failed", gate.name)
+        except Exception as exc:
+            self.background_error("heartbeat", exc, gate.name)
             return
-        gate.on_heartbeat(reply)
+        gate.on_heartbeat(reply, sent_at, [lid for lid, _ in leases])
 
 
 async def _drop_idle_connections(client: Any) -> None:

@@ -61,11 +61,17 @@ class Lease:
     thread.
     """
 
-    def __init__(self, gate: Gate, lease_id: str, token: int, *, local: bool = False) -> None:
+    def __init__(
+        self, gate: Gate, lease_id: str, token: int, *, local: bool = False, expires_at: int = 0
+    ) -> None:
         self.gate = gate
         self.id = lease_id
         self.token = token
         self.local = local
+        # Redis server time (ms) this lease was last seen renewed to (0: not known yet). The
+        # heartbeat sends it back, so the gate can tell a lease it lost (restart) from one that
+        # expired (see lua/heartbeat.lua).
+        self.expires_at = expires_at
         self.lost = asyncio.Event()
         self._lost_flag = threading.Event()
         self._released = False
@@ -101,6 +107,8 @@ class _Waiter:
     # Set once the acquire reply said "parked": only then does the heartbeat refresh it (before,
     # Redis may not have it yet and would report it lost).
     parked: bool = False
+    # Server time (ms) the lease handed to this waiter expires at, when a heartbeat saw the grant.
+    expires_at: int = 0
 
     def remaining_ms(self) -> int:
         left = self.deadline.remaining()
@@ -118,9 +126,17 @@ class Gate:
         self.leases: dict[str, Lease] = {}
         self.waiters: dict[str, _Waiter] = {}
         self.last_limit = defaults.floor
+        # Live pods of this gate as last counted by a heartbeat this pod trusts (0: none yet,
+        # the fair share is then 1): see on_heartbeat.
         self.last_live_pods = 0
-        # TTLs in force in Redis (the coordinator's config may differ from our defaults).
+        # When (loop time) the heartbeat that created this pod's live entry was sent.
+        self.registered_at: float | None = None
+        # TTLs in force in Redis (the coordinator's config may differ from our defaults), from
+        # every acquire and heartbeat reply; the heartbeat is paced by them.
         self.ttl_ms = min(defaults.lease_ms, defaults.waiter_ms)
+        # When (loop time) this gate's leases and waiters were last renewed (or, for a gate
+        # that just got its first work, granted): the heartbeat's pacing (Fleet).
+        self.last_beat = 0.0
         # Permits granted locally while Redis was unreachable (the fair-share fallback).
         self.local_leases: dict[str, Lease] = {}
         self.registered = False  # in the fleet's gate registry (for `fleetgate status`)
@@ -255,6 +271,8 @@ class Gate:
                 continue
             lease_id = fleet.next_id()
             waiter = _Waiter(lease_id, asyncio.get_running_loop().create_future(), dl)
+            if not self.leases and not self.waiters:
+                fleet.work_started(self)  # paces the first renewal from now
             # Registered before the call: a hand-off can be popped by the wake listener
             # before this coroutine sees the script's reply.
             self.waiters[lease_id] = waiter
@@ -272,9 +290,10 @@ class Gate:
                 fleet.forget_later(self, lease_id)
                 raise
             self.last_limit = reply.limit
+            self.note_ttls(reply.lease_ms, reply.waiter_ms)
             if reply.status == GRANTED:
                 self.waiters.pop(lease_id, None)
-                return self._granted(lease_id, reply.token)
+                return self._granted(lease_id, reply.token, reply.expires_at)
             if reply.status == REJECTED:
                 self.waiters.pop(lease_id, None)
                 metrics.rejected.labels(self.name).inc()
@@ -311,10 +330,10 @@ class Gate:
         self.fleet.metrics.wait_seconds.labels(self.name).observe(
             time.monotonic() - waiter.parked_at
         )
-        return self._granted(waiter.id, token)
+        return self._granted(waiter.id, token, waiter.expires_at)
 
-    def _granted(self, lease_id: str, token: int) -> Lease:
-        lease = Lease(self, lease_id, token)
+    def _granted(self, lease_id: str, token: int, expires_at: int = 0) -> Lease:
+        lease = Lease(self, lease_id, token, expires_at=expires_at)
         self.leases[lease_id] = lease
         self.fleet.metrics.granted.labels(self.name).inc()
         self.fleet.metrics.in_flight.labels(self.name).inc()
@@ -356,10 +375,11 @@ class Gate:
 
     # -- events from the wake listener and the heartbeat ---------------------------------------
 
-    def on_granted(self, lease_id: str) -> None:
+    def on_granted(self, lease_id: str, expires_at: int = 0) -> None:
         """A hand-off for ``lease_id`` arrived (wake list or heartbeat)."""
         waiter = self.waiters.get(lease_id)
         if waiter is not None:
+            waiter.expires_at = max(waiter.expires_at, expires_at)
             if not waiter.future.done():
                 waiter.future.set_result(None)
             return
@@ -367,10 +387,36 @@ class Gate:
             # Nobody waits for it any more (cancelled meanwhile): give it back.
             self.fleet.spawn(self._cancel(lease_id))
 
-    def on_heartbeat(self, reply: HeartbeatReply) -> None:
+    def note_ttls(self, lease_ms: int, waiter_ms: int) -> None:
+        """The TTLs in force in Redis; a shorter one re-paces the heartbeat at once."""
+        ttl = min(lease_ms, waiter_ms)
+        if ttl != self.ttl_ms:
+            self.ttl_ms = ttl
+            self.fleet.poke_heartbeat()
+
+    def on_heartbeat(self, reply: HeartbeatReply, sent_at: float, renewed: list[str]) -> None:
+        """Apply a heartbeat reply; ``sent_at`` is when (loop time) it was sent, ``renewed`` the
+        lease ids it carried."""
         self.last_limit = reply.limit
-        self.last_live_pods = reply.live_pods
-        self.ttl_ms = min(reply.lease_ms, reply.waiter_ms)
+        self.note_ttls(reply.lease_ms, reply.waiter_ms)
+        # The live-pod count is trusted only from a heartbeat sent a full registration period
+        # after this pod's entry was created: by then every live pod of the gate that started
+        # about when this one did has registered too. Until then the fair share is 1, never
+        # the whole limit (4 pods x limit 4 ran 16 at once before; tests/test_fault_holes.py).
+        if reply.pod_new:
+            self.registered_at = sent_at
+            self.last_live_pods = 0
+            self.registered = False  # the entry was created anew: maybe a wiped Redis
+        elif (
+            self.registered_at is not None
+            and sent_at - self.registered_at >= self.fleet.register_period
+        ):
+            self.last_live_pods = reply.live_pods
+        lost = set(reply.lost_leases)
+        for lease_id in renewed:
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease_id not in lost:
+                lease.expires_at = reply.expires_at
         for lease_id in reply.lost_leases:
             lease = self.leases.pop(lease_id, None)
             if lease is not None:
@@ -378,8 +424,19 @@ class Gate:
                 self.fleet.metrics.lease_lost.labels(self.name).inc()
                 self.fleet.metrics.in_flight.labels(self.name).dec()
                 lease._mark_lost()
+        if reply.adopted:
+            log.warning(
+                "gate %s: Redis had lost %d running leases of this pod before they could expire "
+                "(a restart or failover?); they count against the limit again",
+                self.name,
+                len(reply.adopted),
+            )
+            for lease_id in reply.adopted:
+                if lease_id not in self.leases:
+                    # Released while this heartbeat was in flight: give it back again.
+                    self.fleet.spawn(self._cancel(lease_id))
         for lease_id in reply.granted_waiters:
-            self.on_granted(lease_id)
+            self.on_granted(lease_id, reply.expires_at)
         for lease_id in reply.lost_waiters:
             waiter = self.waiters.get(lease_id)
             if waiter is not None and not waiter.future.done():
@@ -399,8 +456,12 @@ class Gate:
     # -- fallback ----------------------------------------------------------------------------
 
     def fair_share(self) -> int:
-        """Local bound while Redis is unreachable: ceil(last limit / last live pods)."""
-        return max(1, math.ceil(self.last_limit / max(1, self.last_live_pods)))
+        """Local bound while Redis is unreachable: ceil(last limit / live pods), with the live
+        pods as last counted by a heartbeat this pod trusts; 1 while it has no such count (a
+        pod that started, or fell back, before it could count its peers)."""
+        if self.last_live_pods <= 0:
+            return 1
+        return max(1, math.ceil(self.last_limit / self.last_live_pods))
 
     async def _acquire_local(self) -> Lease | None:
         """A permit under the local bound, or None if fleet mode came back meanwhile."""
@@ -432,10 +493,14 @@ class Gate:
         if Redis fails again (the fleet stays in fallback and retries).
         """
         local = list(self.local_leases.values())
-        ids = [*self.leases, *(lease.id for lease in local)]
+        held = list(self.leases.values())
+        ids = [*(lease.id for lease in held), *(lease.id for lease in local)]
         if not ids:
             return
-        await self.fleet.scripts.adopt(self.keys, ids)
+        max_token = max((lease.token for lease in held), default=0)
+        _, expires_at = await self.fleet.scripts.adopt(self.keys, ids, max_token)
+        for lease in (*held, *local):
+            lease.expires_at = expires_at
         for lease in local:
             if self.local_leases.pop(lease.id, None) is None:
                 # Released while the adoption was in flight: give the fresh lease back.

@@ -28,6 +28,7 @@ class ClientMetrics:
     fallback: Gauge
     retries: Counter
     calls_per_request: Histogram
+    background_errors: Counter
 
 
 _lock = threading.Lock()
@@ -83,6 +84,13 @@ def client_metrics(registry: CollectorRegistry | None = None) -> ClientMetrics:
                 "Calls one gate.map() request made",
                 g,
                 buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+                registry=reg,
+            ),
+            background_errors=Counter(
+                "fleetgate_client_background_errors",
+                "Unexpected errors in background tasks (heartbeat, probe, wake listener, ...); "
+                "each task logs, counts and carries on",
+                ("task",),
                 registry=reg,
             ),
         )

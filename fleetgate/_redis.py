@@ -17,7 +17,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -26,17 +29,46 @@ from fleetgate.errors import ConfigError
 
 __all__ = [
     "REDIS_ERRORS",
+    "UNAVAILABLE_REPLIES",
     "AnyRedis",
+    "ServerUnavailable",
     "connect",
     "is_cluster",
     "prepare",
     "redact",
     "scrub",
     "split_cluster_flag",
+    "unavailable_reply",
     "validate_redis_url",
 ]
 
 AnyRedis = aredis.Redis | aredis.RedisCluster
+
+class ServerUnavailable(aredis.ConnectionError):
+    """A reply meaning the server cannot serve writes now (OOM, READONLY, MISCONF, BUSY,
+    LOADING, MASTERDOWN): an outage like a refused connection, not a bug in the data.
+
+    A subclass of redis-py's ``ConnectionError`` (as its own ``BusyLoadingError`` is), so every
+    handler of :data:`REDIS_ERRORS` treats it as "Redis unavailable": the fair-share fallback,
+    the probe that waits for Redis to serve again, retried releases.
+    """
+
+
+# Error codes of replies that mean "cannot serve writes now". redis-py maps OOM and READONLY to
+# classes of their own (and strips the code from the message); the others arrive as plain
+# ResponseError whose message starts with the code.
+UNAVAILABLE_REPLIES = frozenset({"OOM", "READONLY", "MISCONF", "BUSY", "LOADING", "MASTERDOWN"})
+
+
+def unavailable_reply(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Redis reply that means the server cannot serve writes right now."""
+    if isinstance(exc, (OutOfMemoryError, ReadOnlyError)):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False
+    words = str(exc).split(None, 1)
+    return bool(words) and words[0] in UNAVAILABLE_REPLIES
+
 
 # Errors that mean "Redis is not reachable right now" (fallback territory), as opposed to a
 # script or data error (a bug or bad state, surfaced as is).

@@ -5,6 +5,7 @@
      ├── DeadlineExceeded    the total deadline fired (also a TimeoutError)
      ├── LeaseLost           a held lease could not be renewed and expired in Redis
      ├── ConfigError         bad configuration or gate name (also a ValueError)
+     ├── GateStateError      a gate's keys in Redis hold data its scripts cannot use
      └── RedisUnavailable    Redis unreachable and on_redis_error="fail"
 
 Redis errors are translated where they enter fleetgate (``raise ... from exc``) so callers only
@@ -17,6 +18,7 @@ __all__ = [
     "ConfigError",
     "DeadlineExceeded",
     "FleetgateError",
+    "GateStateError",
     "LeaseLost",
     "Overloaded",
     "RedisUnavailable",
@@ -65,3 +67,21 @@ class ConfigError(FleetgateError, ValueError):
 
 class RedisUnavailable(FleetgateError, ConnectionError):
     """Redis could not be reached and the fleet is configured with ``on_redis_error="fail"``."""
+
+
+class GateStateError(FleetgateError):
+    """A gate's keys in Redis hold data its scripts cannot use (say WRONGTYPE: a key of the
+    gate overwritten with a value of another type). The message names the gate and the key;
+    ``gate``, ``keys`` (the offending keys, when they could be found) and ``reply`` (the Redis
+    error text) carry the same. Not an outage: the fair-share fallback does not apply.
+    """
+
+    def __init__(self, gate: str, keys: list[str], reply: str) -> None:
+        where = f"key {', '.join(keys)}" if keys else "one of its keys"
+        super().__init__(
+            f"gate {gate!r}: {where} in Redis holds data the gate scripts cannot use ({reply}); "
+            "delete or repair the key (`fleetgate inspect` shows the gate)"
+        )
+        self.gate = gate
+        self.keys = keys
+        self.reply = reply

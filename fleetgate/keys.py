@@ -135,6 +135,20 @@ class GateKeys:
             self.wake_prefix,
         ]
 
+    def expected_types(self) -> list[tuple[str, str]]:
+        """Each key of the gate with the Redis type its scripts expect (for diagnostics)."""
+        return [
+            (self.cfg, "hash"),
+            (self.target, "hash"),
+            (self.holders, "zset"),
+            (self.queue, "zset"),
+            (self.waiters, "zset"),
+            (self.seq, "string"),
+            (self.stats, "hash"),
+            (self.pods, "zset"),
+            (self.util, "hash"),
+        ]
+
     @classmethod
     def of(cls, prefix: str, name: str) -> GateKeys:
         return cls(validate_prefix(prefix), validate_gate_name(name))

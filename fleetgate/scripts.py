@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from redis.exceptions import NoScriptError, ResponseError
 
+from fleetgate._redis import ServerUnavailable, unavailable_reply
+from fleetgate.errors import GateStateError
 from fleetgate.keys import GateKeys
 
 __all__ = [
@@ -66,6 +69,9 @@ class AcquireReply:
     token: int
     limit: int
     n: int  # holders when granted, 1-based position when parked, max_queued when rejected
+    lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
+    waiter_ms: int
+    expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,9 @@ class HeartbeatReply:
     holders: int
     lease_ms: int
     waiter_ms: int
+    expires_at: int  # server ms the renewed leases now expire at
+    pod_new: bool  # the pod's live entry had to be created (first, expired or wiped)
+    adopted: list[str]  # leases the gate had lost before they expired, counted again
 
 
 class Waiter(msgspec.Struct):
@@ -139,13 +148,38 @@ class GateScripts:
         return self._scripts[name]
 
     async def _call(self, name: str, keys: GateKeys, args: list[Any]) -> Any:
-        return await self._scripts[name](keys=keys.script_keys(), args=args)
+        try:
+            return await self._scripts[name](keys=keys.script_keys(), args=args)
+        except ResponseError as exc:
+            raise await self.translate(exc, keys) from exc
+
+    async def translate(self, exc: ResponseError, keys: GateKeys) -> Exception:
+        """The error to raise for a Redis error reply to a script of gate ``keys``.
+
+        A reply that means the server cannot serve writes now (OOM, READONLY, ...) becomes
+        :class:`ServerUnavailable`, an outage; any other (WRONGTYPE, say) becomes a
+        :class:`GateStateError` naming the gate and the keys of the wrong type, found by one
+        TYPE per key (only on this error path).
+        """
+        if unavailable_reply(exc):
+            return ServerUnavailable(str(exc))
+        if isinstance(exc, NoScriptError):
+            return exc
+        wrong: list[str] = []
+        try:
+            for key, expected in keys.expected_types():
+                kind = await self.client.type(key)
+                if kind not in ("none", expected):
+                    wrong.append(f"{key} ({kind}, expected {expected})")
+        except Exception:  # the diagnosis is best effort; the error below stands
+            wrong = []
+        return GateStateError(keys.name, wrong, str(exc))
 
     async def acquire(
         self, keys: GateKeys, lease_id: str, wait_ms: int, defaults: GateDefaults
     ) -> AcquireReply:
         r = await self._call("acquire", keys, [lease_id, max(1, wait_ms), *defaults.argv()])
-        return AcquireReply(int(r[0]), int(r[1]), int(r[2]), int(r[3]))
+        return AcquireReply(*(int(x) for x in r[:7]))
 
     async def release(self, keys: GateKeys, lease_id: str) -> bool:
         r = await self._call("release", keys, [lease_id])
@@ -160,12 +194,23 @@ class GateScripts:
         keys: GateKeys,
         pod_id: str,
         pod_ttl_ms: int,
-        leases: list[str],
+        leases: list[tuple[str, int]],
         waiters: list[tuple[str, int]],
+        *,
+        max_token: int = 0,
+        defaults: GateDefaults | None = None,
     ) -> HeartbeatReply:
-        args: list[Any] = [pod_id, pod_ttl_ms, len(leases), *leases, len(waiters)]
+        """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((id, remaining
+        deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate."""
+        args: list[Any] = [pod_id, pod_ttl_ms, len(leases)]
+        for lid, expires_at in leases:
+            args += [lid, expires_at]
+        args.append(len(waiters))
         for wid, remaining_ms in waiters:
             args += [wid, max(1, remaining_ms)]
+        args.append(max_token)
+        if defaults is not None:
+            args += defaults.argv()
         r = await self._call("heartbeat", keys, args)
         return HeartbeatReply(
             limit=int(r[0]),
@@ -177,22 +222,29 @@ class GateScripts:
             holders=int(r[6]),
             lease_ms=int(r[7]),
             waiter_ms=int(r[8]),
+            expires_at=int(r[9]),
+            pod_new=int(r[10]) == 1,
+            adopted=[_s(x) for x in r[11]],
         )
 
     async def set_target(self, keys: GateKeys, value: int, epoch: int, ttl_ms: int) -> bool:
         r = await self._call("set_target", keys, [value, epoch, ttl_ms])
         return int(r[0]) == 1
 
-    async def adopt(self, keys: GateKeys, lease_ids: list[str]) -> int:
-        """Count ``lease_ids`` (running work) as leases again after an outage."""
-        return int(await self._call("adopt", keys, list(lease_ids)))
+    async def adopt(
+        self, keys: GateKeys, lease_ids: list[str], max_token: int = 0
+    ) -> tuple[int, int]:
+        """Count ``lease_ids`` (running work) as leases again after an outage; raise the gate's
+        token counter above ``max_token``. Returns (ids added, server-ms expiry)."""
+        r = await self._call("adopt", keys, [max_token, *lease_ids])
+        return int(r[0]), int(r[1])
 
     async def inspect(
         self, keys: GateKeys, n: int = 10, defaults: GateDefaults | None = None
     ) -> Snapshot:
         args: list[Any] = [n, *(defaults.argv() if defaults else [])]
         raw = await self._call("inspect", keys, args)
-        return msgspec.convert(_empty_tables_as_lists(raw), Snapshot)
+        return msgspec.convert(_empty_tables_as_lists(raw), Snapshot, strict=False)
 
 
 def _s(x: bytes | str) -> str:

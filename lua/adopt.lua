@@ -3,16 +3,20 @@
 -- accounts for work that is still running when Redis returns. The limit is not checked: the work
 -- already runs; new grants simply wait until in-flight < limit again.
 -- KEYS: the gate keys (see lib.lua)
--- ARGV: lease ids held by the calling pod
--- Returns the number of ids added. Ids still held are renewed (GT never shortens a lease): the
--- client adopts twice around a short pause before fleet mode resumes (Fleet._probe_loop), and
--- the heartbeat is paused until then, so a lease adopted by the first pass must not lapse.
+-- ARGV: 1 max_token (the highest fencing token among the pod's leases; the gate's counter is
+--       raised above it so tokens stay monotonic after a restart), then the lease ids.
+-- Returns {added, expires_at}: the number of ids added and the server time they now expire at.
+-- Ids still held are renewed (GT never shortens a lease): the client adopts twice around a short
+-- pause before fleet mode resumes (Fleet._probe_loop), and the heartbeat is paused until then,
+-- so a lease adopted by the first pass must not lapse.
 local now = now_ms()
 local cfg = load_cfg()
 reap(now)
+raise_seq(num(ARGV[1], 0))
+local expires = now + cfg.lease_ms
 local added = 0
-for i = 1, #ARGV do
-  added = added + redis.call('ZADD', K_HOLDERS, 'GT', now + cfg.lease_ms, ARGV[i])
+for i = 2, #ARGV do
+  added = added + redis.call('ZADD', K_HOLDERS, 'GT', expires, ARGV[i])
 end
 if added > 0 then redis.call('HINCRBY', K_STATS, 'adopted', added) end
-return added
+return {added, expires}

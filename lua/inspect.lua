@@ -20,7 +20,8 @@ end
 local head = {}
 local q = redis.call('ZRANGE', K_QUEUE, 0, n - 1, 'WITHSCORES')
 for j = 1, #q, 2 do
-  head[#head + 1] = {id = q[j], token = tonumber(q[j + 1]),
+  -- tokens are beyond cjson's 14 significant digits (seeded from server time): a string
+  head[#head + 1] = {id = q[j], token = string.format('%.0f', tonumber(q[j + 1])),
     expires_at = tonumber(redis.call('ZSCORE', K_WAITERS, q[j]))}
 end
 local leases = {}

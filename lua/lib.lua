@@ -91,23 +91,60 @@ local function wake(id, cfg)
 end
 
 -- Hand free slots to the head waiters, in FIFO order, and wake their pods. Returns grants made.
+-- A head whose waiter entry has expired (its pod died or stopped refreshing it) is dropped, not
+-- granted: when more waiters die at once than one reap removes, the freed slots would otherwise
+-- sit with dead owners for a lease TTL. Dropped heads are bounded per call like reaping.
 local function handoff(now, cfg, lim)
   local free = lim - redis.call('ZCARD', K_HOLDERS)
   if free <= 0 then return 0 end
   if free > HANDOFF_MAX then free = HANDOFF_MAX end
-  local heads = redis.call('ZRANGE', K_QUEUE, 0, free - 1)
   local expires = now + cfg.lease_ms
-  for _, id in ipairs(heads) do
-    redis.call('ZREM', K_QUEUE, id)
-    redis.call('ZREM', K_WAITERS, id)
-    redis.call('ZADD', K_HOLDERS, expires, id)
-    wake(id, cfg)
+  local granted, dropped = 0, 0
+  while granted < free and dropped < REAP_MAX do
+    local heads = redis.call('ZRANGE', K_QUEUE, 0, free - granted - 1)
+    if #heads == 0 then break end
+    local until_ = redis.call('ZMSCORE', K_WAITERS, unpack(heads))
+    redis.call('ZREM', K_QUEUE, unpack(heads))
+    redis.call('ZREM', K_WAITERS, unpack(heads))
+    for i, id in ipairs(heads) do
+      local w = tonumber(until_[i])
+      if w ~= nil and w > now then
+        redis.call('ZADD', K_HOLDERS, expires, id)
+        wake(id, cfg)
+        granted = granted + 1
+      else
+        dropped = dropped + 1
+      end
+    end
   end
-  if #heads > 0 then
-    redis.call('HINCRBY', K_STATS, 'granted', #heads)
-    redis.call('HINCRBY', K_STATS, 'handed_off', #heads)
+  if dropped > 0 then redis.call('HINCRBY', K_STATS, 'abandoned_waiters', dropped) end
+  if granted > 0 then
+    redis.call('HINCRBY', K_STATS, 'granted', granted)
+    redis.call('HINCRBY', K_STATS, 'handed_off', granted)
   end
-  return #heads
+  return granted
+end
+
+-- The next fencing token (also the FIFO sequence of a parked caller). Monotonic per gate, also
+-- across a Redis restart: a counter that has to start again (INCR made it 1) starts from server
+-- time x 1000 instead, above any token issued before unless the gate issued more than 1000 per
+-- millisecond on average since its counter was born. Holders raise it above their own tokens
+-- (raise_seq) after a rollback that kept the counter.
+local SEQ_PER_MS = 1000
+local function next_token(now)
+  local t = redis.call('INCR', K_SEQ)
+  if t == 1 then
+    t = now * SEQ_PER_MS
+    redis.call('SET', K_SEQ, string.format('%.0f', t))
+  end
+  return t
+end
+
+local function raise_seq(token)
+  if token and token > 0 then
+    local s = num(redis.call('GET', K_SEQ), 0)
+    if s < token then redis.call('SET', K_SEQ, string.format('%.0f', token)) end
+  end
 end
 
 -- Reap, then move the queue: the prologue of every state transition.

@@ -95,7 +95,7 @@ async def test_expired_lease_is_reaped_and_late_release_frees_nothing(
     assert (await scripts.acquire(keys, "b:1", 5000, d)).status == PARKED
     await asyncio.sleep(0.2)
     # Any call reaps the expired lease and hands the slot to b.
-    hb = await scripts.heartbeat(keys, "a", 3000, ["a:1"], [])
+    hb = await scripts.heartbeat(keys, "a", 3000, [("a:1", 0)], [])
     assert hb.lost_leases == ["a:1"]
     assert await async_redis.zrange(keys.holders, 0, -1) == ["b:1"]
     assert await scripts.release(keys, "a:1") is False
