@@ -185,3 +185,61 @@ def hammer_gates(url: str, prefix: str, gates: list[str], tasks: int, probe: str
         return peak
 
     return asyncio.run(main())
+
+
+def hammer_with(
+    url: str,
+    prefix: str,
+    gate: str,
+    *,
+    probe_url: str,
+    probe: str,
+    tasks: int = 1,
+    loops: int = 1,
+    hold_s: float = 0.1,
+    pod_id: str | None = None,
+    floor: int = 4,
+    heartbeat_interval: float = 1.0,
+    barrier: tuple[str, int] | None = None,
+    after_probe: int = 0,
+) -> int:
+    """``hammer`` with the knobs the fault tests need; returns the probe's highest reading.
+
+    Each of ``tasks`` tasks takes ``loops`` permits in turn. The probe (INCR on entry, DECR on
+    exit) lives on ``probe_url``, which may be another server than the gate's (whose Redis may
+    be down). ``barrier`` = (key, n): start once n processes have arrived (INCR on probe_url);
+    ``after_probe``: start once the probe reads at least that (another process holds permits).
+    """
+
+    async def main() -> int:
+        peak = 0
+        probe_client = redis.asyncio.Redis.from_url(probe_url)
+        async with Fleet(
+            url,
+            prefix=prefix,
+            pod_id=pod_id,
+            heartbeat_interval=heartbeat_interval,
+            registry=CollectorRegistry(),
+        ) as fleet:
+            g = fleet.gate(gate, floor=floor)
+            if barrier is not None:
+                await probe_client.incr(barrier[0])
+                while int(await probe_client.get(barrier[0]) or 0) < barrier[1]:
+                    await asyncio.sleep(0.01)
+            while int(await probe_client.get(probe) or 0) < after_probe:
+                await asyncio.sleep(0.01)
+
+            async def one() -> None:
+                nonlocal peak
+                for _ in range(loops):
+                    async with g.permit(deadline=60):
+                        now = await probe_client.incr(probe)
+                        peak = max(peak, now)
+                        await asyncio.sleep(hold_s)
+                        await probe_client.decr(probe)
+
+            await asyncio.gather(*(one() for _ in range(tasks)))
+        await probe_client.aclose()
+        return peak
+
+    return asyncio.run(main())

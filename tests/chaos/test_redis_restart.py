@@ -239,13 +239,6 @@ def test_redis_down_fail_mode(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (docs/failure-modes.md): a Redis restart that a pod never observes (none "
-    "of its own commands failed) is not adopted: its next heartbeat reports its running leases "
-    "lost, so their work runs uncounted until it ends (2x the limit here). A fix needs the "
-    "heartbeat to tell a wiped state from expired leases, e.g. by the pod's own fg:{G}:pods entry.",
-)
 def test_restart_unseen_by_a_pod_is_adopted(
     own_redis: RedisProcess,
     control: Control,
