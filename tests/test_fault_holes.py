@@ -79,6 +79,7 @@ def test_pods_starting_during_an_outage_take_one_permit_each(
         floor=4,
         barrier=(f"{rut.prefix}:ready", 4),
     )
+    print(f"[fault] outage start: peak {max(peaks)} under limit 4 (pods' peaks {peaks})")
     assert max(peaks) <= 4, f"{max(peaks)} running under a limit of 4 (pods' peaks {peaks})"
 
 
@@ -124,6 +125,7 @@ def test_short_lease_from_the_gate_config_is_renewed_from_the_first_grant(
         holder = ex.submit(_workers.hammer_with, **common, hold_s=2.0)  # type: ignore[arg-type]
         other = ex.submit(_workers.hammer_with, **common, hold_s=0.1, after_probe=1)  # type: ignore[arg-type]
         peaks = [holder.result(timeout=60), other.result(timeout=60)]
+    print(f"[fault] lease_ms 300 from the config: peak {max(peaks)} under limit 1")
     assert max(peaks) == 1, f"{max(peaks)} running under a limit of 1"
     assert int(sync_redis.hget(keys.stats, "expired_leases") or 0) == 0
 
@@ -153,6 +155,7 @@ def test_processes_sharing_a_pod_id_keep_the_cap(
         floor=2,
         barrier=(f"{rut.prefix}:ready", 2),
     )
+    print(f"[fault] shared pod_id: peak {max(peaks)} under limit 2")
     assert max(peaks) <= 2, f"{max(peaks)} running under a limit of 2"
     keys = GateKeys.of(rut.prefix, "shared-id")
     assert sync_redis.zcard(keys.holders) == 0 and sync_redis.zcard(keys.queue) == 0
