@@ -132,6 +132,7 @@ class Fleet:
         self._redis: aredis.Redis | None = None
         self._scripts: GateScripts | None = None
         self._poke = asyncio.Event()  # wakes the heartbeat loop to re-plan (see _nap)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.fallback_active = False
         # Redis answers again after an outage: running work is being adopted, no new local
@@ -153,6 +154,7 @@ class Fleet:
         """Open the connection pool and start the heartbeat. Redis need not be up yet."""
         if self._redis is not None:
             return
+        self._loop = asyncio.get_running_loop()
         self._redis = connect(self.url, **self._redis_options)
         await prepare(self._redis)
         self._scripts = GateScripts(self._redis)
@@ -265,8 +267,20 @@ class Fleet:
         return f"{self.pod_key}:{next(self._ids)}"
 
     def poke_heartbeat(self) -> None:
-        """Make the heartbeat loop re-plan now (a gate appeared, or its TTLs changed)."""
-        self._poke.set()
+        """Make the heartbeat loop re-plan now (a gate appeared, or its TTLs changed).
+
+        Safe from any thread (``SyncFleet.gate`` runs in the caller's thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # not started: the loop plans every gate when it starts
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self._poke.set()
+        else:
+            loop.call_soon_threadsafe(self._poke.set)
 
     def work_started(self, gate: Gate) -> None:
         """``gate`` gets its first lease or waiter: renew it a renewal period from now (the

@@ -404,9 +404,10 @@ class Gate:
         # about when this one did has registered too. Until then the fair share is 1, never
         # the whole limit (4 pods x limit 4 ran 16 at once before; tests/test_fault_holes.py).
         if reply.pod_new:
+            if self.registered_at is not None:
+                self.registered = False  # created anew: a wiped Redis? register the gate again
             self.registered_at = sent_at
             self.last_live_pods = 0
-            self.registered = False  # the entry was created anew: maybe a wiped Redis
         elif (
             self.registered_at is not None
             and sent_at - self.registered_at >= self.fleet.register_period

@@ -44,6 +44,7 @@ __all__ = [
 
 AnyRedis = aredis.Redis | aredis.RedisCluster
 
+
 class ServerUnavailable(aredis.ConnectionError):
     """A reply meaning the server cannot serve writes now (OOM, READONLY, MISCONF, BUSY,
     LOADING, MASTERDOWN): an outage like a refused connection, not a bug in the data.
