@@ -70,17 +70,17 @@ class RedisUnavailable(FleetgateError, ConnectionError):
 
 
 class GateStateError(FleetgateError):
-    """A gate's keys in Redis hold data its scripts cannot use (say WRONGTYPE: a key of the
-    gate overwritten with a value of another type). The message names the gate and the key;
+    """Redis refused a gate script for the data it found, say WRONGTYPE: a key of the gate
+    overwritten with a value of another type. The message names the gate and the key;
     ``gate``, ``keys`` (the offending keys, when they could be found) and ``reply`` (the Redis
     error text) carry the same. Not an outage: the fair-share fallback does not apply.
     """
 
     def __init__(self, gate: str, keys: list[str], reply: str) -> None:
-        where = f"key {', '.join(keys)}" if keys else "one of its keys"
+        where = f"; wrong type: {', '.join(keys)}" if keys else ""
         super().__init__(
-            f"gate {gate!r}: {where} in Redis holds data the gate scripts cannot use ({reply}); "
-            "delete or repair the key (`fleetgate inspect` shows the gate)"
+            f"gate {gate!r}: Redis refused a gate script: {reply}{where} "
+            "(delete or repair the key; `fleetgate check` names bad keys)"
         )
         self.gate = gate
         self.keys = keys

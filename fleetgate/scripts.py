@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from fleetgate._redis import ServerUnavailable, unavailable_reply
-from fleetgate.errors import GateStateError
+from fleetgate.errors import ConfigError, GateStateError
 from fleetgate.keys import GateKeys
 
 __all__ = [
@@ -157,14 +157,20 @@ class GateScripts:
         """The error to raise for a Redis error reply to a script of gate ``keys``.
 
         A reply that means the server cannot serve writes now (OOM, READONLY, ...) becomes
-        :class:`ServerUnavailable`, an outage; any other (WRONGTYPE, say) becomes a
-        :class:`GateStateError` naming the gate and the keys of the wrong type, found by one
-        TYPE per key (only on this error path).
+        :class:`ServerUnavailable`, an outage; a command the Redis user may not run becomes a
+        :class:`ConfigError`; anything else (WRONGTYPE, say) a :class:`GateStateError` naming
+        the gate and the keys of the wrong type, found by one TYPE per key (only on this path).
         """
         if unavailable_reply(exc):
             return ServerUnavailable(str(exc))
         if isinstance(exc, NoScriptError):
             return exc
+        text = str(exc)
+        if isinstance(exc, NoPermissionError) or "can't run this command" in text:
+            return ConfigError(
+                f"gate {keys.name!r}: the Redis user may not run a command the gate scripts "
+                f"need ({text}); see deploy/acl.conf"
+            )
         wrong: list[str] = []
         try:
             for key, expected in keys.expected_types():
@@ -173,7 +179,7 @@ class GateScripts:
                     wrong.append(f"{key} ({kind}, expected {expected})")
         except Exception:  # the diagnosis is best effort; the error below stands
             wrong = []
-        return GateStateError(keys.name, wrong, str(exc))
+        return GateStateError(keys.name, wrong, text)
 
     async def acquire(
         self, keys: GateKeys, lease_id: str, wait_ms: int, defaults: GateDefaults

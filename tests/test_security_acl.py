@@ -20,7 +20,7 @@ import redis
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
-from fleetgate.client import Fleet
+from fleetgate.client import ConfigError, Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
@@ -181,7 +181,8 @@ async def test_client_rule_denies_keys_outside_its_pattern(acl: AclServer) -> No
     async with Fleet(
         acl.client_url, prefix="other", registry=CollectorRegistry(), on_redis_error="fail"
     ) as fleet:
-        with pytest.raises(redis.exceptions.NoPermissionError, match="no permissions"):
+        # Translated where it enters fleetgate: a ConfigError naming the gate and the ACL file.
+        with pytest.raises(ConfigError, match="gate 'g'.*no permissions.*acl.conf"):
             await asyncio.wait_for(fleet.gate("g").acquire(), 3)
     assert acl.denials()  # the attempts are on record
     assert all(d.startswith("fleetgate-client") for d in acl.denials())
