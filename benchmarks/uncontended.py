@@ -81,7 +81,8 @@ async def _measure(url: str, opts: Options) -> dict[str, dict[str, Any]]:
         plain_b = plain.register_script("return 1 -- b")
         noop_a = raw.register_script("return 1")
         noop_b = raw.register_script("return 1 -- b")
-        shaped_a = raw.register_script("return {1, 2, 1, 1, 10000, 5000, 1}")  # acquire's reply shape
+        # acquire's reply shape
+        shaped_a = raw.register_script("return {1, 2, 1, 1, 10000, 5000, 1}")
         shaped_b = raw.register_script("return {1, 1}")  # release's reply shape
         keys = gate.keys.script_keys()
         argv = ["pod:1", 30_000, *gate.defaults.argv()]

@@ -154,7 +154,7 @@ async def test_lost_lease_sets_event(
         # expires in Redis before any renewal, so the next heartbeat reports it lost. (A lease
         # that vanished before its renewal time had passed would be counted again instead: see
         # tests/test_fault_holes.py.)
-        time.sleep(0.5)  # noqa: ASYNC251 - blocking the loop is the point
+        time.sleep(0.5)  # blocking the loop is the point
         await asyncio.wait_for(lease.lost.wait(), 2)
     assert sample(registry, "fleetgate_client_lease_lost_total", "lost") == 1
 

@@ -182,7 +182,7 @@ async def test_client_rule_denies_keys_outside_its_pattern(acl: AclServer) -> No
         acl.client_url, prefix="other", registry=CollectorRegistry(), on_redis_error="fail"
     ) as fleet:
         # Translated where it enters fleetgate: a ConfigError naming the gate and the ACL file.
-        with pytest.raises(ConfigError, match="gate 'g'.*no permissions.*acl.conf"):
+        with pytest.raises(ConfigError, match=r"gate 'g'.*no permissions.*acl\.conf"):
             await asyncio.wait_for(fleet.gate("g").acquire(), 3)
     assert acl.denials()  # the attempts are on record
     assert all(d.startswith("fleetgate-client") for d in acl.denials())
