@@ -190,6 +190,8 @@ class GateScripts:
     async def inspect(
         self, keys: GateKeys, n: int = 10, defaults: GateDefaults | None = None
     ) -> Snapshot:
+        """Snapshot of a gate listing its first ``n`` waiters and holders (``n <= 0``: none; at
+        most 1000): the counts are exact, and the cost never grows with the queue."""
         args: list[Any] = [n, *(defaults.argv() if defaults else [])]
         raw = await self._call("inspect", keys, args)
         return msgspec.convert(_empty_tables_as_lists(raw), Snapshot)
