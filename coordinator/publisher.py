@@ -9,6 +9,7 @@ with the controller state, from which a new leader resumes (warm failover).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import msgspec
 
 from fleetgate._redis import AnyRedis, is_cluster
 from fleetgate.keys import GateKeys, fleet_keys
+from fleetgate.registry import read_registry
 from fleetgate.scripts import GateScripts
 
 from .config import GateConfig
@@ -23,6 +25,10 @@ from .controller import ControllerParams, ControllerState, Decision, dump_state,
 from .signals import Signals
 
 __all__ = ["Publication", "Publisher"]
+
+log = logging.getLogger("fleetgate.coordinator")
+
+PRUNED = 1  # prune.lua's reply state for a gate it deleted
 
 
 class Publication(msgspec.Struct, frozen=True):
@@ -78,6 +84,7 @@ class Publisher:
         self.fleet = fleet_keys(prefix)
         self.scripts = GateScripts(client)
         self._keys: dict[str, GateKeys] = {}
+        self._invalid_logged: set[str] = set()
 
     def keys(self, name: str) -> GateKeys:
         found = self._keys.get(name)
@@ -160,7 +167,80 @@ class Publisher:
         await script(keys=keys.script_keys(), args=[value, epoch, ttl_ms], client=pipe)
 
     async def registered_gates(self) -> list[str]:
-        return sorted(str(n) for n in await self.client.smembers(self.fleet.gates))
+        """The registered gate names, sorted. An entry that is no valid gate name (anyone may
+        SADD to the registry) is skipped, and logged once per entry, not once per sweep."""
+        registry = await read_registry(self.client, self.prefix)
+        for shown, why in registry.invalid:
+            if shown not in self._invalid_logged and len(self._invalid_logged) < 10_000:
+                self._invalid_logged.add(shown)
+                log.warning(
+                    "%s holds an invalid gate name %s (%s): skipped by the reaper and status; "
+                    "remove it with redis-cli SREM",
+                    self.fleet.gates,
+                    shown,
+                    why,
+                )
+        return registry.names
+
+    async def prune(
+        self, epoch: int, names: Sequence[str], idle_after_ms: int
+    ) -> tuple[list[str], list[tuple[str, Exception]]]:
+        """Delete the gates of ``names`` idle for ``idle_after_ms`` and drop them from the
+        registry (``prune.lua`` decides in the gate's slot; the SREM follows it). Returns the
+        gates pruned and the gates whose check failed (a key of the wrong type, say).
+
+        An acquire or heartbeat racing the prune recreates the gate's keys, and its SADD may come
+        before our SREM: so after the SREM every pruned gate with keys again is registered again.
+        """
+        if not names:
+            return [], []
+        script = self.scripts.script("prune")
+        if is_cluster(self.client):
+            replies: list[Any] = await asyncio.gather(
+                *(
+                    script(keys=self.keys(n).script_keys(), args=[epoch, idle_after_ms])
+                    for n in names
+                ),
+                return_exceptions=True,
+            )
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                await script(
+                    keys=self.keys(n).script_keys(), args=[epoch, idle_after_ms], client=pipe
+                )
+            replies = await pipe.execute(raise_on_error=False)
+        pruned: list[str] = []
+        failed: list[tuple[str, Exception]] = []
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, Exception):
+                failed.append((name, reply))
+            elif int(reply[0]) == PRUNED:
+                pruned.append(name)
+        if not pruned:
+            return [], failed
+        await self.client.srem(self.fleet.gates, *pruned)
+        used = await self._exist(pruned)
+        back = [n for n, found in zip(pruned, used, strict=True) if found]
+        if back:
+            await self.client.sadd(self.fleet.gates, *back)
+        return [n for n in pruned if n not in back], failed
+
+    async def _exist(self, names: Sequence[str]) -> list[bool]:
+        """Per gate: does any of the keys a client's acquire or heartbeat creates exist?"""
+
+        def keys(n: str) -> list[str]:
+            k = self.keys(n)
+            return [k.cfg, k.holders, k.queue, k.waiters, k.pods]
+
+        if is_cluster(self.client):
+            counts = await asyncio.gather(*(self.client.exists(*keys(n)) for n in names))
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.exists(*keys(n))
+            counts = await pipe.execute()
+        return [int(c) > 0 for c in counts]
 
     async def sweep(self, names: Sequence[str]) -> None:
         """Reap expired leases and waiters of ``names`` and move their queues (one pipeline)."""

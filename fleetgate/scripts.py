@@ -26,7 +26,16 @@ __all__ = [
     "script_source",
 ]
 
-SCRIPT_NAMES = ("acquire", "release", "cancel", "heartbeat", "set_target", "inspect", "adopt")
+SCRIPT_NAMES = (
+    "acquire",
+    "release",
+    "cancel",
+    "heartbeat",
+    "set_target",
+    "inspect",
+    "adopt",
+    "prune",
+)
 # Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 

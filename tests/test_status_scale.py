@@ -39,9 +39,7 @@ async def _server_work(r: aredis.Redis) -> tuple[int, int]:
     """(ZSCORE calls so far, bytes sent to clients so far) of the server."""
     stats = await r.info("commandstats")
     out = await r.info("stats")
-    return int(stats.get("cmdstat_zscore", {}).get("calls", 0)), int(
-        out["total_net_output_bytes"]
-    )
+    return int(stats.get("cmdstat_zscore", {}).get("calls", 0)), int(out["total_net_output_bytes"])
 
 
 async def test_status_reads_a_huge_queue_in_constant_work(
