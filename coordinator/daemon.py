@@ -425,7 +425,8 @@ class Coordinator:
         self._errors["poll"].error(
             f"gates {', '.join(refused)}: target refused although no epoch above {epoch} was "
             "ever issued (the stored target epoch is corrupt, or the epoch counter was reset); "
-            "these gates keep their old target until it expires. Delete their target keys "
+            "these gates keep their old target until it expires, and their old config and "
+            "snapshot (every gate write is fenced by that epoch). Delete their target keys "
             f"(redis-cli DEL '{self.config.redis.prefix}:{{<gate>}}:target') to fix."
         )
         return False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "GateScripts",
     "HeartbeatReply",
     "Snapshot",
+    "publish_args",
     "script_source",
 ]
 
@@ -35,6 +37,7 @@ SCRIPT_NAMES = (
     "inspect",
     "adopt",
     "prune",
+    "publish",
 )
 # Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
@@ -192,6 +195,19 @@ class GateScripts:
         r = await self._call("set_target", keys, [value, epoch, ttl_ms])
         return int(r[0]) == 1
 
+    async def publish(
+        self,
+        keys: GateKeys,
+        epoch: int,
+        ttl_ms: int,
+        target: int | None,
+        cfg: Mapping[str, Any],
+        util: Mapping[str, Any],
+    ) -> bool:
+        """The coordinator's epoch-fenced write of one gate (``publish.lua``); False = refused."""
+        r = await self._call("publish", keys, publish_args(epoch, ttl_ms, target, cfg, util))
+        return int(r[0]) == 1
+
     async def adopt(self, keys: GateKeys, lease_ids: list[str]) -> int:
         """Count ``lease_ids`` (running work) as leases again after an outage."""
         return int(await self._call("adopt", keys, list(lease_ids)))
@@ -204,6 +220,17 @@ class GateScripts:
         args: list[Any] = [n, *(defaults.argv() if defaults else [])]
         raw = await self._call("inspect", keys, args)
         return msgspec.convert(_empty_tables_as_lists(raw), Snapshot)
+
+
+def publish_args(
+    epoch: int, ttl_ms: int, target: int | None, cfg: Mapping[str, Any], util: Mapping[str, Any]
+) -> list[Any]:
+    """ARGV of ``publish.lua``: target None leaves the target's value alone."""
+    args: list[Any] = [epoch, ttl_ms, "" if target is None else target, len(cfg)]
+    for pairs in (cfg, util):
+        for k, v in pairs.items():
+            args += [k, v]
+    return args
 
 
 def _s(x: bytes | str) -> str:

@@ -98,7 +98,7 @@ async def test_invalid_registry_names_do_not_stop_the_reaper(
     d = GateDefaults(floor=1, ceiling=1, lease_ms=100, waiter_ms=LONG)
     assert (await scripts.acquire(keys, "crashed:1", LONG, d)).status == GRANTED
     assert (await scripts.acquire(keys, "parked:1", LONG, d)).status == PARKED
-    await async_redis.sadd(registry(rut), "client-gate", *INVALID)  # type: ignore[arg-type]
+    await async_redis.sadd(registry(rut), "client-gate", *INVALID)
     async with running(config(rut)):
         # Nobody calls the gate: only the reaper can reap the lease and hand the slot on.
         await until(lambda: async_redis.zscore(keys.holders, "parked:1"), 5, "the hand-off")
@@ -121,7 +121,7 @@ async def test_status_skips_invalid_registry_names(
 ) -> None:
     keys = GateKeys.of(rut.prefix, "good")
     await GateScripts(async_redis).acquire(keys, "p:1", LONG, GateDefaults(floor=3))
-    await async_redis.sadd(registry(rut), "good", *INVALID)  # type: ignore[arg-type]
+    await async_redis.sadd(registry(rut), "good", *INVALID)
     status = await gather_status(async_redis, rut.prefix)
     assert [(g.name, g.in_flight, g.limit) for g in status.gates] == [("good", 1, 3)]
     assert len(status.invalid_gates) == len(INVALID)
