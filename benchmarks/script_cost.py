@@ -15,7 +15,9 @@ of exactly those scripts (their internal commands included), free of client and 
 every size runs the same batch shape, so CPU caches and frequency are alike. Figures are medians
 over the pipelines (robust to the server being preempted by other processes). Growth factor =
 µs at the largest n / µs at n=10 (target <= 1.5, i.e. O(log n)). At the largest n the heartbeat
-is timed too, carrying k of one pod's waiters (its cost is O(k log n)).
+is timed too, carrying k of one pod's waiters (its cost is O(k log n)), and every round times
+``inspect`` with n=0 per size, the read `fleetgate status` makes per gate (counts only, nothing
+listed: its growth must stay O(log n) as well, issue 9).
 Server-side only: the parser/event-loop flavor does not change these figures.
 """
 
@@ -51,6 +53,7 @@ HOUR_MS = 3_600_000
 GROWTH_TARGET = 1.5
 KINDS = ("acquire (park) + cancel", "release + hand-off + acquire (park)")
 CHUNK = 50  # pairs per pipeline
+STATUS = "inspect n=0 (status)"
 
 
 class Bench:
@@ -122,6 +125,11 @@ class Bench:
         usec, n = self.timed(("heartbeat", args) for _ in range(reps))
         return usec / n
 
+    def inspect(self, m: int) -> float:
+        """µs per ``inspect`` with n=0 (what `fleetgate status` runs per gate)."""
+        usec, n = self.timed(("inspect", [0]) for _ in range(m))
+        return usec / n
+
     def sanity(self) -> None:
         assert self.r.zcard(self.gate.queue) == len(self.queue)
         assert self.r.zrange(self.gate.holders, 0, -1) == [self.holder]
@@ -133,7 +141,7 @@ def _measure(url: str, opts: Options) -> dict[str, Any]:
     r = redis.Redis.from_url(url, decode_responses=True)
     scripts = {
         n: r.register_script(script_source(n))
-        for n in ("acquire", "release", "cancel", "heartbeat")
+        for n in ("acquire", "release", "cancel", "heartbeat", "inspect")
     }
     benches: dict[int, Bench] = {}
     for n in sizes:
@@ -151,10 +159,12 @@ def _measure(url: str, opts: Options) -> dict[str, Any]:
     log(f"{NAME}: filled gates of {', '.join(f'{n:,}' for n in sizes)} waiters")
     # Rounds visit every size in turn, so noise from other processes hits all sizes alike.
     per: dict[int, dict[str, list[float]]] = {n: {k: [] for k in KINDS} for n in sizes}
+    status: dict[int, list[float]] = {n: [] for n in sizes}
     for i in range(rounds):
         for n, b in benches.items():
             per[n][KINDS[0]].append(b.park_cancel(CHUNK))
             per[n][KINDS[1]].append(b.release_handoff(CHUNK))
+            status[n].append(b.inspect(CHUNK))
         if (i + 1) % max(1, rounds // 4) == 0:
             log(f"{NAME}: round {i + 1}/{rounds}")
     rows: list[dict[str, Any]] = []
@@ -165,6 +175,7 @@ def _measure(url: str, opts: Options) -> dict[str, Any]:
                 "queue": n,
                 "encoding": r.object("encoding", b.gate.queue),
                 **{k: float(np.median(v)) for k, v in per[n].items()},
+                STATUS: float(np.median(status[n])),
                 "mean": {k: float(np.mean(v)) for k, v in per[n].items()},
                 "p90_over_pipelines": {k: float(np.percentile(v, 90)) for k, v in per[n].items()},
             }
@@ -188,13 +199,16 @@ def run(opts: Options) -> list[Headline]:
         first, last = rows[0], rows[-1]
         growth = {k: last[k] / first[k] for k in KINDS}
         res["growth"] = growth
+        res["status_growth"] = status_growth = last[STATUS] / first[STATUS]
         text = table(
-            ("queue", "encoding", *(f"{k} µs" for k in KINDS)),
-            [(r["queue"], r["encoding"], *(r[k] for k in KINDS)) for r in rows],
+            ("queue", "encoding", *(f"{k} µs" for k in (*KINDS, STATUS))),
+            [(r["queue"], r["encoding"], *(r[k] for k in (*KINDS, STATUS))) for r in rows],
         )
         text += "\n" + table(
             ("", *KINDS), [(f"growth {first['queue']}->{last['queue']}", *growth.values())]
         )
+        text += f"\n{STATUS}: growth {first['queue']}->{last['queue']} {status_growth:.2f}x"
+
         hb = res["heartbeat_us_by_waiters"]
         text += "\n" + table(
             (f"heartbeat at n={res['heartbeat_queue']}: waiters carried", "µs", "µs / waiter"),
@@ -204,6 +218,7 @@ def run(opts: Options) -> list[Headline]:
         xs = [r["queue"] for r in rows]
         for k, style in zip(KINDS, ("o-", "s-"), strict=True):
             ax[0][0].plot(xs, [r[k] for r in rows], style, label=k)
+        ax[0][0].plot(xs, [2 * r[STATUS] for r in rows], "^-", label=f"2 x {STATUS}")
         ax[0][0].set_xscale("log")
         ax[0][0].set_ylim(bottom=0)
         ax[0][0].set_xlabel("parked waiters (queue length)")
@@ -224,6 +239,13 @@ def run(opts: Options) -> list[Headline]:
             worst <= GROWTH_TARGET,
         ),
         Headline(NAME, "heartbeat carrying 1000 waiters", f"{hb[1000]:.0f} µs", "-", None),
+        Headline(
+            NAME,
+            f"status read (inspect n=0) growth {first['queue']}->{last['queue']:,} waiters",
+            f"{status_growth:.2f}x",
+            f"<= {GROWTH_TARGET}x",
+            status_growth <= GROWTH_TARGET,
+        ),
     ]
 
 

@@ -4,7 +4,7 @@ Shape (see ``example.toml`` next to this module for every key with its default):
 
     [redis]        url, prefix
     [coordinator]  poll_interval, poll_jitter, leader_ttl, metrics_listen, target_ttl_polls,
-                   scrape_timeout, max_body_bytes, adaptive
+                   scrape_timeout, max_body_bytes, adaptive, prune_idle_after
     [[gates]]      name, floor, ceiling, max_queued, lease_ms, waiter_ms,
                    base_url | metrics_url (a string or a list, one per replica), model_name, server
 
@@ -95,7 +95,8 @@ class RedisSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How the coordinator polls, leads and publishes. Times are in seconds (at most an hour)."""
+    """How the coordinator polls, leads and publishes. Times are in seconds (at most an hour;
+    ``prune_idle_after`` at most 30 days)."""
 
     poll_interval: Annotated[float, Meta(gt=0, le=3600)] = 12.0
     #: each poll waits poll_interval * (1 ± poll_jitter), so standbys and replicas do not align
@@ -107,6 +108,9 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     scrape_timeout: Annotated[float, Meta(gt=0, le=600)] = 2.0
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 2 * 1024 * 1024
     adaptive: bool = True
+    #: seconds a registered gate that is not in this config must stay idle (no holders, waiters,
+    #: live pods nor acquires) before it is deleted and dropped from the registry; 0 = never
+    prune_idle_after: Annotated[float, Meta(ge=0, le=30 * 86400)] = 3600.0
 
     def __post_init__(self) -> None:
         _check("metrics_listen", _parse_listen, self.metrics_listen)

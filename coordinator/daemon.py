@@ -124,8 +124,13 @@ class Coordinator:
         self._publisher: Publisher | None = None
         self._http: httpx.AsyncClient | None = None
         self._errors = {
-            name: _ErrorLog(name) for name in ("election", "poll", "reaper", "diagnosis")
+            name: _ErrorLog(name) for name in ("election", "poll", "reaper", "prune", "diagnosis")
         }
+        # Idle gates are looked at every prune_check_interval (a quarter of the idle period, at
+        # least every reaper sweep, at most a minute apart).
+        idle = config.coordinator.prune_idle_after
+        self.prune_check_interval = min(60.0, max(reap_interval, idle / 4))
+        self._next_prune = 0.0
         self.safety_findings: list[str] | None = None  # None until the start-up check ran
         self._gate_failures = 0  # gates that failed in the current poll
 
@@ -420,7 +425,8 @@ class Coordinator:
         self._errors["poll"].error(
             f"gates {', '.join(refused)}: target refused although no epoch above {epoch} was "
             "ever issued (the stored target epoch is corrupt, or the epoch counter was reset); "
-            "these gates keep their old target until it expires. Delete their target keys "
+            "these gates keep their old target until it expires, and their old config and "
+            "snapshot (every gate write is fenced by that epoch). Delete their target keys "
             f"(redis-cli DEL '{self.config.redis.prefix}:{{<gate>}}:target') to fix."
         )
         return False
@@ -476,9 +482,45 @@ class Coordinator:
                 errors.ok()
             except REDIS_ERRORS as exc:
                 errors.error(f"Redis unreachable ({self._text(exc)})", level=logging.WARNING)
+                continue
             except Exception as exc:
                 if errors.error(f"sweep failed: {self._text(exc)}", trace=True):
                     await self._diagnose(exc)
+                continue
+            errors = self._errors["prune"]
+            try:
+                await self._prune(names)
+            except REDIS_ERRORS as exc:
+                errors.error(f"Redis unreachable ({self._text(exc)})", level=logging.WARNING)
+            except Exception as exc:
+                if errors.error(f"failed: {self._text(exc)}", trace=True):
+                    await self._diagnose(exc)
+
+    async def _prune(self, names: list[str]) -> None:
+        """Drop registered gates that are not configured here and idle for prune_idle_after."""
+        idle = self.config.coordinator.prune_idle_after
+        now = time.monotonic()
+        if idle <= 0 or now < self._next_prune:
+            return
+        self._next_prune = now + self.prune_check_interval
+        term = self.election.term
+        configured = {g.name for g in self.config.gates}
+        candidates = [n for n in names if n not in configured]
+        if term is None or not term.valid() or not candidates:
+            return
+        pruned, failed = await self.publisher.prune(term.epoch, candidates, int(idle * 1000))
+        errors = self._errors["prune"]
+        for name, exc in failed:
+            if errors.error(f"gate {name}: idle check failed: {self._text(exc)}"):
+                await self._diagnose(exc)
+        if not failed:
+            errors.ok()
+        if pruned:
+            self.metrics.pruned_gates.inc(len(pruned))
+            shown = ", ".join(pruned[:10]) + (
+                f" (+{len(pruned) - 10} more)" if len(pruned) > 10 else ""
+            )
+            log.info("pruned %d gates idle for %g s: %s", len(pruned), idle, shown)
 
 
 def run_coordinator(config_path: str, *, coordinator_id: str | None = None) -> int:

@@ -24,6 +24,7 @@ class CoordinatorMetrics:
     epoch: Gauge
     refused: Counter
     reaped_gates: Counter
+    pruned_gates: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> CoordinatorMetrics:
@@ -91,6 +92,11 @@ class CoordinatorMetrics:
             reaped_gates=Counter(
                 "fleetgate_coordinator_reaper_sweeps",
                 "Gate sweeps by the reaper",
+                registry=registry,
+            ),
+            pruned_gates=Counter(
+                "fleetgate_coordinator_pruned_gates",
+                "Idle gates deleted and dropped from the registry (prune_idle_after)",
                 registry=registry,
             ),
         )

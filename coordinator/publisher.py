@@ -1,14 +1,17 @@
-"""Writing a poll's outcome to Redis: one pipeline per poll, epoch-fenced targets.
+"""Writing a poll's outcome to Redis: one pipeline per poll, every gate write epoch-fenced.
 
-Each poll the leader registers every gate's configuration (the coordinator's config wins over
-client defaults) and the gate registry, publishes targets through ``set_target.lua`` (which
-refuses a lower epoch and hands new room to waiters at once) and stores the utilisation snapshot
-with the controller state, from which a new leader resumes (warm failover).
+Each poll the leader registers the gates in the registry and, per gate, one ``publish.lua`` call
+writes the gate's configuration (the coordinator's config wins over client defaults), the
+utilisation snapshot with the controller state (from which a new leader resumes: warm failover)
+and, when the controller says so, the target -- all refused when a newer epoch is stored in the
+gate's target, so a deposed leader that wakes up overwrites nothing of its successor -- and hands
+new room to waiters at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,13 +19,18 @@ import msgspec
 
 from fleetgate._redis import AnyRedis, is_cluster
 from fleetgate.keys import GateKeys, fleet_keys
-from fleetgate.scripts import GateScripts
+from fleetgate.registry import read_registry
+from fleetgate.scripts import GateScripts, publish_args
 
 from .config import GateConfig
 from .controller import ControllerParams, ControllerState, Decision, dump_state, load_state
 from .signals import Signals
 
 __all__ = ["Publication", "Publisher"]
+
+log = logging.getLogger("fleetgate.coordinator")
+
+PRUNED = 1  # prune.lua's reply state for a gate it deleted
 
 
 class Publication(msgspec.Struct, frozen=True):
@@ -78,6 +86,7 @@ class Publisher:
         self.fleet = fleet_keys(prefix)
         self.scripts = GateScripts(client)
         self._keys: dict[str, GateKeys] = {}
+        self._invalid_logged: set[str] = set()
 
     def keys(self, name: str) -> GateKeys:
         found = self._keys.get(name)
@@ -110,57 +119,118 @@ class Publisher:
     async def publish(
         self, epoch: int, target_ttl_ms: int, pubs: Sequence[Publication]
     ) -> list[bool]:
-        """Register configs, publish targets and snapshots in one pipeline.
+        """Register the gates, then write each gate's cfg, snapshot and target (one fenced
+        ``publish.lua`` call per gate; one pipeline on a standalone Redis).
 
-        Returns, per publication, whether the target was accepted (False: a newer epoch owns the
-        gate, so this coordinator has been deposed). Publications whose decision says not to
-        publish (static, unknown signals) still refresh the snapshot but leave the target alone.
+        Returns, per publication, whether it was accepted (False: a newer epoch owns the gate,
+        so this coordinator has been deposed, and nothing of it was written). Publications whose
+        decision says not to publish a target (static, unknown signals) still write the config
+        and the snapshot, and leave the target's value alone.
         """
+        names = [p.gate.name for p in pubs]
         if is_cluster(self.client):
-            return await self._publish_each(epoch, target_ttl_ms, pubs)
+            # Redis Cluster blocks scripts in pipelines: the same calls, concurrently per gate.
+            await self.client.sadd(self.fleet.gates, *names)
+            replies = await asyncio.gather(
+                *(
+                    self.scripts.publish(
+                        self.keys(p.gate.name), epoch, target_ttl_ms, *self._payload(p)
+                    )
+                    for p in pubs
+                )
+            )
+            return list(replies)
         pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(self.fleet.gates, *[p.gate.name for p in pubs])
-        target_slots: list[int] = []
+        pipe.sadd(self.fleet.gates, *names)
+        script = self.scripts.script("publish")
         for p in pubs:
-            keys = self.keys(p.gate.name)
-            pipe.hset(keys.cfg, mapping=_cfg_mapping(p.gate))  # type: ignore[arg-type]
-            if p.decision.publish:
-                target_slots.append(len(pipe.command_stack))
-                await self._set_target(pipe, keys, p.decision.target, epoch, target_ttl_ms)
-            else:
-                target_slots.append(-1)
-            pipe.hset(keys.util, mapping=_util_mapping(p))  # type: ignore[arg-type]
+            # On a pipeline, awaiting the script only queues its EVALSHA (and the pipeline
+            # loads the script first if the server lacks it).
+            args = publish_args(epoch, target_ttl_ms, *self._payload(p))
+            await script(keys=self.keys(p.gate.name).script_keys(), args=args, client=pipe)
         results = await pipe.execute()
-        return [slot < 0 or int(results[slot][0]) == 1 for slot in target_slots]
+        return [int(r[0]) == 1 for r in results[1:]]
 
-    async def _publish_each(
-        self, epoch: int, target_ttl_ms: int, pubs: Sequence[Publication]
-    ) -> list[bool]:
-        """Redis Cluster blocks scripts in pipelines: the same writes, concurrently per gate."""
-        await self.client.sadd(self.fleet.gates, *[p.gate.name for p in pubs])
-
-        async def one(p: Publication) -> bool:
-            keys = self.keys(p.gate.name)
-            await self.client.hset(keys.cfg, mapping=_cfg_mapping(p.gate))
-            accepted = True
-            if p.decision.publish:
-                ttl = target_ttl_ms
-                accepted = await self.scripts.set_target(keys, p.decision.target, epoch, ttl)
-            await self.client.hset(keys.util, mapping=_util_mapping(p))
-            return accepted
-
-        return list(await asyncio.gather(*(one(p) for p in pubs)))
-
-    async def _set_target(
-        self, pipe: Any, keys: GateKeys, value: int, epoch: int, ttl_ms: int
-    ) -> None:
-        # On a pipeline, awaiting the script only queues its EVALSHA (and the pipeline loads
-        # the script first if the server lacks it).
-        script = self.scripts.script("set_target")
-        await script(keys=keys.script_keys(), args=[value, epoch, ttl_ms], client=pipe)
+    @staticmethod
+    def _payload(p: Publication) -> tuple[int | None, dict[str, int], dict[str, str]]:
+        target = p.decision.target if p.decision.publish else None
+        return target, _cfg_mapping(p.gate), _util_mapping(p)
 
     async def registered_gates(self) -> list[str]:
-        return sorted(str(n) for n in await self.client.smembers(self.fleet.gates))
+        """The registered gate names, sorted. An entry that is no valid gate name (anyone may
+        SADD to the registry) is skipped, and logged once per entry, not once per sweep."""
+        registry = await read_registry(self.client, self.prefix)
+        for shown, why in registry.invalid:
+            if shown not in self._invalid_logged and len(self._invalid_logged) < 10_000:
+                self._invalid_logged.add(shown)
+                log.warning(
+                    "%s holds an invalid gate name %s (%s): skipped by the reaper and status; "
+                    "remove it with redis-cli SREM",
+                    self.fleet.gates,
+                    shown,
+                    why,
+                )
+        return registry.names
+
+    async def prune(
+        self, epoch: int, names: Sequence[str], idle_after_ms: int
+    ) -> tuple[list[str], list[tuple[str, Exception]]]:
+        """Delete the gates of ``names`` idle for ``idle_after_ms`` and drop them from the
+        registry (``prune.lua`` decides in the gate's slot; the SREM follows it). Returns the
+        gates pruned and the gates whose check failed (a key of the wrong type, say).
+
+        An acquire or heartbeat racing the prune recreates the gate's keys, and its SADD may come
+        before our SREM: so after the SREM every pruned gate with keys again is registered again.
+        """
+        if not names:
+            return [], []
+        script = self.scripts.script("prune")
+        if is_cluster(self.client):
+            replies: list[Any] = await asyncio.gather(
+                *(
+                    script(keys=self.keys(n).script_keys(), args=[epoch, idle_after_ms])
+                    for n in names
+                ),
+                return_exceptions=True,
+            )
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                await script(
+                    keys=self.keys(n).script_keys(), args=[epoch, idle_after_ms], client=pipe
+                )
+            replies = await pipe.execute(raise_on_error=False)
+        pruned: list[str] = []
+        failed: list[tuple[str, Exception]] = []
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, Exception):
+                failed.append((name, reply))
+            elif int(reply[0]) == PRUNED:
+                pruned.append(name)
+        if not pruned:
+            return [], failed
+        await self.client.srem(self.fleet.gates, *pruned)
+        used = await self._exist(pruned)
+        back = [n for n, found in zip(pruned, used, strict=True) if found]
+        if back:
+            await self.client.sadd(self.fleet.gates, *back)
+        return [n for n in pruned if n not in back], failed
+
+    async def _exist(self, names: Sequence[str]) -> list[bool]:
+        """Per gate: does any of the keys a client's acquire or heartbeat creates exist?"""
+
+        def keys(n: str) -> list[str]:
+            k = self.keys(n)
+            return [k.cfg, k.holders, k.queue, k.waiters, k.pods]
+
+        if is_cluster(self.client):
+            counts = await asyncio.gather(*(self.client.exists(*keys(n)) for n in names))
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.exists(*keys(n))
+            counts = await pipe.execute()
+        return [int(c) > 0 for c in counts]
 
     async def sweep(self, names: Sequence[str]) -> None:
         """Reap expired leases and waiters of ``names`` and move their queues (one pipeline)."""

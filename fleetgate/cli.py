@@ -99,7 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("gate", help="gate name")
     _redis_options(p)
-    p.add_argument("-n", type=int, default=10, help="holders and waiters to list (default 10)")
+    p.add_argument(
+        "-n",
+        type=int,
+        default=10,
+        help="holders and waiters to list (default 10, at most 1000; 0 = only the counts)",
+    )
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     _logging_options(p)
 

@@ -29,6 +29,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 from fleetgate._redis import is_cluster
 from fleetgate.keys import GateKeys, fleet_keys
+from fleetgate.registry import read_registry
 
 __all__ = [
     "EXPECTED_TYPES",
@@ -262,7 +263,17 @@ async def find_bad_keys(
         fleet_types = await _types(client, [getattr(fk, a) for a in _FLEET_TYPES])
         names = set(gates)
         if fleet_types[0] in ("set", "none"):
-            names |= {str(n) for n in await client.smembers(fk.gates)}
+            registry = await read_registry(client, prefix)
+            names |= set(registry.names)
+            for shown, why in registry.invalid:
+                findings.append(
+                    Finding(
+                        "warning",
+                        "bad_value",
+                        f"{fk.gates} holds an invalid gate name {shown} ({why}): the reaper and "
+                        f"`fleetgate status` skip it; remove it (redis-cli SREM '{fk.gates}' ...)",
+                    )
+                )
         for (attr, expected), found in zip(_FLEET_TYPES.items(), fleet_types, strict=True):
             if found not in ("none", expected):
                 findings.append(wrong(getattr(fk, attr), found, expected))

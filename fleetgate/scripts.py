@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +27,21 @@ __all__ = [
     "GateScripts",
     "HeartbeatReply",
     "Snapshot",
+    "publish_args",
     "script_source",
 ]
 
-SCRIPT_NAMES = ("acquire", "release", "cancel", "heartbeat", "set_target", "inspect", "adopt")
+SCRIPT_NAMES = (
+    "acquire",
+    "release",
+    "cancel",
+    "heartbeat",
+    "set_target",
+    "inspect",
+    "adopt",
+    "prune",
+    "publish",
+)
 # Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
@@ -237,6 +249,19 @@ class GateScripts:
         r = await self._call("set_target", keys, [value, epoch, ttl_ms])
         return int(r[0]) == 1
 
+    async def publish(
+        self,
+        keys: GateKeys,
+        epoch: int,
+        ttl_ms: int,
+        target: int | None,
+        cfg: Mapping[str, Any],
+        util: Mapping[str, Any],
+    ) -> bool:
+        """The coordinator's epoch-fenced write of one gate (``publish.lua``); False = refused."""
+        r = await self._call("publish", keys, publish_args(epoch, ttl_ms, target, cfg, util))
+        return int(r[0]) == 1
+
     async def adopt(
         self, keys: GateKeys, lease_ids: list[str], max_token: int = 0
     ) -> tuple[int, int]:
@@ -248,9 +273,22 @@ class GateScripts:
     async def inspect(
         self, keys: GateKeys, n: int = 10, defaults: GateDefaults | None = None
     ) -> Snapshot:
+        """Snapshot of a gate listing its first ``n`` waiters and holders (``n <= 0``: none; at
+        most 1000): the counts are exact, and the cost never grows with the queue."""
         args: list[Any] = [n, *(defaults.argv() if defaults else [])]
         raw = await self._call("inspect", keys, args)
         return msgspec.convert(_empty_tables_as_lists(raw), Snapshot, strict=False)
+
+
+def publish_args(
+    epoch: int, ttl_ms: int, target: int | None, cfg: Mapping[str, Any], util: Mapping[str, Any]
+) -> list[Any]:
+    """ARGV of ``publish.lua``: target None leaves the target's value alone."""
+    args: list[Any] = [epoch, ttl_ms, "" if target is None else target, len(cfg)]
+    for pairs in (cfg, util):
+        for k, v in pairs.items():
+            args += [k, v]
+    return args
 
 
 def _s(x: bytes | str) -> str:

@@ -5,13 +5,20 @@ Shared by ``fleetgate status``, ``fleetgate inspect`` and the demo's live view.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import redis.asyncio as aredis
 
 from fleetgate.keys import GateKeys, fleet_keys
+from fleetgate.registry import read_registry
 from fleetgate.scripts import GateScripts, Snapshot
 
 __all__ = ["FleetStatus", "GateStatus", "format_status", "gather_status"]
+
+log = logging.getLogger("fleetgate.status")
+# Invalid registry entries already logged by this process (`status --watch` logs each once).
+_warned: set[str] = set()
 
 
 class GateStatus(msgspec.Struct, kw_only=True):
@@ -41,6 +48,8 @@ class FleetStatus(msgspec.Struct, kw_only=True):
     leader: str | None
     epoch: int | None
     gates: list[GateStatus]
+    #: registry entries that are no valid gate name (skipped; shown as Python literals)
+    invalid_gates: list[str] = []
 
 
 def _num(v: str | None, kind: type[int] | type[float]) -> int | float | None:
@@ -92,13 +101,21 @@ async def gather_status(client: aredis.Redis, prefix: str) -> FleetStatus:
     fk = fleet_keys(prefix)
     leader = await client.get(fk.leader)
     epoch = await client.get(fk.epoch)
-    names = sorted(str(n) for n in await client.smembers(fk.gates))
+    registry = await read_registry(client, prefix)
+    for shown, why in registry.invalid:
+        if shown not in _warned and len(_warned) < 10_000:
+            _warned.add(shown)
+            log.warning("%s holds an invalid gate name %s (%s); skipped", fk.gates, shown, why)
     scripts = GateScripts(client)
-    gates = [gate_status(n, await scripts.inspect(GateKeys.of(prefix, n), 0)) for n in names]
+    # n=0: counts only; nothing is listed, so each gate costs O(log n) whatever its queue.
+    gates = [
+        gate_status(n, await scripts.inspect(GateKeys.of(prefix, n), 0)) for n in registry.names
+    ]
     return FleetStatus(
         leader=str(leader) if leader is not None else None,
         epoch=int(epoch) if epoch is not None else None,
         gates=gates,
+        invalid_gates=[shown for shown, _ in registry.invalid],
     )
 
 
@@ -120,4 +137,8 @@ def format_status(status: FleetStatus, now: float) -> str:
         )
     if not status.gates:
         lines.append("(no gates registered)")
+    if status.invalid_gates:
+        shown = ", ".join(status.invalid_gates[:5])
+        more = f" (+{len(status.invalid_gates) - 5} more)" if len(status.invalid_gates) > 5 else ""
+        lines.append(f"skipped invalid registry entries: {shown}{more}")
     return "\n".join(lines)

@@ -505,7 +505,7 @@ metrics_url = "{served.url}/metrics"
             assert "target refused although no epoch above" in caplog.text
             # Once the corrupt target is deleted, the leader publishes again.
             await r.delete(bad.target)
-            await _until(lambda: r.exists(bad.target), 5, "a published target")
+            await _until(lambda: r.hexists(bad.target, "value"), 5, "a published target")
         finally:
             stop.set()
             await asyncio.wait_for(task, 10)

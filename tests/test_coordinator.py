@@ -99,7 +99,9 @@ async def test_targets_rise_fall_and_decay_to_floor(
 
             workers = [asyncio.create_task(worker()) for _ in range(40)]
             async with running(cfg) as coord:
-                await eventually(lambda: async_redis.exists(keys.target), 5, "a published target")
+                await eventually(
+                    lambda: async_redis.hexists(keys.target, "value"), 5, "a published target"
+                )
                 await eventually(lambda: _gt(limit_of(async_redis, keys), 30), 10, "ramp above 30")
                 epoch = int(await async_redis.hget(keys.target, "epoch") or 0)
                 assert epoch >= 1
@@ -114,7 +116,9 @@ async def test_targets_rise_fall_and_decay_to_floor(
                 # The fixed gate is registered but never gets a target.
                 rk = GateKeys.of(rut.prefix, "rerank")
                 assert await async_redis.hget(rk.cfg, "floor") == "3"
-                assert not await async_redis.exists(rk.target)
+                # (its target hash holds only the leader's epoch: the fence of its cfg writes)
+                assert await async_redis.hget(rk.target, "value") is None
+                assert await async_redis.hget(rk.target, "epoch") == str(epoch)
             # Coordinator stopped: the lease of the target runs out, the limit decays to floor.
             took = await eventually(
                 lambda: _eq(limit_of(async_redis, keys), 4), 5, "decay to the floor"
@@ -138,7 +142,7 @@ async def test_garbage_metrics_hold_then_floor(
             util = await async_redis.hgetall(keys.util)
             assert util["metrics_ok"] == "0" and util["error"]
             assert await limit_of(async_redis, keys) == 4
-            assert not await async_redis.exists(keys.target)
+            assert not await async_redis.hexists(keys.target, "value")  # (only the epoch)
 
 
 async def test_reaper_reclaims_crashed_holder_without_clients(
@@ -168,7 +172,7 @@ async def test_adaptive_off_is_the_static_path(
         async with running(config(rut, f"{served.url}/metrics", adaptive=False)):
             await eventually(lambda: async_redis.exists(keys.util), 5, "a snapshot")
             await asyncio.sleep(3 * POLL)
-            assert not await async_redis.exists(keys.target)
+            assert not await async_redis.hexists(keys.target, "value")  # (only the epoch)
             assert await limit_of(async_redis, keys) == 4
             assert (await async_redis.hgetall(keys.util))["reason"] == "static"
 
@@ -184,7 +188,7 @@ async def test_new_leader_resumes_stored_state(
         state = '{"target":40,"slow_start":false}'
         await async_redis.hset(keys.util, mapping={"state": state})
         async with running(cfg) as coord:
-            await eventually(lambda: async_redis.exists(keys.target), 5, "a target")
+            await eventually(lambda: async_redis.hexists(keys.target, "value"), 5, "a target")
             # Idle engine: hold, so the resumed value is what gets published, not the floor.
             assert int(await async_redis.hget(keys.target, "value") or 0) == 40
             assert coord.states["llm"].slow_start is False

@@ -109,7 +109,11 @@ async def test_coordinator_rule_covers_election_publish_reaper_and_cli(acl: AclS
     llm, fixed = GateKeys.of("fg", "llm"), GateKeys.of("fg", "fixed")
     # An expired lease the reaper has to sweep.
     await admin.zadd(fixed.holders, {"deadpod:1": 1})
-    await admin.sadd("fg:gates", "fixed")
+    # Gates no config names: one idle (pruned: script, SREM, EXISTS), one held (checked only).
+    idle, held = GateKeys.of("fg", "idle"), GateKeys.of("fg", "held")
+    await admin.hset(idle.cfg, "floor", 1)
+    await admin.zadd(held.holders, {"pod:1": 2**50})
+    await admin.sadd("fg:gates", "fixed", "idle", "held")
     with serve_in_thread(metrics_stub(StubValues(running=1, model="m"))) as served:
         cfg = Config.from_toml_text(
             f"""
@@ -121,6 +125,7 @@ poll_jitter = 0.0
 leader_ttl = 1.0
 metrics_listen = "127.0.0.1:0"
 scrape_timeout = 0.15
+prune_idle_after = 0.2
 [[gates]]
 name = "llm"
 floor = 2
@@ -139,16 +144,18 @@ floor = 3
                 term = coord._election.term if coord._election else None
                 epoch = await admin.hget(llm.target, "epoch")
                 swept = not await admin.zcard(fixed.holders)
-                if term is not None and epoch == str(term.epoch) and swept:
+                pruned = not await admin.sismember("fg:gates", "idle")
+                if term is not None and epoch == str(term.epoch) and swept and pruned:
                     break
                 await asyncio.sleep(0.05)
-            assert coord.election.is_leader and swept
+            assert coord.election.is_leader and swept and pruned
             assert coord.safety_findings == []  # INFO was enough to check the settings
             stop.set()
             await task
     assert int(await admin.hget(llm.target, "epoch") or 0) >= 2
     assert await admin.hget(fixed.cfg, "floor") == "3"
     assert await admin.hget(llm.util, "state")
+    assert await admin.sismember("fg:gates", "held") and await admin.zcard(held.holders) == 1
     await admin.aclose()
     for command in (["status", "--json"], ["inspect", "llm"], ["check"]):
         out = await asyncio.to_thread(

@@ -1,0 +1,38 @@
+-- publish: everything the coordinator writes of one gate per poll, fenced by the leader's epoch in
+-- one call: the gate configuration, the utilisation snapshot (with the controller state a new
+-- leader resumes from), and optionally a new target; then any new room is handed to the head
+-- waiters at once (a target increase or a raised floor).
+-- KEYS: the gate keys (see lib.lua)
+-- ARGV: 1 epoch  2 ttl_ms (of the target)  3 target value, or '' to leave the target alone
+--       4 n = number of cfg fields, then n (field, value) pairs for fg:{G}:cfg,
+--       then (field, value) pairs for fg:{G}:util (the rest of ARGV)
+-- Returns {accepted, limit, stored_epoch, granted}: accepted = 0 when epoch < the epoch stored in
+--   the target (a deposed leader waking up writes nothing: not the target, not the cfg, not the
+--   snapshot). An accepted call stores its epoch in the target even without a target value, so a
+--   fixed gate (never a target) is fenced too.
+local epoch, ttl, value = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local now = now_ms()
+local stored = num(redis.call('HGET', K_TARGET, 'epoch'), nil)
+if stored and epoch < stored then
+  return {0, current_limit(now, load_cfg()), stored, 0}
+end
+local n_cfg = tonumber(ARGV[4])
+local cfg_pairs, util_pairs = {}, {}
+for i = 5, 4 + 2 * n_cfg do cfg_pairs[#cfg_pairs + 1] = ARGV[i] end
+for i = 5 + 2 * n_cfg, #ARGV do util_pairs[#util_pairs + 1] = ARGV[i] end
+if #cfg_pairs > 0 then redis.call('HSET', K_CFG, unpack(cfg_pairs)) end
+if #util_pairs > 0 then
+  redis.call('HSET', K_UTIL, unpack(util_pairs))
+  -- A gate the leader publishes is in use: no pruning clock (prune.lua) runs for it.
+  redis.call('HDEL', K_UTIL, 'idle_since', 'idle_mark')
+end
+if value ~= '' then
+  redis.call('HSET', K_TARGET, 'value', tonumber(value), 'epoch', epoch, 'expires_at', now + ttl)
+else
+  redis.call('HSET', K_TARGET, 'epoch', epoch)
+end
+local cfg = load_cfg()
+reap(now)
+local lim = current_limit(now, cfg)
+local granted = handoff(now, cfg, lim)
+return {1, lim, epoch, granted}
