@@ -9,18 +9,34 @@ reaches the caller. Built on ``asyncio.timeout_at`` (Python 3.11+), with a small
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from fleetgate.errors import DeadlineExceeded
+from fleetgate.errors import ConfigError, DeadlineExceeded
 
-__all__ = ["Deadline"]
+__all__ = ["Deadline", "check_deadline"]
+
+
+def check_deadline(seconds: object, name: str = "deadline") -> float | None:
+    """A deadline argument in seconds, or None for none: ``None`` and ``inf`` mean no deadline;
+    NaN, zero, negative numbers and non-numbers are a :class:`ConfigError` naming ``name``."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ConfigError(f"{name}: expected seconds > 0, None or inf, got {seconds!r}")
+    if math.isnan(seconds) or seconds <= 0:
+        raise ConfigError(f"{name}: expected seconds > 0, None or inf, got {seconds!r}")
+    if math.isinf(seconds):
+        return None
+    return float(seconds)
 
 
 class Deadline:
-    """``async with Deadline(gate, seconds):`` — ``seconds=None`` means no deadline."""
+    """``async with Deadline(gate, seconds):`` — ``seconds=None`` (or ``inf``) means no deadline;
+    NaN or ``seconds <= 0`` is a :class:`ConfigError` (see :func:`check_deadline`)."""
 
     def __init__(
         self,
@@ -30,10 +46,8 @@ class Deadline:
         where: str = "",
         on_expire: Callable[[], None] | None = None,
     ) -> None:
-        if seconds is not None and seconds <= 0:
-            raise ValueError(f"deadline must be > 0 seconds or None, got {seconds}")
         self.gate = gate
-        self.seconds = seconds
+        self.seconds = check_deadline(seconds)
         self.where = where
         self.on_expire = on_expire
         self.when: float | None = None
