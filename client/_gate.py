@@ -17,7 +17,7 @@ from fleetgate.errors import Overloaded
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import GRANTED, REJECTED, GateDefaults, HeartbeatReply, Snapshot
 
-from ._deadline import Deadline
+from ._deadline import Deadline, cancel_requests, raise_if_cancel_lost
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
 
 if TYPE_CHECKING:
@@ -276,14 +276,19 @@ class Gate:
             # Registered before the call: a hand-off can be popped by the wake listener
             # before this coroutine sees the script's reply.
             self.waiters[lease_id] = waiter
+            pending = cancel_requests()
             try:
                 reply = await fleet.scripts.acquire(
                     self.keys, lease_id, waiter.remaining_ms(), self.defaults
                 )
+                # A cancellation redis-py swallowed (Python 3.11): raised here, so the except
+                # below gives back what the script did (tests/chaos/test_cancel_ends.py).
+                raise_if_cancel_lost(pending)
             except REDIS_ERRORS as exc:
                 self.waiters.pop(lease_id, None)
                 fleet.forget_later(self, lease_id)
                 fleet.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
+                raise_if_cancel_lost(pending)
                 continue
             except BaseException:
                 self.waiters.pop(lease_id, None)

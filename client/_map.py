@@ -28,7 +28,7 @@ from tenacity.stop import stop_base
 from fleetgate._aio import within
 from fleetgate.errors import ConfigError, FleetgateError
 
-from ._deadline import Deadline
+from ._deadline import Deadline, check_deadline
 
 if TYPE_CHECKING:
     from ._metrics import ClientMetrics
@@ -158,6 +158,7 @@ async def run_map(
     call_timeout: float | None = None,
 ) -> list[Any]:
     """The body of :meth:`Gate.map` (see there)."""
+    deadline = check_deadline(deadline)
     if max_in_flight is not None and (isinstance(max_in_flight, bool) or max_in_flight < 1):
         raise ConfigError(f"max_in_flight: expected int >= 1 or None, got {max_in_flight!r}")
     if call_timeout is not None and call_timeout <= 0:

@@ -2,7 +2,9 @@
 
 Nothing here re-implements gate logic: every call is submitted to the loop that owns the
 :class:`Fleet`. An interrupted caller (KeyboardInterrupt, or an exception raised into the
-thread) cancels the submitted coroutine, so a parked acquire leaves the wait list.
+thread) cancels the submitted coroutine, so a parked acquire leaves the wait list; a grant that
+lands as the caller gives up is released (nobody else would ever release it), and a release is
+never cancelled.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ._fleet import Fleet, GateUtilization
 from ._gate import Gate, Lease
@@ -22,26 +25,182 @@ __all__ = ["SyncFleet", "SyncGate"]
 
 T = TypeVar("T")
 
+log = logging.getLogger("fleetgate.client")
+
+
+class _Job(Generic[T]):
+    """One coroutine run on the portal's loop for a caller in another thread or event loop.
+
+    ``future`` is put in the RUNNING state as soon as the coroutine starts, so nobody can cancel
+    it from outside (``concurrent.futures.Future.cancel`` fails on a running future): a result
+    can never be dropped silently, as ``run_coroutine_threadsafe`` drops one that lands after
+    its future was cancelled. The caller gives up with :meth:`abandon` instead; a result that
+    arrives anyway (before or after that) is passed to ``undo`` on the loop -- a granted lease
+    is released -- and ``cleanup`` completes once the coroutine has ended and any undo has run.
+    """
+
+    def __init__(
+        self,
+        portal: _Portal,
+        coro: Coroutine[Any, Any, T],
+        undo: Callable[[T], Awaitable[Any]] | None,
+    ) -> None:
+        self.portal = portal
+        self.coro = coro
+        self.undo = undo
+        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self.cleanup: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.cleanup.set_running_or_notify_cancel()  # set by us only, never cancelled
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._task: asyncio.Task[T] | None = None
+        portal.loop.call_soon_threadsafe(self._start)
+
+    # -- on the loop ---------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        with self._lock:
+            # False if cancelled from outside before it started (asyncio.wrap_future does that).
+            start = not self._abandoned and self.future.set_running_or_notify_cancel()
+        if not start:
+            self.coro.close()  # never started: nothing to undo
+            if not self.future.done():
+                self.future.set_exception(concurrent.futures.CancelledError())
+            if self._abandoned:
+                self.cleanup.set_result(None)
+            return
+        self._task = self.portal.loop.create_task(self.coro)
+        self._task.add_done_callback(self._settle)
+
+    def _settle(self, task: asyncio.Task[T]) -> None:
+        with self._lock:
+            abandoned = self._abandoned
+            if not abandoned:
+                if task.cancelled():
+                    self.future.set_exception(concurrent.futures.CancelledError())
+                elif task.exception() is not None:
+                    self.future.set_exception(task.exception())
+                else:
+                    self.future.set_result(task.result())
+        if not abandoned:
+            return
+        if task.cancelled() or task.exception() is not None:
+            self.future.set_exception(concurrent.futures.CancelledError())
+            self.cleanup.set_result(None)
+        else:
+            # The result arrived after the caller gave up: nobody will ever see it.
+            self.future.set_exception(concurrent.futures.CancelledError())
+            self._undo(task.result())
+
+    def _undo(self, result: T) -> None:
+        if self.undo is None:
+            self.cleanup.set_result(None)
+            return
+
+        async def run(undo: Callable[[T], Awaitable[Any]]) -> None:
+            try:
+                await undo(result)
+            except Exception:
+                log.exception("could not undo the result of an abandoned call: %r", result)
+            finally:
+                self.cleanup.set_result(None)
+
+        self.portal.keep(self.portal.loop.create_task(run(self.undo)))
+
+    def _cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # -- in the caller's thread ----------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """The caller gives up: cancel the coroutine; undo a result it delivers regardless."""
+        with self._lock:
+            if self._abandoned:
+                return
+            self._abandoned = True
+            delivered = self.future.done() and not self.future.cancelled()
+        try:
+            if not delivered:
+                # _start (if still due) sees the flag; otherwise the task is cancelled and
+                # _settle undoes a result that races the cancellation.
+                self.portal.loop.call_soon_threadsafe(self._cancel)
+            elif self.future.exception() is not None:
+                self.cleanup.set_result(None)
+            else:
+                # Delivered, but the caller was interrupted before it took the result.
+                self.portal.loop.call_soon_threadsafe(self._undo, self.future.result())
+        except RuntimeError:  # the loop is closed: nothing runs there any more
+            if not self.cleanup.done():
+                self.cleanup.set_result(None)
+
 
 class _Portal:
     """An event loop on a daemon thread, and a way to run coroutines on it from other threads."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self._keep: set[asyncio.Task[Any]] = set()
         self._thread = threading.Thread(
             target=self.loop.run_forever, name="fleetgate-loop", daemon=True
         )
         self._thread.start()
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+    def keep(self, task: asyncio.Task[Any]) -> None:
+        """Hold a reference to a background task of the loop until it ends."""
+        self._keep.add(task)
+        task.add_done_callback(self._keep.discard)
+
+    def submit(
+        self,
+        coro: Coroutine[Any, Any, T],
+        undo: Callable[[T], Awaitable[Any]] | None = None,
+    ) -> _Job[T]:
+        return _Job(self, coro, undo)
+
+    def call(
+        self,
+        coro: Coroutine[Any, Any, T],
+        *,
+        undo: Callable[[T], Awaitable[Any]] | None = None,
+        shielded: bool = False,
+    ) -> T:
+        """Run ``coro`` on the loop and return its result.
+
+        If the calling thread is interrupted (KeyboardInterrupt, an exception raised into it),
+        the coroutine is cancelled -- a parked acquire leaves the wait list -- and a result it
+        still produces is passed to ``undo``; with ``shielded`` (a release) it runs on to the
+        end instead. Either way the caller waits (at most 2 s) for that cleanup.
+        """
+        job = self.submit(coro, undo)
         try:
-            return fut.result()
+            return job.future.result()
         except BaseException:
-            if not fut.done():
-                fut.cancel()
-                # Give the coroutine's cleanup (leaving the queue) a moment to run.
-                concurrent.futures.wait([fut], timeout=2.0)
+            if shielded:
+                concurrent.futures.wait([job.future], timeout=2.0)
+            else:
+                job.abandon()
+                concurrent.futures.wait([job.cleanup], timeout=2.0)
+            raise
+
+    async def acall(
+        self,
+        coro: Coroutine[Any, Any, T],
+        *,
+        undo: Callable[[T], Awaitable[Any]] | None = None,
+        shielded: bool = False,
+    ) -> T:
+        """:meth:`call` for a caller on another event loop: a cancelled caller abandons the
+        call (or, ``shielded``, lets it run on) and waits (at most 2 s) for its cleanup before
+        the cancellation propagates."""
+        job = self.submit(coro, undo)
+        if shielded:
+            return await asyncio.shield(asyncio.wrap_future(job.future))
+        try:
+            return await asyncio.wrap_future(job.future)
+        except BaseException:
+            job.abandon()
+            await asyncio.wait([asyncio.wrap_future(job.cleanup)], timeout=2.0)
             raise
 
     def stop(self) -> None:
@@ -69,14 +228,14 @@ class SyncGate:
         try:
             yield lease
         finally:
-            self._portal.call(lease.release())
+            self.release(lease)
 
     def acquire(self, deadline: float | None = 30.0) -> Lease:
         """Acquire a permit; release it with :meth:`release`."""
-        return self._portal.call(self.gate.acquire(deadline))
+        return self._portal.call(self.gate.acquire(deadline), undo=release_lease)
 
     def release(self, lease: Lease) -> None:
-        self._portal.call(lease.release())
+        self._portal.call(lease.release(), shielded=True)
 
     def map(self, fn: Any, items: Iterable[Any], **options: Any) -> list[Any]:
         """Blocking :meth:`Gate.map`: same options; a sync ``fn`` runs in worker threads."""
@@ -146,6 +305,10 @@ class SyncFleet:
 
     def utilization(self, name: str) -> GateUtilization:
         return self.portal.call(self.fleet.utilization(name))
+
+
+async def release_lease(lease: Lease) -> None:
+    await lease.release()
 
 
 async def _started(fleet: Fleet) -> Fleet:

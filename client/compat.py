@@ -24,7 +24,6 @@ caller's event loop; only the permits are taken on the default fleet's backgroun
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from collections.abc import AsyncIterable, Iterable
@@ -36,7 +35,7 @@ from ._deadline import Deadline
 from ._gate import Lease
 from ._map import run_map
 from ._metrics import ClientMetrics
-from ._sync import SyncFleet, SyncGate
+from ._sync import SyncFleet, SyncGate, _Portal, release_lease
 
 __all__ = [
     "get_utilization",
@@ -91,13 +90,13 @@ def _gate(model: str) -> SyncGate:
 
 
 class _RemoteLease:
-    def __init__(self, lease: Lease, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, lease: Lease, portal: _Portal) -> None:
         self.lease = lease
-        self.loop = loop
+        self.portal = portal
 
     async def release(self) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self.lease.release(), self.loop)
-        await asyncio.shield(asyncio.wrap_future(fut))
+        # Never abandoned: a cancelled caller still gives the permit back.
+        await self.portal.acall(self.lease.release(), shielded=True)
 
 
 class _RemoteGate:
@@ -105,7 +104,7 @@ class _RemoteGate:
 
     def __init__(self, gate: SyncGate) -> None:
         self.gate = gate.gate
-        self.loop = gate._portal.loop
+        self.portal = gate._portal
         self.name = gate.name
         self.metrics: ClientMetrics = gate.gate.metrics
 
@@ -113,15 +112,9 @@ class _RemoteGate:
         left = dl.remaining()
         if left is not None and left <= 0:
             raise dl.expired()
-        fut = asyncio.run_coroutine_threadsafe(self.gate.acquire(deadline=left), self.loop)
-        try:
-            lease = await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            # Cancelled just as the grant arrived: give it back.
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                await _RemoteLease(fut.result(), self.loop).release()
-            raise
-        return _RemoteLease(lease, self.loop)
+        # A caller cancelled as the grant lands on the other loop: the portal releases it.
+        lease = await self.portal.acall(self.gate.acquire(deadline=left), undo=release_lease)
+        return _RemoteLease(lease, self.portal)
 
 
 async def map_concurrent(
