@@ -430,17 +430,19 @@ class Gate:
                 self.fleet.metrics.lease_lost.labels(self.name).inc()
                 self.fleet.metrics.in_flight.labels(self.name).dec()
                 lease._mark_lost()
-        if reply.adopted:
+        running = [lid for lid in reply.adopted if lid in self.leases]
+        if running:
             log.warning(
                 "gate %s: Redis had lost %d running leases of this pod before they could expire "
                 "(a restart or failover?); they count against the limit again",
                 self.name,
-                len(reply.adopted),
+                len(running),
             )
-            for lease_id in reply.adopted:
-                if lease_id not in self.leases:
-                    # Released while this heartbeat was in flight: give it back again.
-                    self.fleet.spawn(self._cancel(lease_id))
+        for lease_id in reply.adopted:
+            if lease_id not in self.leases:
+                # Released while this heartbeat was in flight (its release ran first and the
+                # heartbeat counted it again): give it back again.
+                self.fleet.spawn(self._cancel(lease_id))
         for lease_id in reply.granted_waiters:
             self.on_granted(lease_id, reply.expires_at)
         for lease_id in reply.lost_waiters:
