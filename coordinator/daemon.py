@@ -44,7 +44,8 @@ from .controller import ControllerParams, ControllerState, Observation, step
 from .election import Election, Leadership
 from .metrics import CoordinatorMetrics
 from .publisher import Publication, Publisher
-from .signals import Signals, fetch_signals
+from .signals import Signals
+from .sources import MetricsSource, new_client
 
 __all__ = ["Coordinator", "run_coordinator"]
 
@@ -122,7 +123,7 @@ class Coordinator:
         self._client: Any = None
         self._election: Election | None = None
         self._publisher: Publisher | None = None
-        self._http: httpx.AsyncClient | None = None
+        self.sources: dict[str, MetricsSource] = {}
         self._errors = {
             name: _ErrorLog(name) for name in ("election", "poll", "reaper", "diagnosis")
         }
@@ -152,13 +153,14 @@ class Coordinator:
         )
         # Scrapes run at most SCRAPE_CONCURRENCY at once over kept-alive connections: a
         # thousand simultaneous connects cost more (SYN backlog, TLS handshakes) than they save.
+        # Each gate has its own small pool (see sources.py); they share one SSL context.
         self._scrape_slots = asyncio.Semaphore(SCRAPE_CONCURRENCY)
-        self._http = httpx.AsyncClient(
-            follow_redirects=False,
-            limits=httpx.Limits(
-                max_connections=SCRAPE_CONCURRENCY, max_keepalive_connections=SCRAPE_CONCURRENCY
-            ),
-        )
+        tls = httpx.create_ssl_context()
+        self.sources = {
+            g.name: MetricsSource(g, new_client(len(g.metrics_urls), tls))
+            for g in cfg.gates
+            if self.params[g.name].adaptive
+        }
         host, port = cfg.coordinator.metrics_address
         server, thread = start_http_server(port, addr=host, registry=self.registry)
         self.metrics_port = int(server.server_port)
@@ -187,7 +189,7 @@ class Coordinator:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.election.resign()
             self.metrics.leader.set(0)
-            await self._http.aclose()
+            await asyncio.gather(*(src.client.aclose() for src in self.sources.values()))
             await self._client.aclose()
             server.shutdown()
             server.server_close()
@@ -308,17 +310,11 @@ class Coordinator:
     async def _scrape(self, gate: GateConfig) -> Signals | None:
         if not self.params[gate.name].adaptive:
             return None
-        assert self._http is not None
         c = self.config.coordinator
         async with self._scrape_slots:
             t0 = time.perf_counter()
-            signals = await fetch_signals(
-                self._http,
-                gate.metrics_urls,
-                server=gate.server,
-                model_name=gate.model_name,
-                timeout=c.scrape_timeout,
-                max_bytes=c.max_body_bytes,
+            signals = await self.sources[gate.name].read(
+                timeout=c.scrape_timeout, max_bytes=c.max_body_bytes
             )
         self.metrics.scrape_seconds.labels(gate.name).observe(time.perf_counter() - t0)
         if not signals.ok:
