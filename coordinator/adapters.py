@@ -166,8 +166,8 @@ class GaugeAdapter:
         waiting = get(self.waiting)
         cap = waiting
         if self.capacity is not None:
-            metric, label, value = self.capacity
-            by_reason = accs.get(f"{metric}{{{label}={value!r}}}")
+            metric, label, reason = self.capacity
+            by_reason = accs.get(f"{metric}{{{label}={reason!r}}}")
             if by_reason is not None and (by_reason.seen or by_reason.bad):
                 cap = by_reason
         kv = next((accs[n] for n in self.kv_usage if n in accs), _Acc())
