@@ -30,7 +30,7 @@ import signal
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
@@ -42,10 +42,11 @@ from fleetgate.safety import find_bad_keys, inspect_redis, is_wrongtype
 from .config import Config, GateConfig, load_config
 from .controller import ControllerParams, ControllerState, Observation, step
 from .election import Election, Leadership
+from .httpget import LeanHttp
 from .metrics import CoordinatorMetrics
 from .publisher import Publication, Publisher
 from .signals import Signals
-from .sources import MetricsSource, new_client
+from .sources import Fetcher, HttpxFetcher, MetricsSource, new_client
 
 __all__ = ["Coordinator", "run_coordinator"]
 
@@ -106,12 +107,16 @@ class Coordinator:
         coordinator_id: str | None = None,
         registry: CollectorRegistry | None = None,
         reap_interval: float = REAP_INTERVAL,
+        http: Literal["lean", "httpx"] = "lean",
     ) -> None:
+        """``http`` picks the scrape client: the lean GET of :mod:`.httpget` (default, ~10x
+        cheaper per scrape) or httpx, kept selectable for comparison (``docs/servers.md``)."""
         self.config = config
         self.id = coordinator_id or default_coordinator_id()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = CoordinatorMetrics.create(self.registry)
         self.reap_interval = reap_interval
+        self.http = http
         self.params = {
             g.name: ControllerParams.for_gate(g, config.coordinator) for g in config.gates
         }
@@ -156,10 +161,14 @@ class Coordinator:
         # Each gate has its own small pool (see sources.py); they share one SSL context.
         self._scrape_slots = asyncio.Semaphore(SCRAPE_CONCURRENCY)
         tls = httpx.create_ssl_context()
+
+        def fetcher(gate: GateConfig) -> Fetcher:
+            if self.http == "httpx":
+                return HttpxFetcher(new_client(len(gate.metrics_urls), tls))
+            return LeanHttp(tls)
+
         self.sources = {
-            g.name: MetricsSource(g, new_client(len(g.metrics_urls), tls))
-            for g in cfg.gates
-            if self.params[g.name].adaptive
+            g.name: MetricsSource(g, fetcher(g)) for g in cfg.gates if self.params[g.name].adaptive
         }
         host, port = cfg.coordinator.metrics_address
         server, thread = start_http_server(port, addr=host, registry=self.registry)
@@ -189,7 +198,7 @@ class Coordinator:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.election.resign()
             self.metrics.leader.set(0)
-            await asyncio.gather(*(src.client.aclose() for src in self.sources.values()))
+            await asyncio.gather(*(src.fetcher.aclose() for src in self.sources.values()))
             await self._client.aclose()
             server.shutdown()
             server.server_close()

@@ -48,6 +48,7 @@ __all__ = [
     "get_adapter",
     "parse_signals",
     "read_result",
+    "redact",
     "scrape",
     "validate_metrics_url",
 ]
@@ -55,7 +56,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------- URLs
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """``url`` without secrets, for error messages: ``user:password@`` (up to the last ``@``)
     and the query string (``?token=...``) are replaced by ``***``."""
     scheme, sep, rest = url.partition("://")
@@ -78,7 +79,7 @@ def validate_metrics_url(url: str) -> str:
     """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError("metrics URL must be a non-empty string")
-    shown = _redact(url)
+    shown = redact(url)
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         raise ConfigError(f"URL {shown!r} contains whitespace or control characters")
     try:
@@ -153,7 +154,7 @@ async def _fetch(
             return ScrapeResult(url, False, error=error, status=status)
 
         if response.is_redirect:
-            where = _redact(response.headers.get("location", "?"))
+            where = redact(response.headers.get("location", "?"))
             return fail(f"HTTP {status} redirect to {where!r} refused")
         if status != 200:
             return fail(f"HTTP {status}")

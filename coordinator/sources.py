@@ -13,9 +13,10 @@ A :class:`MetricsSource` per gate resolves, once, which kind of model server it 
 ``model_name`` filter when the exposition carries that label value; otherwise every model on the
 endpoint is counted, and that choice is logged whenever it changes.
 
-Each source owns a small ``httpx`` pool (one connection per replica, kept alive between polls):
-one pool per gate keeps httpcore's per-request pool bookkeeping O(1), where a pool shared by a
-thousand gates would scan every connection for every request (see ``docs/servers.md``).
+Each source owns its connections (one per replica, kept alive between polls) through a
+:class:`Fetcher`: the lean GET of :mod:`.httpget` (default) or an ``httpx`` pool of its own
+(:class:`HttpxFetcher`). One pool per gate keeps the per-request pool bookkeeping O(1), where a
+pool shared by a thousand gates scans every connection for every request (``docs/servers.md``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from typing import Protocol
 
 import httpx
 import msgspec
@@ -32,7 +34,7 @@ from .config import GateConfig
 from .signal_struct import Signals
 from .signals import ScrapeResult, combine, derive_metrics_url, read_result, scrape
 
-__all__ = ["MetricsSource", "candidate_urls", "new_client"]
+__all__ = ["Fetcher", "HttpxFetcher", "MetricsSource", "candidate_urls", "new_client"]
 
 log = logging.getLogger("fleetgate.coordinator")
 
@@ -57,12 +59,33 @@ def new_client(replicas: int, verify: ssl.SSLContext) -> httpx.AsyncClient:
     )
 
 
+class Fetcher(Protocol):
+    """A bounded GET of one metrics URL (see :func:`~.signals.scrape`) and its connections."""
+
+    async def get(self, url: str, *, timeout: float, max_bytes: int) -> ScrapeResult: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxFetcher:
+    """:func:`~.signals.scrape` over an ``httpx`` client (the pool is closed with it)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def get(self, url: str, *, timeout: float, max_bytes: int) -> ScrapeResult:
+        return await scrape(self.client, url, timeout=timeout, max_bytes=max_bytes)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
 class MetricsSource:
     """One adaptive gate's metrics: kind, URLs and pool. Not thread-safe; one poll at a time."""
 
-    def __init__(self, gate: GateConfig, client: httpx.AsyncClient) -> None:
+    def __init__(self, gate: GateConfig, fetcher: Fetcher | httpx.AsyncClient) -> None:
         self.gate = gate
-        self.client = client
+        self.fetcher = HttpxFetcher(fetcher) if isinstance(fetcher, httpx.AsyncClient) else fetcher
         self.kind: str | None = None if gate.server == AUTO else gate.server
         # Known URLs: given, derived for a named kind, or found by probing (auto + base_url).
         self.urls: tuple[str, ...] | None = None
@@ -81,10 +104,7 @@ class MetricsSource:
         else:
             results = list(
                 await asyncio.gather(
-                    *(
-                        scrape(self.client, u, timeout=timeout, max_bytes=max_bytes)
-                        for u in self.urls
-                    )
+                    *(self.fetcher.get(u, timeout=timeout, max_bytes=max_bytes) for u in self.urls)
                 )
             )
         if self.kind is None:
@@ -110,7 +130,7 @@ class MetricsSource:
         assert self.gate.base_url is not None
         tried: list[ScrapeResult] = []
         for url in candidate_urls(self.gate.base_url):
-            result = await scrape(self.client, url, timeout=timeout, max_bytes=max_bytes)
+            result = await self.fetcher.get(url, timeout=timeout, max_bytes=max_bytes)
             tried.append(result)
             if result.ok and result.text is not None and detect_kind(result.text) is not None:
                 self.urls = (url,)
