@@ -111,6 +111,9 @@ class LeanHttp:
             "\r\n"
         ).encode("ascii", "strict")
         reused = self._idle.pop(origin, None)
+        if reused is not None and (reused.reader.at_eof() or reused.writer.transport.is_closing()):
+            reused.abort()  # closed by the server while idle (the usual keep-alive timeout)
+            reused = None
         conn = reused
         try:
             if conn is None:

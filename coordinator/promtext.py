@@ -2,10 +2,14 @@
 
 A model server's ``/metrics`` body is hundreds of lines (histograms, counters per label set);
 an adapter needs three or four gauges of it. :func:`select_samples` keeps only the lines whose
-**sample name** is one of the wanted names -- one regular-expression pass in C -- and hands just
-those lines to ``prometheus_client``'s parser, which still decides what a valid sample is
-(escapes, label syntax, values). :func:`sample_names_present` answers "which of these names has a
-sample here" for server detection, with the same scan and no parsing.
+**sample name** is one of the wanted names -- one regular-expression pass in C. A selected line in
+the plain shape every server writes (``name{k="v",...} value``: no escapes, no blanks inside the
+braces, no timestamp or exemplar) is read by one more regular expression; any other selected line
+goes to ``prometheus_client``'s parser, which decides what it means or refuses it.
+``tests/test_promtext.py`` checks that both readings agree on every line the fast one accepts;
+the fast one is ~10x cheaper per line, which a poll of a thousand endpoints needs.
+:func:`sample_names_present` answers "which of these names has a sample here" for server
+detection, with the same scan and no parsing.
 
 Pure functions; they raise on unparseable selected lines (the caller turns that into a failure).
 """
@@ -38,6 +42,31 @@ def _line_pattern(names: frozenset[str]) -> re.Pattern[str]:
     return re.compile(rf"^[ \t]*(?:{alternatives})(?=[{{ \t]).*$", re.MULTILINE)
 
 
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*"'
+_PLAIN = re.compile(
+    rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_LABEL}(?:,{_LABEL})*,?)?)\}})?[ \t]+([^ \t#]+)[ \t]*"
+)
+_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
+
+
+def _plain(line: str) -> Sample | None:
+    """``line`` read by the fast path, or None when it is not in the plain shape."""
+    m = _PLAIN.fullmatch(line.strip())
+    if m is None:
+        return None
+    name, labels_text, value_text = m.groups()
+    if "_" in value_text:
+        return None  # prometheus_client refuses it; let it say why
+    try:
+        value = float(value_text)
+    except ValueError:
+        return None
+    labels = dict(_PAIR.findall(labels_text)) if labels_text else {}
+    if labels_text and len(labels) != labels_text.count('="'):
+        return None  # a repeated label name
+    return Sample(name, labels, value)
+
+
 @lru_cache(maxsize=256)
 def _name_pattern(names: frozenset[str]) -> re.Pattern[str]:
     alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
@@ -53,14 +82,19 @@ def select_samples(text: str, names: frozenset[str]) -> list[Sample]:
     """
     if not names:
         return []
-    lines = _line_pattern(names).findall(text)
-    if not lines:
-        return []
     out: list[Sample] = []
-    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
-        for s in family.samples:
-            if s.name in names:
-                out.append(Sample(s.name, s.labels, float(s.value)))
+    slow: list[str] = []
+    for line in _line_pattern(names).findall(text):
+        sample = _plain(line)
+        if sample is None:
+            slow.append(line)
+        elif sample.name in names:
+            out.append(sample)
+    if slow:
+        for family in text_string_to_metric_families("\n".join(slow) + "\n"):
+            for s in family.samples:
+                if s.name in names:
+                    out.append(Sample(s.name, s.labels, float(s.value)))
     return out
 
 

@@ -101,6 +101,8 @@ class MetricsSource:
         """This poll's signals (never raises but for cancellation)."""
         if self.urls is None:
             results = await self._probe(timeout, max_bytes)
+        elif len(self.urls) == 1:  # the common case: no gather, no extra task
+            results = [await self.fetcher.get(self.urls[0], timeout=timeout, max_bytes=max_bytes)]
         else:
             results = list(
                 await asyncio.gather(

@@ -81,7 +81,10 @@ class _Raw:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 self.requests.append(head)
-                writer.write(self.responses.pop(0))
+                response = self.responses.pop(0)
+                if not response:  # hang up on this request without an answer
+                    break
+                writer.write(response)
                 await writer.drain()
                 if self.close_after:
                     break
@@ -145,6 +148,18 @@ async def test_idle_connection_closed_by_the_server_is_replaced(raw: _Raw) -> No
     second = await http.get(f"{raw.url}/m", timeout=2, max_bytes=1024)
     await http.aclose()
     assert second.ok and second.text == "two" and raw.connections == 2
+
+
+async def test_reused_connection_dropped_at_the_request_is_retried_once(raw: _Raw) -> None:
+    raw.responses = [_ok(b"one"), b"", _ok(b"two"), b"", b""]
+    http = LeanHttp()
+    assert (await http.get(f"{raw.url}/m", timeout=2, max_bytes=1024)).text == "one"
+    second = await http.get(f"{raw.url}/m", timeout=2, max_bytes=1024)
+    assert second.ok and second.text == "two" and raw.connections == 2
+    # A fresh connection that is dropped is an error, not a retry.
+    third = await http.get(f"{raw.url}/m", timeout=2, max_bytes=1024)
+    await http.aclose()
+    assert not third.ok and third.error is not None and "IncompleteReadError" in third.error
 
 
 @pytest.mark.parametrize(
