@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from typing import Protocol
 
 import httpx
@@ -128,15 +129,25 @@ class MetricsSource:
         return msgspec.structs.replace(combined, server=adapter.server)
 
     async def _probe(self, timeout: float, max_bytes: int) -> list[ScrapeResult]:
-        """``auto`` with ``base_url``: each kind's path in turn, until one is recognised."""
+        """``auto`` with ``base_url``: each kind's path in turn, until one is recognised.
+
+        The probes share the one ``timeout``, and stop at the first that got no HTTP answer
+        (unreachable, timed out): the other paths are on the same server.
+        """
         assert self.gate.base_url is not None
         tried: list[ScrapeResult] = []
+        deadline = time.monotonic() + timeout
         for url in candidate_urls(self.gate.base_url):
-            result = await self.fetcher.get(url, timeout=timeout, max_bytes=max_bytes)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            result = await self.fetcher.get(url, timeout=left, max_bytes=max_bytes)
             tried.append(result)
             if result.ok and result.text is not None and detect_kind(result.text) is not None:
                 self.urls = (url,)
                 return [result]
+            if result.status is None:
+                break
         return tried
 
     def _detect(self, results: list[ScrapeResult]) -> Signals | None:

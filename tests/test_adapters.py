@@ -222,3 +222,13 @@ async def test_source_named_kind_on_wrong_server_is_unknown() -> None:
             sig = await MetricsSource(gate, client).read(timeout=2, max_bytes=1 << 20)
     # Named kinds are not second-guessed: nothing of llama.cpp's is there, so all is unknown.
     assert sig.server == "llamacpp" and sig.running is None and sig.waiting_capacity is None
+
+
+async def test_probing_shares_one_timeout_and_stops_at_an_unreachable_server() -> None:
+    gate = _gate('base_url = "http://127.0.0.1:1/v1"').gates[0]
+    async with httpx.AsyncClient() as client:
+        source = MetricsSource(gate, client)
+        sig = await source.read(timeout=1, max_bytes=1024)
+    assert not sig.ok and sig.error is not None and sig.server is None
+    assert sig.error.count("http://127.0.0.1:1/") == 1  # no probing of the other paths
+    assert source.kind is None and source.urls is None  # retried next poll
