@@ -7,13 +7,17 @@ Hostile servers (slow-loris, 100 MB bodies, gzip bombs, redirect loops, header f
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 from fleetgate.coordinator.httpget import LeanHttp
 
+from .test_security_tls import _make_certs
 from .test_signals import VLLM_TEXT, _Handler, _Server
 
 
@@ -183,3 +187,31 @@ async def test_protocol_errors_are_failures(raw: _Raw, response: bytes, needle: 
     result = await http.get(f"{raw.url}/m", timeout=2, max_bytes=2048)
     await http.aclose()
     assert not result.ok and result.error is not None and needle in result.error
+
+
+async def test_https_verifies_the_server(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is needed to make test certificates")
+    certs = _make_certs(tmp_path)
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(certs.server_crt, certs.server_key)
+    state = _Raw()
+    state.responses = [_ok(b"tls ok")]
+    server = await asyncio.start_server(state.handle, "127.0.0.1", 0, ssl=served)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/metrics"
+    try:
+        trusted = LeanHttp(ssl.create_default_context(cafile=str(certs.ca)))
+        ok = await trusted.get(url, timeout=5, max_bytes=1024)
+        await trusted.aclose()
+        stranger = LeanHttp(ssl.create_default_context(cafile=str(certs.other_ca)))
+        refused = await stranger.get(url, timeout=5, max_bytes=1024)
+        await stranger.aclose()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert ok.ok and ok.text == "tls ok"
+    assert (
+        not refused.ok
+        and refused.error is not None
+        and "CERTIFICATE_VERIFY_FAILED" in refused.error
+    )
