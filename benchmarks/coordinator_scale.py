@@ -3,14 +3,19 @@
 One leader, N adaptive gates, each with its own ``/metrics`` endpoint on a stub server (a
 separate process, so the coordinator has its core to itself). Each poll is timed end to end
 (``Coordinator.poll_once``: scrape all N concurrently, read fleet in-flight, step N controllers,
-publish in one pipeline) and split into its scrape and publish parts. Target: 1,000 models in
-≤ 1 s per poll.
+publish in one pipeline) and split into its scrape and publish parts, with the coordinator
+process's CPU time per poll (steadier than wall time on a shared machine). Target: 1,000 models
+in ≤ 1 s per poll.
+
+``FLEETGATE_BENCH_HTTP=httpx`` scrapes through httpx instead of the coordinator's lean GET, for
+the comparison in ``docs/servers.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
@@ -25,6 +30,7 @@ from ._server import PREFIX, private_redis
 
 NAME = "coordinator_scale"
 POLLS = 5
+HTTP = "httpx" if os.environ.get("FLEETGATE_BENCH_HTTP") == "httpx" else "lean"
 
 
 def _exposition(i: int) -> str:
@@ -91,7 +97,7 @@ def _config(url: str, stub: str, n: int) -> Config:
 
 
 async def _measure(url: str, stub: str, n: int) -> dict[str, Any]:
-    coord = Coordinator(_config(url, stub, n), registry=CollectorRegistry())
+    coord = Coordinator(_config(url, stub, n), registry=CollectorRegistry(), http=HTTP)
     stop = asyncio.Event()
     task = asyncio.create_task(coord.run(stop))
     try:
@@ -100,11 +106,12 @@ async def _measure(url: str, stub: str, n: int) -> dict[str, Any]:
         await coord.poll_once()  # warm: connections, scripts loaded
         term = coord.election.term
         assert term is not None, "the coordinator lost its leadership during warm-up"
-        total, scrape, publish = [], [], []
+        total, cpu, scrape, publish = [], [], [], []
         for _ in range(POLLS):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             await coord.poll_once()
             total.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
             t1 = time.perf_counter()
             await asyncio.gather(*(coord._scrape(g) for g in coord.config.gates))
             scrape.append(time.perf_counter() - t1)
@@ -119,6 +126,7 @@ async def _measure(url: str, stub: str, n: int) -> dict[str, Any]:
     return {
         "models": n,
         "poll_s": percentiles(total, (50, 90)),
+        "poll_cpu_s": percentiles(cpu, (50,)),
         "scrape_s": percentiles(scrape, (50,)),
         "publish_s": percentiles(publish, (50,)),
         "models_per_s": n / percentiles(total, (50,))["p50"],
@@ -165,10 +173,11 @@ def run(opts: Options) -> list[Headline]:
 
 def _report(opts: Options, url: str, rows: list[dict[str, Any]]) -> None:
     text = table(
-        ("models", "poll p50 s", "poll p90 s", "scrape p50 s", "publish p50 s", "models/s"),
+        ("models", "poll p50 s", "poll p90 s", "cpu p50 s", "scrape p50 s", "publish p50 s",
+         "models/s"),
         [
-            (r["models"], r["poll_s"]["p50"], r["poll_s"]["p90"], r["scrape_s"]["p50"],
-             r["publish_s"]["p50"], r["models_per_s"])
+            (r["models"], r["poll_s"]["p50"], r["poll_s"]["p90"], r["poll_cpu_s"]["p50"],
+             r["scrape_s"]["p50"], r["publish_s"]["p50"], r["models_per_s"])
             for r in rows
         ],
     )  # fmt: skip
@@ -183,7 +192,7 @@ def _report(opts: Options, url: str, rows: list[dict[str, Any]]) -> None:
     a.set_xlabel("models per coordinator")
     a.set_ylabel("seconds per poll (p50)")
     a.legend()
-    save(NAME, opts, url, {"polls_per_size": POLLS, "sizes": rows}, text, fig)
+    save(NAME, opts, url, {"polls_per_size": POLLS, "http": HTTP, "sizes": rows}, text, fig)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ Shape (see ``example.toml`` next to this module for every key with its default):
 
 A gate with ``base_url`` or ``metrics_url`` is *adaptive* (the coordinator publishes targets for
 it); a gate with neither is *fixed* at its ``floor``. ``model_name`` filters the metrics by their
-``model_name`` label; unset means "every model on that endpoint", because the served model name
-often differs from the gate name and most servers serve one model.
+``model_name`` label; unset means the gate's own name when the endpoint exposes that label value,
+else "every model on that endpoint" (logged once), because the served model name often differs
+from the gate name and most servers serve one model. ``server`` names the server kind (default
+``auto``: detected from the exposition); see ``docs/servers.md``.
 
 Environment overrides, applied on top of the file (an empty value counts as unset):
 
@@ -48,7 +50,8 @@ from fleetgate._redis import validate_redis_url
 from fleetgate.errors import ConfigError
 from fleetgate.keys import validate_gate_name, validate_prefix
 
-from .signals import derive_metrics_url, get_adapter, validate_metrics_url
+from .adapters import ADAPTERS, AUTO, validate_server
+from .signals import derive_metrics_url, validate_metrics_url
 
 __all__ = [
     "DEFAULT_CEILING",
@@ -150,7 +153,9 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     base_url: str | None = None
     metrics_url: str | tuple[str, ...] | None = None
     model_name: str | None = None
-    server: str = "vllm"
+    #: the model server's kind (``vllm``, ``sglang``, ``tgi``, ``tei``, ``llamacpp``, ``trtllm``,
+    #: ``nim``) or ``auto``: detected from the exposition at each kind's metrics path
+    server: str = AUTO
 
     def __post_init__(self) -> None:
         _check("name", validate_gate_name, self.name)
@@ -171,13 +176,18 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError("metrics_url: the same URL is listed twice")
         if self.model_name is not None and not self.model_name:
             raise ConfigError("model_name: must not be empty (leave it out to match every model)")
-        _check("server", get_adapter, self.server)
+        _check("server", validate_server, self.server)
 
     @property
     def metrics_urls(self) -> tuple[str, ...]:
-        """The ``/metrics`` URLs to scrape (one per replica); empty for a fixed gate."""
+        """The metrics URLs to scrape (one per replica); empty for a fixed gate.
+
+        From ``base_url`` the path is the named server kind's (``/v1/metrics`` for NIM, ...); with
+        ``server = "auto"`` it is ``/metrics``, the first path detection probes.
+        """
         if self.base_url is not None:
-            return (derive_metrics_url(self.base_url),)
+            path = ADAPTERS[self.server].metrics_path if self.server in ADAPTERS else "/metrics"
+            return (derive_metrics_url(self.base_url, path),)
         if isinstance(self.metrics_url, str):
             return (self.metrics_url,)
         return self.metrics_url or ()

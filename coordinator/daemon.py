@@ -30,7 +30,7 @@ import signal
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from prometheus_client import CollectorRegistry, start_http_server
@@ -42,9 +42,11 @@ from fleetgate.safety import find_bad_keys, inspect_redis, is_wrongtype
 from .config import Config, GateConfig, load_config
 from .controller import ControllerParams, ControllerState, Observation, step
 from .election import Election, Leadership
+from .httpget import LeanHttp
 from .metrics import CoordinatorMetrics
 from .publisher import Publication, Publisher
-from .signals import Signals, fetch_signals
+from .signals import Signals
+from .sources import Fetcher, HttpxFetcher, MetricsSource, new_client
 
 __all__ = ["Coordinator", "run_coordinator"]
 
@@ -105,12 +107,16 @@ class Coordinator:
         coordinator_id: str | None = None,
         registry: CollectorRegistry | None = None,
         reap_interval: float = REAP_INTERVAL,
+        http: Literal["lean", "httpx"] = "lean",
     ) -> None:
+        """``http`` picks the scrape client: the lean GET of :mod:`.httpget` (default, ~10x
+        cheaper per scrape) or httpx, kept selectable for comparison (``docs/servers.md``)."""
         self.config = config
         self.id = coordinator_id or default_coordinator_id()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = CoordinatorMetrics.create(self.registry)
         self.reap_interval = reap_interval
+        self.http = http
         self.params = {
             g.name: ControllerParams.for_gate(g, config.coordinator) for g in config.gates
         }
@@ -122,7 +128,7 @@ class Coordinator:
         self._client: Any = None
         self._election: Election | None = None
         self._publisher: Publisher | None = None
-        self._http: httpx.AsyncClient | None = None
+        self.sources: dict[str, MetricsSource] = {}
         self._errors = {
             name: _ErrorLog(name) for name in ("election", "poll", "reaper", "prune", "diagnosis")
         }
@@ -157,13 +163,18 @@ class Coordinator:
         )
         # Scrapes run at most SCRAPE_CONCURRENCY at once over kept-alive connections: a
         # thousand simultaneous connects cost more (SYN backlog, TLS handshakes) than they save.
+        # Each gate has its own small pool (see sources.py); they share one SSL context.
         self._scrape_slots = asyncio.Semaphore(SCRAPE_CONCURRENCY)
-        self._http = httpx.AsyncClient(
-            follow_redirects=False,
-            limits=httpx.Limits(
-                max_connections=SCRAPE_CONCURRENCY, max_keepalive_connections=SCRAPE_CONCURRENCY
-            ),
-        )
+        tls = httpx.create_ssl_context()
+
+        def fetcher(gate: GateConfig) -> Fetcher:
+            if self.http == "httpx":
+                return HttpxFetcher(new_client(len(gate.metrics_urls), tls))
+            return LeanHttp(tls)
+
+        self.sources = {
+            g.name: MetricsSource(g, fetcher(g)) for g in cfg.gates if self.params[g.name].adaptive
+        }
         host, port = cfg.coordinator.metrics_address
         server, thread = start_http_server(port, addr=host, registry=self.registry)
         self.metrics_port = int(server.server_port)
@@ -192,7 +203,7 @@ class Coordinator:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.election.resign()
             self.metrics.leader.set(0)
-            await self._http.aclose()
+            await asyncio.gather(*(src.fetcher.aclose() for src in self.sources.values()))
             await self._client.aclose()
             server.shutdown()
             server.server_close()
@@ -313,17 +324,11 @@ class Coordinator:
     async def _scrape(self, gate: GateConfig) -> Signals | None:
         if not self.params[gate.name].adaptive:
             return None
-        assert self._http is not None
         c = self.config.coordinator
         async with self._scrape_slots:
             t0 = time.perf_counter()
-            signals = await fetch_signals(
-                self._http,
-                gate.metrics_urls,
-                server=gate.server,
-                model_name=gate.model_name,
-                timeout=c.scrape_timeout,
-                max_bytes=c.max_body_bytes,
+            signals = await self.sources[gate.name].read(
+                timeout=c.scrape_timeout, max_bytes=c.max_body_bytes
             )
         self.metrics.scrape_seconds.labels(gate.name).observe(time.perf_counter() - t0)
         if not signals.ok:

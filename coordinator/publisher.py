@@ -70,6 +70,7 @@ def _util_mapping(p: Publication) -> dict[str, str]:
         "saturated": "1" if d.saturated else "0",
         "last_poll": repr(p.polled_at),
         "metrics_url": ",".join(p.gate.metrics_urls),
+        "server": (s.server or "") if s is not None else "",
         "reason": str(d.reason.value),
         "in_flight": "" if p.in_flight is None else str(p.in_flight),
         "error": (s.error or "") if s is not None else "",

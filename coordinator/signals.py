@@ -1,8 +1,10 @@
-"""Load signals of model servers: metrics URLs, a bounded scrape, and one parser per server kind.
+"""Load signals of model servers: metrics URLs, a bounded scrape, parsing and combining replicas.
 
-The coordinator polls each adaptive gate's Prometheus ``/metrics`` endpoint(s) and turns the text
-into :class:`Signals` -- running requests, requests waiting for capacity, all waiting requests
-and KV-cache usage -- for one ``model_name``, summed over vLLM's ``engine`` label.
+The coordinator polls each adaptive gate's Prometheus endpoint(s) and turns the text into
+:class:`Signals` -- running requests, requests waiting for capacity, all waiting requests and
+KV-cache usage -- for one ``model_name``, summed over engines and replicas. The per-kind gauge
+names live in :mod:`.adapters` (vLLM, SGLang, TGI, TEI, llama.cpp, TensorRT-LLM, NIM); which
+kind a gate's server is, and at which path, is resolved by :mod:`.sources`.
 
 Rules every part relies on:
 
@@ -14,8 +16,7 @@ Rules every part relies on:
   ``_total``/``_created`` from counter families and groups histogram series, and names such as
   ``vllm:num_requests_waiting`` are prefixes of others (``..._by_reason``).
 
-Adapters are data: :class:`GaugeAdapter` names the gauges of one server kind. vLLM is registered;
-SGLang (``sglang:num_running_reqs``, ``sglang:num_queue_reqs``) or TGI fit as one more entry.
+Adapters are data: :class:`GaugeAdapter` names the gauges of one server kind.
 """
 
 from __future__ import annotations
@@ -23,24 +24,22 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Protocol
+from collections.abc import Iterable, Sequence
 from urllib.parse import urlsplit
 
 import httpx
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate._aio import within
 from fleetgate.errors import ConfigError
+
+from .adapters import ADAPTERS, VLLM, GaugeAdapter, get_adapter
+from .signal_struct import Signals
 
 __all__ = [
     "ADAPTERS",
     "VLLM",
     "GaugeAdapter",
-    "MetricsAdapter",
     "ScrapeResult",
     "Signals",
     "combine",
@@ -48,6 +47,8 @@ __all__ = [
     "fetch_signals",
     "get_adapter",
     "parse_signals",
+    "read_result",
+    "redact",
     "scrape",
     "validate_metrics_url",
 ]
@@ -55,7 +56,7 @@ __all__ = [
 # ----------------------------------------------------------------------------------------- URLs
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """``url`` without secrets, for error messages: ``user:password@`` (up to the last ``@``)
     and the query string (``?token=...``) are replaced by ``***``."""
     scheme, sep, rest = url.partition("://")
@@ -78,7 +79,7 @@ def validate_metrics_url(url: str) -> str:
     """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError("metrics URL must be a non-empty string")
-    shown = _redact(url)
+    shown = redact(url)
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         raise ConfigError(f"URL {shown!r} contains whitespace or control characters")
     try:
@@ -101,17 +102,18 @@ def validate_metrics_url(url: str) -> str:
     return url
 
 
-def derive_metrics_url(base_url: str) -> str:
-    """The ``/metrics`` URL of an OpenAI-compatible ``base_url``.
+def derive_metrics_url(base_url: str, path: str = "/metrics") -> str:
+    """The metrics URL of an OpenAI-compatible ``base_url``, at ``path`` of the server's root.
 
     ``http://host/v1`` -> ``http://host/metrics``: trailing slashes and one trailing ``/v1`` are
-    dropped, ``/metrics`` is appended. The base URL gets the checks of :func:`validate_metrics_url`.
+    dropped, ``path`` is appended (``/v1/metrics`` for NIM, ``/prometheus/metrics`` for
+    ``trtllm-serve``). The base URL gets the checks of :func:`validate_metrics_url`.
     """
     validate_metrics_url(base_url)
     root = base_url.rstrip("/")
     if root.endswith("/v1") and "://" in root[: -len("/v1")]:
         root = root[: -len("/v1")].rstrip("/")
-    return validate_metrics_url(root + "/metrics")
+    return validate_metrics_url(root + path)
 
 
 # -------------------------------------------------------------------------------------- scrape
@@ -152,7 +154,7 @@ async def _fetch(
             return ScrapeResult(url, False, error=error, status=status)
 
         if response.is_redirect:
-            where = _redact(response.headers.get("location", "?"))
+            where = redact(response.headers.get("location", "?"))
             return fail(f"HTTP {status} redirect to {where!r} refused")
         if status != 200:
             return fail(f"HTTP {status}")
@@ -199,162 +201,6 @@ async def scrape(
 
 
 # ------------------------------------------------------------------------------------- signals
-
-
-class Signals(msgspec.Struct, frozen=True):
-    """What one gate's model server(s) report. ``None`` = unknown, never "zero".
-
-    ``waiting_capacity`` is the saturation signal: requests the engine could not schedule for lack
-    of capacity (vLLM's ``num_requests_waiting_by_reason{reason="capacity"}``, or all waiting
-    requests on servers without that gauge). ``kv_cache_usage`` is a fraction (1 = full), the
-    maximum over engines and replicas. ``ok`` is False when a scrape failed or ``running`` /
-    ``waiting_capacity`` had an invalid value (NaN, infinite, negative); ``error`` names every
-    failure and invalid value, also of the other two fields (which are then None).
-    """
-
-    running: float | None = None
-    waiting_capacity: float | None = None
-    waiting: float | None = None
-    kv_cache_usage: float | None = None
-    ok: bool = True
-    error: str | None = None
-
-    @classmethod
-    def failure(cls, error: str) -> Signals:
-        """A failed observation: everything unknown."""
-        return cls(ok=False, error=error)
-
-    @property
-    def saturated(self) -> bool | None:
-        """True when requests wait for capacity, False when none do, None when unknown."""
-        if self.waiting_capacity is None:
-            return None
-        return self.waiting_capacity > 0
-
-
-class MetricsAdapter(Protocol):
-    """Turns one server kind's exposition text into :class:`Signals`. Must never raise."""
-
-    @property
-    def server(self) -> str:
-        """The ``server`` kind this adapter reads (``"vllm"``)."""
-        ...
-
-    def parse(self, text: str, model_name: str | None) -> Signals:
-        """Signals for ``model_name`` (None = every model in the text)."""
-        ...
-
-
-@dataclass
-class _Acc:
-    """Sum (or max) of the finite, non-negative samples of one metric; ``bad`` if any was not."""
-
-    use_max: bool = False
-    total: float = 0.0
-    seen: bool = False
-    bad: str | None = None
-
-    def add(self, name: str, value: float) -> None:
-        if not math.isfinite(value) or value < 0:
-            self.bad = self.bad or f"{name} has invalid value {value!r}"
-            return
-        self.total = max(self.total, value) if self.use_max else self.total + value
-        self.seen = True
-        if not math.isfinite(self.total):
-            self.bad = self.bad or f"{name} sums to {self.total!r}"
-
-    def value(self) -> float | None:
-        return self.total if self.seen and self.bad is None else None
-
-
-@dataclass(frozen=True)
-class GaugeAdapter:
-    """An adapter described by the gauge names of one server kind.
-
-    ``capacity`` is ``(metric, label, value)`` of the saturation gauge; when the text has no such
-    sample for the model, ``waiting`` stands in for it (older servers count every waiting request,
-    which errs towards "saturated"). ``kv_usage`` lists gauges in order of preference.
-    """
-
-    server: str
-    running: str
-    waiting: str
-    capacity: tuple[str, str, str] | None = None
-    kv_usage: tuple[str, ...] = ()
-    model_label: str | None = "model_name"
-    _wanted: frozenset[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        names = {self.running, self.waiting, *self.kv_usage}
-        if self.capacity is not None:
-            names.add(self.capacity[0])
-        object.__setattr__(self, "_wanted", frozenset(names))
-
-    def parse(self, text: str, model_name: str | None) -> Signals:
-        """Sum this server's gauges for ``model_name`` over engines; see :class:`Signals`."""
-        accs: dict[str, _Acc] = {}
-        cap_acc = _Acc()
-        try:
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    name = sample.name
-                    if name not in self._wanted:
-                        continue
-                    labels = sample.labels
-                    if (
-                        model_name is not None
-                        and self.model_label is not None
-                        and labels.get(self.model_label) != model_name
-                    ):
-                        continue
-                    value = float(sample.value)
-                    if self.capacity is not None and name == self.capacity[0]:
-                        if labels.get(self.capacity[1]) == self.capacity[2]:
-                            cap_acc.add(f"{name}{{{self.capacity[1]}={self.capacity[2]!r}}}", value)
-                        continue
-                    acc = accs.setdefault(name, _Acc(use_max=name in self.kv_usage))
-                    acc.add(name, value)
-        # The parser is third-party code fed untrusted text; whatever it raises, the answer is
-        # "unknown" with the reason kept, never a crashed poll loop.
-        except Exception as exc:
-            return Signals.failure(f"unparseable metrics: {type(exc).__name__}: {exc}")
-
-        waiting_acc = accs.get(self.waiting, _Acc())
-        cap = cap_acc if cap_acc.seen or cap_acc.bad else waiting_acc
-        kv_acc = next((accs[n] for n in self.kv_usage if n in accs), _Acc())
-        running = accs.get(self.running, _Acc())
-        errors = [a.bad for a in (running, cap, waiting_acc, kv_acc) if a.bad]
-        return Signals(
-            running=running.value(),
-            waiting=waiting_acc.value(),
-            waiting_capacity=cap.value(),
-            kv_cache_usage=kv_acc.value(),
-            # Only the signals the controller acts on decide ``ok``; a broken KV gauge must not
-            # stall adaptation. Every invalid value is still named in ``error``.
-            ok=running.bad is None and cap.bad is None,
-            error="; ".join(dict.fromkeys(errors)) or None,
-        )
-
-
-VLLM = GaugeAdapter(
-    server="vllm",
-    running="vllm:num_requests_running",
-    waiting="vllm:num_requests_waiting",
-    capacity=("vllm:num_requests_waiting_by_reason", "reason", "capacity"),
-    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-)
-
-#: Adapters by ``server`` kind (the gate config's ``server`` key).
-ADAPTERS: Mapping[str, MetricsAdapter] = MappingProxyType({VLLM.server: VLLM})
-
-
-def get_adapter(server: str) -> MetricsAdapter:
-    """The adapter for ``server``, or ConfigError listing the known kinds."""
-    try:
-        return ADAPTERS[server]
-    except KeyError:
-        known = ", ".join(sorted(ADAPTERS))
-        raise ConfigError(f"unknown server kind {server!r} (known: {known})") from None
 
 
 def parse_signals(text: str, *, server: str = "vllm", model_name: str | None = None) -> Signals:
@@ -420,13 +266,17 @@ async def fetch_signals(
     results = await asyncio.gather(
         *(scrape(client, url, timeout=timeout, max_bytes=max_bytes) for url in urls)
     )
-    parts: list[Signals] = []
-    for result in results:
-        if not result.ok or result.text is None:
-            parts.append(Signals.failure(f"{result.url}: {result.error}"))
-            continue
-        signals = adapter.parse(result.text, model_name)
-        if signals.error:
-            signals = msgspec.structs.replace(signals, error=f"{result.url}: {signals.error}")
-        parts.append(signals)
-    return combine(parts)
+    return combine([read_result(r, adapter, model_name)[0] for r in results])
+
+
+def read_result(
+    result: ScrapeResult, adapter: GaugeAdapter, model_name: str | None, prefer: str | None = None
+) -> tuple[Signals, str | None]:
+    """One replica's signals from its scrape (failed scrape: a failure naming the URL), and the
+    model label value they were filtered by (see :meth:`GaugeAdapter.read`)."""
+    if not result.ok or result.text is None:
+        return Signals.failure(f"{result.url}: {result.error}"), None
+    signals, model = adapter.read(result.text, model_name, prefer)
+    if signals.error:
+        signals = msgspec.structs.replace(signals, error=f"{result.url}: {signals.error}")
+    return signals, model

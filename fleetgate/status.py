@@ -38,6 +38,7 @@ class GateStatus(msgspec.Struct, kw_only=True):
     waiting_capacity: float | None
     last_poll: float | None
     reason: str | None
+    server: str | None
     granted: int
     rejected: int
     expired_leases: int
@@ -89,6 +90,7 @@ def gate_status(name: str, snap: Snapshot) -> GateStatus:
         waiting_capacity=_num(util.get("waiting_capacity"), float),
         last_poll=_num(util.get("last_poll"), float),
         reason=util.get("reason") or None,
+        server=util.get("server") or None,
         granted=stat("granted"),
         rejected=stat("rejected"),
         expired_leases=stat("expired_leases"),
@@ -124,7 +126,7 @@ def format_status(status: FleetStatus, now: float) -> str:
     lines = [f"leader: {status.leader or '-'}  epoch: {status.epoch if status.epoch else '-'}"]
     header = (
         f"{'gate':<36} {'limit':>6} {'target':>6} {'epoch':>5} {'in-fl':>6} {'queued':>7} "
-        f"{'sat':>4} {'running':>8} {'last poll':>9}"
+        f"{'sat':>4} {'running':>8} {'last poll':>9} {'server':<8}"
     )
     lines.append(header)
     for g in status.gates:
@@ -133,7 +135,7 @@ def format_status(status: FleetStatus, now: float) -> str:
         lines.append(
             f"{g.name[:36]:<36} {g.limit:>6} {g.target if g.target is not None else '-':>6} "
             f"{g.epoch if g.epoch is not None else '-':>5} {g.in_flight:>6} {g.queued:>7} "
-            f"{'yes' if g.saturated else 'no':>4} {running:>8} {age:>9}"
+            f"{'yes' if g.saturated else 'no':>4} {running:>8} {age:>9} {g.server or '-':<8}"
         )
     if not status.gates:
         lines.append("(no gates registered)")

@@ -126,7 +126,7 @@ def test_single_metrics_url() -> None:
         ("http://vllm-embed.arpa/v1", "http://u:pw@vllm-embed.arpa/v1", "gates[0].base_url: URL"),
         ("http://vllm-embed.arpa/v1", "ftp://vllm-embed.arpa/v1", "gates[0].base_url: URL"),
         ("http://vllm-embed.arpa/v1", "http://h/v1?key=1", "gates[0].base_url: URL"),
-        ("floor = 4", 'floor = 4\nserver = "tgi"', "gates[0].server: unknown server kind 'tgi'"),
+        ("floor = 4", 'floor = 4\nserver = "tgx"', "gates[0].server: unknown server kind 'tgx'"),
         ("floor = 4", 'floor = 4\nmodel_name = ""', "gates[0].model_name: must not be empty"),
         (
             "poll_interval = 12.0",

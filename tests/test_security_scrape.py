@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from fleetgate.coordinator.config import Config
-from fleetgate.coordinator.signals import fetch_signals, scrape
+from fleetgate.coordinator.httpget import LeanHttp
+from fleetgate.coordinator.signals import ScrapeResult, fetch_signals, scrape
 from fleetgate.errors import ConfigError
 
 HUGE = 100 * 1024 * 1024
@@ -86,11 +87,11 @@ async def _handle(
             )
             await send(_BOMB)
         elif path.startswith("/redirect/"):  # a loop: every 3xx points back at itself
-            code = path.rsplit("/", 1)[1]
+            code = path.rsplit("/", 1)[1].split("-")[0]
             await send(
                 f"HTTP/1.1 {code} Moved\r\nLocation: {path}\r\nContent-Length: 0\r\n\r\n".encode()
             )
-        elif path == "/header-flood":
+        elif path.startswith("/header-flood"):
             await send(b"HTTP/1.1 200 OK\r\n")
             for i in range(20_000):
                 await send(f"X-Flood-{i}: {'v' * 100}\r\n".encode())
@@ -134,27 +135,45 @@ def hostile() -> Iterator[Hostile]:
         thread.join(10)
 
 
-async def _scrape(hostile: Hostile, path: str, **client: bool) -> tuple[str, float]:
-    async with httpx.AsyncClient(**client) as http:
-        start = time.monotonic()
-        result = await scrape(http, hostile.url + path, timeout=TIMEOUT, max_bytes=CAP)
-        took = time.monotonic() - start
+@pytest.fixture(params=["httpx", "lean"])
+def client_kind(request: pytest.FixtureRequest) -> str:
+    """Every hostile case runs against both scrape paths: httpx and the coordinator's lean GET."""
+    return str(request.param)
+
+
+async def _scrape(
+    hostile: Hostile, path: str, client_kind: str = "httpx", **client: bool
+) -> tuple[str, float]:
+    start = time.monotonic()
+    result: ScrapeResult
+    if client_kind == "lean":
+        lean = LeanHttp()
+        result = await lean.get(hostile.url + path, timeout=TIMEOUT, max_bytes=CAP)
+        await lean.aclose()
+    else:
+        async with httpx.AsyncClient(**client) as http:
+            result = await scrape(http, hostile.url + path, timeout=TIMEOUT, max_bytes=CAP)
+    took = time.monotonic() - start
     assert not result.ok and result.text is None and result.error
     return result.error, took
 
 
 @pytest.mark.parametrize("path", ["/slow-headers", "/slow-body", "/silent"])
-async def test_slow_servers_cannot_hold_the_scrape(hostile: Hostile, path: str) -> None:
-    error, took = await _scrape(hostile, path)
+async def test_slow_servers_cannot_hold_the_scrape(
+    hostile: Hostile, path: str, client_kind: str
+) -> None:
+    error, took = await _scrape(hostile, path, client_kind)
     assert "timed out" in error
     assert TIMEOUT * 0.9 <= took < TIMEOUT + 0.5, took
 
 
 @pytest.mark.parametrize("path", ["/huge", "/huge-chunked"])
-async def test_100_mb_body_is_cut_at_the_cap_without_buffering(hostile: Hostile, path: str) -> None:
+async def test_100_mb_body_is_cut_at_the_cap_without_buffering(
+    hostile: Hostile, path: str, client_kind: str
+) -> None:
     tracemalloc.start()
     try:
-        error, took = await _scrape(hostile, path)
+        error, took = await _scrape(hostile, path, client_kind)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -166,10 +185,10 @@ async def test_100_mb_body_is_cut_at_the_cap_without_buffering(hostile: Hostile,
     assert sent < 16 * 1024 * 1024, f"server pushed {sent / 1e6:.1f} MB"
 
 
-async def test_gzip_bomb_is_refused_before_inflating(hostile: Hostile) -> None:
+async def test_gzip_bomb_is_refused_before_inflating(hostile: Hostile, client_kind: str) -> None:
     tracemalloc.start()
     try:
-        error, took = await _scrape(hostile, "/gzip-bomb")
+        error, took = await _scrape(hostile, "/gzip-bomb", client_kind)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -179,18 +198,18 @@ async def test_gzip_bomb_is_refused_before_inflating(hostile: Hostile) -> None:
 
 @pytest.mark.parametrize("code", [300, 301, 302, 303, 307, 308])
 async def test_every_redirect_is_refused_even_by_a_following_client(
-    hostile: Hostile, code: int
+    hostile: Hostile, code: int, client_kind: str
 ) -> None:
-    path = f"/redirect/{code}"
-    error, took = await _scrape(hostile, path, follow_redirects=True)
+    path = f"/redirect/{code}-{client_kind}"
+    error, took = await _scrape(hostile, path, client_kind, follow_redirects=True)
     assert f"HTTP {code}" in error and took < TIMEOUT
     assert len([p for p in hostile.sent if p == path]) == 1  # one request, no loop
 
 
-async def test_header_flood_fails_fast(hostile: Hostile) -> None:
-    error, took = await _scrape(hostile, "/header-flood")
+async def test_header_flood_fails_fast(hostile: Hostile, client_kind: str) -> None:
+    error, took = await _scrape(hostile, f"/header-flood-{client_kind}", client_kind)
     assert took < TIMEOUT and "timed out" not in error
-    assert hostile.finished("/header-flood") < 16 * 1024 * 1024
+    assert hostile.finished(f"/header-flood-{client_kind}") < 16 * 1024 * 1024
 
 
 async def test_a_hostile_replica_does_not_stall_the_gate(hostile: Hostile) -> None:

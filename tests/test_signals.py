@@ -314,8 +314,9 @@ def test_invalid_kv_gauge_does_not_fail_the_poll() -> None:
 
 def test_adapter_registry() -> None:
     assert ADAPTERS["vllm"] is VLLM and get_adapter("vllm").server == "vllm"
-    with pytest.raises(ConfigError, match="unknown server kind 'tgi'"):
-        get_adapter("tgi")
+    assert set(ADAPTERS) == {"vllm", "sglang", "tgi", "tei", "llamacpp", "trtllm", "nim"}
+    with pytest.raises(ConfigError, match="unknown server kind 'tgx'"):
+        get_adapter("tgx")
 
 
 # ---------------------------------------------------------------------------------- combine

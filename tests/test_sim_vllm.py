@@ -311,6 +311,9 @@ def test_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
         "--max-waiting",
         "--legacy-metrics",
         "--seed",
+        "--flavor",
+        "--no-metrics",
+        "--max-concurrent-requests",
     ):
         assert opt in out
 
@@ -365,3 +368,92 @@ def test_python_dash_m_help() -> None:
         check=False,
     )
     assert done.returncode == 0 and "--capacity" in done.stdout
+
+
+# ---------------------------------------------------------------------------------- flavours
+
+
+@pytest.mark.parametrize(
+    ("flavor", "path", "running_name"),
+    [
+        ("sglang", "/metrics", "sglang:num_running_reqs"),
+        ("tgi", "/metrics", "tgi_batch_current_size"),
+        ("tei", "/metrics", None),
+        ("llamacpp", "/metrics", "llamacpp:requests_processing"),
+        ("trtllm", "/prometheus/metrics", "trtllm_num_requests_running"),
+        ("nim", "/v1/metrics", "num_requests_running"),
+    ],
+)
+async def test_flavours_serve_their_exposition_at_their_path(
+    serve: Serve, flavor: str, path: str, running_name: str | None
+) -> None:
+    served = serve(flavor=flavor, capacity=2, service_ms=300)
+    async with httpx.AsyncClient(base_url=served.url, timeout=5) as client:
+        calls = [
+            asyncio.create_task(client.post("/v1/chat/completions", json=CHAT)) for _ in range(3)
+        ]
+        await until(lambda: _in_flight(client, 3))
+        resp = await client.get(path)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+        names = {s.name: s for f in text_string_to_metric_families(resp.text) for s in f.samples}
+        if running_name is not None:
+            assert names[running_name].value == 2.0
+        assert not any("vllm:" in n for n in names)
+        if path != "/metrics":
+            other = await client.get("/metrics")
+            # trtllm-serve's /metrics is JSON iteration stats; NIM has nothing there.
+            assert other.status_code == (200 if flavor == "trtllm" else 404)
+            if flavor == "trtllm":
+                assert other.json()[0]["numQueuedRequests"] == 1
+        assert [r.status_code for r in await asyncio.gather(*calls)] == [200, 200, 200]
+
+
+async def _in_flight(client: httpx.AsyncClient, n: int) -> bool:
+    return bool((await stats(client))["in_flight"] == n)
+
+
+@pytest.mark.parametrize("flavor", ["tgi", "tei"])
+async def test_tgi_and_tei_answer_429_beyond_max_concurrent_requests(
+    serve: Serve, flavor: str
+) -> None:
+    served = serve(flavor=flavor, capacity=1, service_ms=300, max_concurrent_requests=2)
+    async with httpx.AsyncClient(base_url=served.url, timeout=5) as client:
+        calls = [
+            asyncio.create_task(client.post("/v1/chat/completions", json=CHAT)) for _ in range(2)
+        ]
+        await until(lambda: _in_flight(client, 2))
+        refused = await client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 429
+        body = refused.json()
+        assert body == (
+            {"message": "Model is overloaded", "code": 429, "type": "Overloaded"}
+            if flavor == "tei"
+            else {"error": "Model is overloaded", "error_type": "overloaded"}
+        )
+        assert [r.status_code for r in await asyncio.gather(*calls)] == [200, 200]
+        text = (await client.get("/metrics")).text
+        failure = "te_request_failure" if flavor == "tei" else "tgi_request_failure"
+        assert f'{failure}{{err="overloaded"}} 1' in text
+        assert (await stats(client))["rejected"] == 1
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang", "trtllm", "nim"])
+async def test_no_metrics(serve: Serve, flavor: str) -> None:
+    served = serve(flavor=flavor, metrics=False)
+    path = {"trtllm": "/prometheus/metrics", "nim": "/v1/metrics"}.get(flavor, "/metrics")
+    async with httpx.AsyncClient(base_url=served.url, timeout=5) as client:
+        assert (await client.get(path)).status_code == 404
+
+
+def test_flavour_options() -> None:
+    ns = build_parser().parse_args(
+        ["--flavor", "tei", "--no-metrics", "--max-concurrent-requests", "3"]
+    )
+    cfg = config_from_args(ns)
+    assert (cfg.flavor, cfg.metrics, cfg.concurrency_limit) == ("tei", False, 3)
+    assert VllmSimConfig(flavor="tgi").concurrency_limit == 128
+    assert VllmSimConfig(flavor="vllm").concurrency_limit is None
+    with pytest.raises(ValueError, match="unknown flavor"):
+        VllmSimConfig(flavor="triton")
+    with pytest.raises(ValueError, match="TGI's and TEI's"):
+        VllmSimConfig(flavor="vllm", max_concurrent_requests=4)

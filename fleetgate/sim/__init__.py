@@ -1,7 +1,8 @@
 """Simulated model servers that stand in for GPUs in tests, benchmarks, the demo and compose.
 
 - :mod:`fleetgate.sim.vllm`: OpenAI-compatible endpoints with a hard ``max_num_seqs`` capacity
-  (excess waits in FIFO) and vLLM's exact ``/metrics`` exposition.
+  (excess waits in FIFO) and vLLM's exact ``/metrics`` exposition -- or, with ``--flavor``, that
+  of SGLang, TGI, TEI, llama.cpp, TensorRT-LLM or NIM at their paths (:mod:`fleetgate.sim.flavors`).
 - :mod:`fleetgate.sim.rerank`: a NIM-like ``/v1/ranking`` with a bounded queue (503), a
   server-side timeout (504) and a service time that grows with the passages.
 

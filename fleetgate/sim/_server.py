@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 __all__ = [
+    "TEXT_PLAIN",
     "FifoLimiter",
     "QueueFull",
     "Served",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+TEXT_PLAIN = CONTENT_TYPE_LATEST
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -161,9 +163,17 @@ async def read_json_object(request: Request) -> dict[str, Any] | None:
 
 
 def common_routes(
-    limiter: FifoLimiter, stats: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]
+    limiter: FifoLimiter,
+    stats: Callable[[], dict[str, Any]],
+    metrics: Callable[[], bytes],
+    *,
+    metrics_path: str | None = "/metrics",
+    metrics_type: str = CONTENT_TYPE_LATEST,
 ) -> list[Route]:
-    """``/health``, ``/metrics`` and the ``/admin`` routes every simulator shares.
+    """``/health``, the metrics route and the ``/admin`` routes every simulator shares.
+
+    The metrics are served at ``metrics_path`` (None: not at all, as a server without metrics)
+    with Content-Type ``metrics_type``.
 
     ``POST /admin/capacity {"capacity": N}`` resizes ``limiter``; ``GET /admin/stats`` returns
     ``stats()``; ``POST /admin/reset-peaks`` restarts peak tracking. The admin routes answer with
@@ -174,7 +184,7 @@ def common_routes(
         return Response(status_code=200)
 
     async def render_metrics(request: Request) -> Response:
-        return Response(metrics(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics(), headers={"Content-Type": metrics_type})
 
     async def admin_capacity(request: Request) -> Response:
         body = await read_json_object(request)
@@ -191,9 +201,10 @@ def common_routes(
         limiter.reset_peaks()
         return json_response(stats())
 
+    routes = [Route(metrics_path, render_metrics, methods=["GET"])] if metrics_path else []
     return [
         Route("/health", health, methods=["GET"]),
-        Route("/metrics", render_metrics, methods=["GET"]),
+        *routes,
         Route("/admin/capacity", admin_capacity, methods=["POST"]),
         Route("/admin/stats", admin_stats, methods=["GET"]),
         Route("/admin/reset-peaks", admin_reset_peaks, methods=["POST"]),

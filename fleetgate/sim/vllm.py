@@ -1,5 +1,10 @@
 """A vLLM stand-in: OpenAI-compatible endpoints with a hard ``max_num_seqs`` and vLLM's /metrics.
 
+``--flavor`` makes the same engine expose another server's metrics instead (SGLang, TGI, TEI,
+llama.cpp, TensorRT-LLM, NIM: :mod:`fleetgate.sim.flavors`) at that server's path, with its
+overload behaviour (TGI and TEI answer 429 beyond ``--max-concurrent-requests``);
+``--no-metrics`` serves none.
+
 Each request waits in FIFO order for one of ``capacity`` slots (vLLM's ``max_num_seqs``), holds it
 for a sampled service time, and answers in OpenAI shape. ``/metrics`` uses vLLM's exact family
 names, HELP/TYPE lines and ``model_name``/``engine`` labels, so the coordinator's scraper can be
@@ -30,6 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fleetgate.sim._server import (
+    TEXT_PLAIN,
     FifoLimiter,
     QueueFull,
     add_server_args,
@@ -40,6 +46,7 @@ from fleetgate.sim._server import (
     run_cli,
     run_unless_disconnected,
 )
+from fleetgate.sim.flavors import FLAVORS, METRICS_PATHS, TrtllmExposition, make_exposition
 
 __all__ = [
     "ServiceDist",
@@ -115,9 +122,31 @@ class VllmSimConfig:
     seed: int | None = None
     embedding_dim: int = 16
     max_model_len: int = 8192
+    flavor: str = "vllm"
+    metrics: bool = True
+    #: TGI/TEI's ``--max-concurrent-requests`` (None: the server's default, 128 / 512)
+    max_concurrent_requests: int | None = None
+
+    @property
+    def concurrency_limit(self) -> int | None:
+        """Requests admitted at once (running + queued) before a 429, or None (no such limit)."""
+        if self.max_concurrent_requests is not None:
+            return self.max_concurrent_requests
+        return {"tgi": 128, "tei": 512}.get(self.flavor)
+
+    @property
+    def metrics_path(self) -> str | None:
+        """Where this flavour serves its Prometheus text (None with ``--no-metrics``)."""
+        return METRICS_PATHS[self.flavor] if self.metrics else None
 
     def __post_init__(self) -> None:
         """Reject settings no server could have."""
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"unknown flavor {self.flavor!r} (known: {', '.join(FLAVORS)})")
+        if self.max_concurrent_requests is not None and (
+            self.flavor not in ("tgi", "tei") or self.max_concurrent_requests < 1
+        ):
+            raise ValueError("max_concurrent_requests is TGI's and TEI's, and must be >= 1")
         if self.capacity < 0 or self.engines < 1 or self.service_ms < 0:
             raise ValueError("need capacity >= 0, engines >= 1 and service_ms >= 0")
         if self.service_dist not in ("fixed", "exp", "lognormal"):
@@ -142,6 +171,8 @@ _HELP_BY_REASON = (
 
 class _VllmMetrics:
     """vLLM's Prometheus families on a private registry; gauges are filled at scrape time."""
+
+    content_type = TEXT_PLAIN
 
     def __init__(self, config: VllmSimConfig) -> None:
         reg = self.registry = CollectorRegistry()
@@ -230,6 +261,16 @@ class _VllmMetrics:
         self.e2e.labels(self.model, eng).observe(e2e_s)
         self.queue.labels(self.model, eng).observe(queue_s)
 
+    def aborted(self, engine: int) -> None:
+        """Record one request the client abandoned."""
+        self.success.labels(self.model, self.engines[engine], "abort").inc()
+
+    def rejected(self) -> None:
+        """vLLM refuses nothing as overloaded; the simulator's 503s are not counted."""
+
+    def arrived(self) -> None:
+        """vLLM's gauges exist from the start."""
+
     def render(self, limiter: FifoLimiter) -> bytes:
         """Set the scheduler gauges from ``limiter`` and return the text exposition."""
         k = len(self.engines)
@@ -253,7 +294,11 @@ class VllmSim:
         """Build the engine state for ``config`` (no event loop needed yet)."""
         self.config = config
         self.limiter = FifoLimiter(config.capacity, config.max_waiting)
-        self.metrics = _VllmMetrics(config)
+        self.metrics = (
+            _VllmMetrics(config)
+            if config.flavor == "vllm"
+            else make_exposition(config.flavor, config.model, config.engines, config.capacity)
+        )
         self.rng = random.Random(config.seed)
         self.served = 0
         self.rejected = 0
@@ -279,8 +324,15 @@ class VllmSim:
     async def execute(self, prompt_tokens: int, gen_tokens: int, reason: str) -> None:
         """Wait for a slot (FIFO), hold it for a service time, record the outcome.
 
-        Raises :class:`QueueFull` when the waiting cap is exceeded (the caller answers 503).
+        Raises :class:`QueueFull` when the waiting cap is exceeded (the caller answers 503) and
+        :class:`Overloaded` when TGI/TEI's concurrency limit is reached (the caller answers 429).
         """
+        self.metrics.arrived()
+        limit = self.config.concurrency_limit
+        if limit is not None and self.limiter.in_flight >= limit:
+            self.rejected += 1
+            self.metrics.rejected()
+            raise Overloaded(f"{limit} requests already in flight")
         engine = self._next_engine
         self._next_engine = (engine + 1) % self.config.engines
         loop = asyncio.get_running_loop()
@@ -295,7 +347,7 @@ class VllmSim:
             raise
         except asyncio.CancelledError:  # the client went away (or the server is stopping)
             self.aborted += 1
-            self.metrics.success.labels(self.config.model, str(engine), "abort").inc()
+            self.metrics.aborted(engine)
             raise
         finally:
             if admitted is not None:
@@ -311,6 +363,7 @@ class VllmSim:
         lim = self.limiter
         return {
             "model": self.config.model,
+            "flavor": self.config.flavor,
             "capacity": lim.capacity,
             "engines": self.config.engines,
             "running": lim.running,
@@ -327,6 +380,19 @@ class VllmSim:
 
 class _BadRequest(Exception):
     pass
+
+
+class Overloaded(Exception):
+    """TGI/TEI's concurrency limit is reached: the request is refused with 429."""
+
+
+def _overloaded(flavor: str) -> Response:
+    """The 429 body of TGI (``ErrorResponse``) or TEI's OpenAI route (``OpenAICompatError``)."""
+    if flavor == "tei":
+        body: dict[str, Any] = {"message": "Model is overloaded", "code": 429, "type": "Overloaded"}
+    else:
+        body = {"error": "Model is overloaded", "error_type": "overloaded"}
+    return json_response(body, 429)
 
 
 def _count_tokens(value: Any) -> int:
@@ -406,6 +472,8 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
                 )
             except QueueFull as exc:
                 return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
+            except Overloaded:
+                return _overloaded(cfg.flavor)
             if not finished:
                 return Response(status_code=499)  # the client is gone; nobody reads this
             return json_response(_openai_body(kind, cfg, body, prompt, gen, reason))
@@ -425,13 +493,30 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
         }
         return json_response({"object": "list", "data": [card]})
 
+    extra: list[Route] = []
+    if isinstance(sim.metrics, TrtllmExposition):  # trtllm-serve's /metrics is JSON
+
+        async def iteration_stats(request: Request) -> Response:
+            assert isinstance(sim.metrics, TrtllmExposition)
+            body = sim.metrics.iteration_stats(sim.limiter)
+            return Response(body, media_type="application/json")
+
+        extra.append(Route("/metrics", iteration_stats, methods=["GET"]))
+
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
             Route("/v1/completions", endpoint("completion"), methods=["POST"]),
             Route("/v1/embeddings", endpoint("embedding"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
-            *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
+            *extra,
+            *common_routes(
+                sim.limiter,
+                sim.stats,
+                lambda: sim.metrics.render(sim.limiter),
+                metrics_path=cfg.metrics_path,
+                metrics_type=sim.metrics.content_type,
+            ),
         ]
     )
     app.state.sim = sim
@@ -560,6 +645,28 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="emit the pre-2026 set: no vllm:num_requests_waiting_by_reason and "
         "vllm:gpu_cache_usage_perc instead of vllm:kv_cache_usage_perc",
+    )
+    p.add_argument(
+        "--flavor",
+        choices=list(FLAVORS),
+        default="vllm",
+        help="whose /metrics to expose, at that server's path: vllm (/metrics), sglang, tgi, tei, "
+        "llamacpp (/metrics), trtllm (/prometheus/metrics; /metrics is JSON), nim (/v1/metrics) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="serve no Prometheus metrics (as a server started without them: 404)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tgi/tei only: answer 429 once N requests are in flight, running or queued "
+        "(default: the server's, 128 for tgi, 512 for tei)",
     )
     p.add_argument(
         "--seed", type=int, default=None, help="seed of the service time sampler (default: random)"

@@ -1,0 +1,261 @@
+"""One adapter per model-server kind: which gauges mean "in flight" and "waiting", where they live.
+
+An adapter is data (:class:`GaugeAdapter`) plus one pure reading rule, :meth:`GaugeAdapter.read`:
+
+* samples are matched by exact **sample** name (``vllm:num_requests_waiting`` is a prefix of
+  ``..._by_reason``; prometheus_client strips ``_total`` from counter *families*);
+* the model filter uses the kind's model label (``model_name``); kinds without one (TGI, TEI,
+  llama.cpp serve one model per process) count every sample;
+* series are **summed** over engines, data-parallel ranks and replicas, but series that differ
+  only in a *shard* label (SGLang's ``tp_rank``/``pp_rank``: every rank of one replica may report
+  the same batch; a ``pid`` of prometheus_client's multiprocess mode) are the same requests, so
+  the **maximum** of those is taken first;
+* a metric that is absent, or a model that is not in the text, is **unknown** (None), never 0;
+  NaN, infinite or negative values are refused and named in ``error``.
+
+Names and paths are each server's own; ``docs/servers.md`` cites the source file of every one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from fleetgate.errors import ConfigError
+
+from .promtext import Sample, sample_names_present, select_samples
+from .signal_struct import Signals
+
+__all__ = [
+    "ADAPTERS",
+    "AUTO",
+    "DETECTION_ORDER",
+    "GaugeAdapter",
+    "detect_kind",
+    "get_adapter",
+    "validate_server",
+]
+
+AUTO = "auto"
+
+
+@dataclass
+class _Acc:
+    """Sum (or max) of the finite, non-negative values of one metric; ``bad`` if any was not."""
+
+    use_max: bool = False
+    total: float = 0.0
+    seen: bool = False
+    bad: str | None = None
+
+    def refuse(self, what: str, value: float) -> None:
+        self.bad = self.bad or f"{what} has invalid value {value!r}"
+
+    def add(self, what: str, value: float) -> None:
+        self.total = max(self.total, value) if self.use_max else self.total + value
+        self.seen = True
+        if not math.isfinite(self.total):
+            self.bad = self.bad or f"{what} sums to {self.total!r}"
+
+    def value(self) -> float | None:
+        return self.total if self.seen and self.bad is None else None
+
+
+def _valid(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+@dataclass(frozen=True)
+class GaugeAdapter:
+    """The gauges of one server kind.
+
+    ``running`` is the in-flight gauge (None: the server exports none, e.g. TEI). ``waiting``
+    counts every queued request; ``capacity`` is ``(metric, label, value)`` of a gauge that counts
+    only requests waiting for lack of capacity -- when the text has no such sample for the model,
+    ``waiting`` stands in for it (errs towards "saturated"). ``kv_usage`` lists fraction gauges
+    (1 = full) in order of preference. ``metrics_path`` is where the server serves the text.
+    """
+
+    server: str
+    running: str | None
+    waiting: str
+    capacity: tuple[str, str, str] | None = None
+    kv_usage: tuple[str, ...] = ()
+    model_label: str | None = "model_name"
+    shard_labels: frozenset[str] = frozenset()
+    metrics_path: str = "/metrics"
+    _wanted: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        names = {self.waiting, *self.kv_usage}
+        if self.running is not None:
+            names.add(self.running)
+        if self.capacity is not None:
+            names.add(self.capacity[0])
+        object.__setattr__(self, "_wanted", frozenset(names))
+
+    @property
+    def wanted(self) -> frozenset[str]:
+        """Every sample name this adapter reads."""
+        return self._wanted
+
+    def parse(self, text: str, model_name: str | None) -> Signals:
+        """Signals for ``model_name`` (None = every model in the text)."""
+        return self.read(text, model_name)[0]
+
+    def read(
+        self, text: str, model_name: str | None, prefer: str | None = None
+    ) -> tuple[Signals, str | None]:
+        """Signals and the model label value they were filtered by (None = all models).
+
+        With no ``model_name``, ``prefer`` (the gate's name) is used as the filter when some
+        wanted sample carries that model label value; otherwise every model is summed.
+        """
+        try:
+            samples = select_samples(text, self._wanted)
+        # The parser is third-party code fed untrusted text; whatever it raises, the answer is
+        # "unknown" with the reason kept, never a crashed poll loop.
+        except Exception as exc:
+            return Signals.failure(f"unparseable metrics: {type(exc).__name__}: {exc}"), None
+        label = self.model_label
+        model = model_name if label is not None else None
+        if model is None and prefer is not None and label is not None:
+            if any(s.labels.get(label) == prefer for s in samples):
+                model = prefer
+        if model is not None and label is not None:
+            samples = [s for s in samples if s.labels.get(label) == model]
+        return self._signals(samples), model
+
+    def _key(self, s: Sample) -> str | None:
+        """Which accumulator a sample feeds (None: not ours, e.g. ``reason="deferred"``)."""
+        if self.capacity is not None and s.name == self.capacity[0]:
+            metric, label, value = self.capacity
+            return f"{metric}{{{label}={value!r}}}" if s.labels.get(label) == value else None
+        return s.name
+
+    def _signals(self, samples: list[Sample]) -> Signals:
+        accs: dict[str, _Acc] = {}
+        # Cells: one value per (metric, series without its shard labels). Shards of one series
+        # count once (their maximum); different series are summed.
+        cells: dict[tuple[str, tuple[tuple[str, str], ...] | int], float] = {}
+        shard = self.shard_labels
+        for i, s in enumerate(samples):
+            key = self._key(s)
+            if key is None:
+                continue
+            acc = accs.get(key)
+            if acc is None:
+                acc = accs[key] = _Acc(use_max=key in self.kv_usage)
+            if not _valid(s.value):
+                acc.refuse(key, s.value)
+                continue
+            series: tuple[tuple[str, str], ...] | int = (
+                tuple(sorted((k, v) for k, v in s.labels.items() if k not in shard)) if shard else i
+            )
+            cell = (key, series)
+            previous = cells.get(cell)
+            cells[cell] = s.value if previous is None else max(previous, s.value)
+        for (key, _), value in cells.items():
+            accs[key].add(key, value)
+
+        def get(name: str | None) -> _Acc:
+            return accs.get(name, _Acc()) if name is not None else _Acc()
+
+        waiting = get(self.waiting)
+        cap = waiting
+        if self.capacity is not None:
+            metric, label, reason = self.capacity
+            by_reason = accs.get(f"{metric}{{{label}={reason!r}}}")
+            if by_reason is not None and (by_reason.seen or by_reason.bad):
+                cap = by_reason
+        kv = next((accs[n] for n in self.kv_usage if n in accs), _Acc())
+        running = get(self.running)
+        errors = [a.bad for a in (running, cap, waiting, kv) if a.bad]
+        return Signals(
+            running=running.value(),
+            waiting=waiting.value(),
+            waiting_capacity=cap.value(),
+            kv_cache_usage=kv.value(),
+            # Only the signals the controller acts on decide ``ok``; a broken KV gauge must not
+            # stall adaptation. Every invalid value is still named in ``error``.
+            ok=running.bad is None and cap.bad is None,
+            error="; ".join(dict.fromkeys(errors)) or None,
+        )
+
+
+VLLM = GaugeAdapter(
+    server="vllm",
+    running="vllm:num_requests_running",
+    waiting="vllm:num_requests_waiting",
+    capacity=("vllm:num_requests_waiting_by_reason", "reason", "capacity"),
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+)
+SGLANG = GaugeAdapter(
+    server="sglang",
+    running="sglang:num_running_reqs",
+    waiting="sglang:num_queue_reqs",
+    kv_usage=("sglang:token_usage",),
+    shard_labels=frozenset({"tp_rank", "pp_rank", "pid"}),
+)
+TGI = GaugeAdapter(
+    server="tgi", running="tgi_batch_current_size", waiting="tgi_queue_size", model_label=None
+)
+TEI = GaugeAdapter(server="tei", running=None, waiting="te_queue_size", model_label=None)
+LLAMACPP = GaugeAdapter(
+    server="llamacpp",
+    running="llamacpp:requests_processing",
+    waiting="llamacpp:requests_deferred",
+    model_label=None,
+)
+TRTLLM = GaugeAdapter(
+    server="trtllm",
+    running="trtllm_num_requests_running",
+    waiting="trtllm_num_requests_waiting",
+    kv_usage=("trtllm_kv_cache_utilization",),
+    shard_labels=frozenset({"pid"}),
+    metrics_path="/prometheus/metrics",
+)
+NIM = GaugeAdapter(
+    server="nim",
+    running="num_requests_running",
+    waiting="num_requests_waiting",
+    kv_usage=("gpu_cache_usage_perc",),
+    metrics_path="/v1/metrics",
+)
+
+#: Adapters by ``server`` kind (the gate config's ``server`` key).
+ADAPTERS: Mapping[str, GaugeAdapter] = MappingProxyType(
+    {a.server: a for a in (VLLM, SGLANG, TGI, TEI, LLAMACPP, TRTLLM, NIM)}
+)
+#: Detection tries the kinds in this order; NIM's unprefixed names come last.
+DETECTION_ORDER: tuple[str, ...] = ("vllm", "sglang", "trtllm", "tgi", "tei", "llamacpp", "nim")
+_MARKERS = frozenset(n for a in ADAPTERS.values() for n in (a.running, a.waiting) if n)
+
+
+def validate_server(server: str) -> str:
+    """``server`` if it is ``"auto"`` or a known kind, else ConfigError listing them."""
+    if server == AUTO or server in ADAPTERS:
+        return server
+    known = ", ".join([AUTO, *sorted(ADAPTERS)])
+    raise ConfigError(f"unknown server kind {server!r} (known: {known})")
+
+
+def get_adapter(server: str) -> GaugeAdapter:
+    """The adapter for ``server``, or ConfigError listing the known kinds."""
+    try:
+        return ADAPTERS[server]
+    except KeyError:
+        known = ", ".join(sorted(ADAPTERS))
+        raise ConfigError(f"unknown server kind {server!r} (known: {known})") from None
+
+
+def detect_kind(text: str) -> str | None:
+    """The server kind whose in-flight or waiting gauge has a sample in ``text``, or None."""
+    present = sample_names_present(text, _MARKERS)
+    for kind in DETECTION_ORDER:
+        adapter = ADAPTERS[kind]
+        if adapter.waiting in present or (adapter.running in present):
+            return kind
+    return None

@@ -1,0 +1,43 @@
+"""The :class:`Signals` struct: what one gate's model server(s) report in one poll."""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["Signals"]
+
+
+class Signals(msgspec.Struct, frozen=True):
+    """What one gate's model server(s) report. ``None`` = unknown, never "zero".
+
+    ``waiting_capacity`` is the saturation signal: requests the engine could not schedule for lack
+    of capacity (vLLM's ``num_requests_waiting_by_reason{reason="capacity"}``, or all waiting
+    requests on servers without that gauge). ``kv_cache_usage`` is a fraction (1 = full), the
+    maximum over engines and replicas. ``ok`` is False when a scrape failed or ``running`` /
+    ``waiting_capacity`` had an invalid value (NaN, infinite, negative); ``error`` names every
+    failure and invalid value, also of the other two fields (which are then None).
+
+    ``server`` is the server kind whose adapter read the text (``"vllm"``, ``"tei"``, ...), set
+    by the coordinator's metrics source (None when unknown, e.g. nothing was recognised yet).
+    A kind without an in-flight gauge (TEI) always reports ``running`` None.
+    """
+
+    running: float | None = None
+    waiting_capacity: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    ok: bool = True
+    error: str | None = None
+    server: str | None = None
+
+    @classmethod
+    def failure(cls, error: str) -> Signals:
+        """A failed observation: everything unknown."""
+        return cls(ok=False, error=error)
+
+    @property
+    def saturated(self) -> bool | None:
+        """True when requests wait for capacity, False when none do, None when unknown."""
+        if self.waiting_capacity is None:
+            return None
+        return self.waiting_capacity > 0

@@ -1,0 +1,135 @@
+"""The real coordinator against every simulator flavour: detected, read and acted on.
+
+Each test starts ``fleetgate sim vllm --flavor X`` in-process, points one gate at its OpenAI base
+URL with ``server = "auto"`` (so detection has to find the right path: ``/metrics``,
+``trtllm-serve``'s ``/prometheus/metrics`` behind a JSON ``/metrics``, NIM's ``/v1/metrics``),
+drives load through fleetgate permits into the simulator, and waits for a target the coordinator
+published from that flavour's signals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
+
+from fleetgate.client import Fleet
+from fleetgate.coordinator.config import Config
+from fleetgate.keys import GateKeys
+from fleetgate.sim import serve_in_thread
+from fleetgate.sim.flavors import FLAVORS
+from fleetgate.sim.vllm import VllmSimConfig, build_app
+
+from .conftest import RedisUnderTest
+from .test_coordinator import POLL, eventually, running
+
+MODEL = "sim-model"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+
+
+def _config(rut: RedisUnderTest, base_url: str, server: str = "auto") -> Config:
+    return Config.from_toml_text(
+        f"""
+[redis]
+url = "{rut.url}"
+prefix = "{rut.prefix}"
+[coordinator]
+poll_interval = {POLL}
+poll_jitter = 0.0
+leader_ttl = 2.0
+metrics_listen = "127.0.0.1:0"
+scrape_timeout = 0.25
+[[gates]]
+name = "{MODEL}"
+base_url = "{base_url}/v1"
+server = "{server}"
+floor = 2
+ceiling = 64
+""",
+        env={},
+    )
+
+
+@contextlib.asynccontextmanager
+async def _load(rut: RedisUnderTest, url: str, workers: int) -> AsyncIterator[list[int]]:
+    """``workers`` loops of permit -> POST to the simulator; yields the status codes seen."""
+    statuses: list[int] = []
+    stop = asyncio.Event()
+    async with (
+        Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet,
+        httpx.AsyncClient(base_url=url, timeout=10) as http,
+    ):
+        gate = fleet.gate(MODEL)
+
+        async def worker() -> None:
+            while not stop.is_set():
+                async with gate.permit(deadline=30):
+                    resp = await http.post("/v1/chat/completions", json=CHAT)
+                    statuses.append(resp.status_code)
+
+        tasks = [asyncio.create_task(worker()) for _ in range(workers)]
+        try:
+            yield statuses
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+async def test_coordinator_publishes_from_each_flavour(
+    rut: RedisUnderTest, async_redis: aredis.Redis, flavor: str
+) -> None:
+    keys = GateKeys.of(rut.prefix, MODEL)
+    sim = VllmSimConfig(flavor=flavor, model=MODEL, capacity=6, service_ms=60)
+    with serve_in_thread(build_app(sim)) as served:
+        async with running(_config(rut, served.url)), _load(rut, served.url, 12):
+            # Slow start from the floor on near-full load: a target from this flavour's signals.
+            await eventually(lambda: async_redis.exists(keys.target), 10, "a published target")
+            await eventually(
+                lambda: _util_is(async_redis, keys, server=flavor, metrics_ok="1"),
+                5,
+                f"a snapshot read by the {flavor} adapter",
+            )
+            util = await async_redis.hgetall(keys.util)
+            assert util["reason"] in {"slow_start", "increase", "decrease", "hold_idle", "clamp"}
+            if flavor == "tei":
+                assert util["running"] == ""  # TEI exports no in-flight gauge: unknown
+            else:
+                assert util["running"] != ""
+            assert util["waiting_capacity"] != ""
+
+
+async def test_saturated_flavour_backs_off(rut: RedisUnderTest, async_redis: aredis.Redis) -> None:
+    """llama.cpp with 2 slots and 16 callers: requests are deferred, so the target comes down."""
+    keys = GateKeys.of(rut.prefix, MODEL)
+    sim = VllmSimConfig(flavor="llamacpp", model=MODEL, capacity=2, service_ms=80)
+    with serve_in_thread(build_app(sim)) as served:
+        async with running(_config(rut, served.url, server="llamacpp")), _load(rut, served.url, 16):
+            await eventually(
+                lambda: _util_is(async_redis, keys, reason="decrease", saturated="1"),
+                10,
+                "a decrease on deferred requests",
+            )
+
+
+async def test_no_metrics_is_unknown_and_named(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    keys = GateKeys.of(rut.prefix, MODEL)
+    with serve_in_thread(build_app(VllmSimConfig(flavor="sglang", metrics=False))) as served:
+        async with running(_config(rut, served.url)):
+            await eventually(lambda: async_redis.exists(keys.util), 5, "a snapshot")
+            util = await async_redis.hgetall(keys.util)
+            assert util["metrics_ok"] == "0" and util["server"] == ""
+            assert "server kind not detected" in util["error"] and "HTTP 404" in util["error"]
+            assert not await async_redis.exists(keys.target)
+
+
+async def _util_is(r: aredis.Redis, keys: GateKeys, **want: str) -> bool:
+    util = await r.hgetall(keys.util)
+    return all(util.get(k) == v for k, v in want.items())
