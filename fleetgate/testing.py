@@ -12,9 +12,14 @@
 
 The fleet is a real :class:`fleetgate.client.Fleet`: the same client code and the same Lua
 scripts, run by fakeredis' Lua interpreter (``lupa``) on an in-memory server instead of a
-``redis-server``. It models one Redis server seen by the fibres of this process; it does not
+``redis-server``. It models one Redis server seen by the tasks of one event loop; it does not
 model several processes, a fake clock, outages or Redis Cluster (see the README, "Testing your
 code with fleetgate.testing").
+
+* :func:`fake_fleet` -- a started ``Fleet``; :func:`fake_sync_fleet` -- a started ``SyncFleet``;
+* :func:`fake_default_fleet` -- the seed-compatible functions (``map_concurrent``, ...) on one;
+* :func:`set_target` -- publish a target as the coordinator would;
+* :func:`fake_redis_options` -- the ``redis_options`` behind them, to build a ``Fleet`` yourself.
 
 Needs the ``testing`` extra: ``pip install 'fleetgate[testing]'`` (fakeredis and lupa).
 
@@ -185,4 +190,5 @@ async def set_target(fleet: Fleet, name: str, value: int, *, ttl: float = 60.0) 
     epoch = int(float(snap.target.get("epoch") or 1))
     cfg = {} if snap.cfg else dataclasses.asdict(gate.defaults)
     await fleet.scripts.publish(gate.keys, epoch, int(ttl * 1000), value, cfg, {})
-    return (await fleet.scripts.inspect(gate.keys, n=0)).limit
+    limit: int = (await fleet.scripts.inspect(gate.keys, n=0)).limit
+    return limit

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -322,3 +323,15 @@ def test_default_fleet_runs_the_seed_functions(monkeypatch: pytest.MonkeyPatch) 
         util = get_utilization("bge-m3")
         assert (util["current_target"], util["in_flight"], util["queued"]) == (2, 0, 0)
     assert _compat._fleet is None  # the next call outside builds a real default fleet
+
+
+def test_readme_example_runs() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Testing your code with `fleetgate.testing`", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {"__name__": "readme_example"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    tests = [fn for name, fn in namespace.items() if name.startswith("test_")]
+    assert len(tests) == 2
+    for fn in tests:
+        fn()
