@@ -12,7 +12,7 @@
 
 The fleet is a real :class:`fleetgate.client.Fleet`: the same client code and the same Lua
 scripts, run by fakeredis' Lua interpreter (``lupa``) on an in-memory server instead of a
-``redis-server``. It models one Redis server seen by the tasks of one event loop; it does not
+``redis-server``. It models one Redis server shared by the fleets of one process; it does not
 model several processes, a fake clock, outages or Redis Cluster (see the README, "Testing your
 code with fleetgate.testing").
 
@@ -119,9 +119,9 @@ def fake_sync_fleet(
 ) -> Iterator[SyncFleet]:
     """A started :class:`~fleetgate.client.SyncFleet` on an in-memory fakeredis server.
 
-    The blocking twin of :func:`fake_fleet` (same arguments): the fleet runs on the sync face's
-    own event-loop thread, so a ``server`` shared with it must not be used by another event loop
-    at the same time (a blocking pop waits on that loop).
+    The blocking twin of :func:`fake_fleet` (same arguments); its fleet runs on the sync face's
+    own event-loop thread. A ``server`` may be shared with fake fleets of other event loops of
+    this process (a grant on one wakes a caller parked on another).
     """
     srv = FakeServer() if server is None else server
     with SyncFleet(FAKE_URL, **_fleet_kwargs(srv, fleet_kwargs)) as fleet:

@@ -250,6 +250,20 @@ async def test_two_fleets_on_one_server_share_the_limit() -> None:
         assert (await pod_a.utilization("shared")).live_pods == 2
 
 
+async def test_sync_and_async_fleets_share_a_server() -> None:
+    server = FakeServer()
+    async with fake_fleet(server=server, heartbeat_interval=30.0) as pod_a:
+        with fake_sync_fleet(server=server, heartbeat_interval=30.0) as pod_b:
+            a, b = pod_a.gate("x", floor=1), pod_b.gate("x", floor=1)
+            held = await a.acquire()
+            parked = asyncio.ensure_future(asyncio.to_thread(b.acquire, 5.0))
+            await asyncio.sleep(0.1)
+            await held.release()  # hands off to the other loop's parked caller
+            lease = await asyncio.wait_for(parked, 2.0)
+            assert (await pod_a.utilization("x")).in_flight == 1
+            await asyncio.to_thread(b.release, lease)
+
+
 async def test_fake_fleets_are_isolated_by_default() -> None:
     async with fake_fleet() as one, fake_fleet() as two:
         async with one.gate("iso", floor=1).permit():
