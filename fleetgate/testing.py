@@ -103,9 +103,9 @@ async def fake_fleet(
 
     ``async with fake_fleet(pod_id="test") as fleet:`` -- the keyword arguments are those of
     ``Fleet`` except the URL. ``server`` (a :class:`fakeredis.FakeServer`) shares one in-memory
-    Redis between several fake fleets of this event loop, say to play two pods whose permits
-    count against one limit; by default each fake fleet gets a server of its own, empty. The
-    fleet is closed (waiters failed, leases released) when the block exits.
+    Redis between several fake fleets (async or sync) of this process, say to play two pods
+    whose permits count against one limit; by default each fake fleet gets a server of its
+    own, empty. The fleet is closed (waiters failed, leases released) when the block exits.
     """
     srv = FakeServer() if server is None else server
     fleet = Fleet(FAKE_URL, **_fleet_kwargs(srv, fleet_kwargs))
