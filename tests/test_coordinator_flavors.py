@@ -127,7 +127,7 @@ async def test_no_metrics_is_unknown_and_named(
             util = await async_redis.hgetall(keys.util)
             assert util["metrics_ok"] == "0" and util["server"] == ""
             assert "server kind not detected" in util["error"] and "HTTP 404" in util["error"]
-            assert not await async_redis.exists(keys.target)
+            assert await async_redis.hget(keys.target, "value") is None  # no target published
 
 
 async def _util_is(r: aredis.Redis, keys: GateKeys, **want: str) -> bool:
