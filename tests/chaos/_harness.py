@@ -66,6 +66,13 @@ __all__ = [
 # -- small helpers ------------------------------------------------------------------------------
 
 
+def owned_by(lease_id: str, pod: str) -> bool:
+    """Whether ``lease_id`` belongs to the worker labelled ``pod``: ids carry the fleet's
+    ``pod_key``, the label plus a per-process suffix (``<pod>-<hex>:<n>``)."""
+    owner = lease_id.rsplit(":", 1)[0]
+    return owner == pod or owner.startswith(pod + "-")
+
+
 def figure(record_property: Callable[[str, object], None] | None, name: str, value: object) -> None:
     """Print a measured figure (visible with ``pytest -s``) and attach it to the report."""
     print(f"[chaos] {name} = {value}", flush=True)
@@ -342,7 +349,7 @@ class LimitSampler:
         for smp in self.samples:
             if t0 <= smp.t <= t1:
                 for pod in pods:
-                    n = sum(1 for i in smp.ids if i.startswith(pod + ":"))
+                    n = sum(1 for i in smp.ids if owned_by(i, pod))
                     out[pod] = max(out[pod], n)
         return out
 

@@ -52,7 +52,7 @@ import redis
 from fleetgate.keys import GateKeys
 from fleetgate.redisproc import RedisProcess
 
-from ._harness import ROOT, Control, LimitSampler, Sim, WorkerProc, Workers, poll
+from ._harness import ROOT, Control, LimitSampler, Sim, WorkerProc, Workers, owned_by, poll
 
 __all__ = ["SoakConfig", "main", "run_soak"]
 
@@ -311,7 +311,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
             if any(w.why == "redis" for w in active):
                 continue  # an outage's allowance is a count (checked above), not per pod
             allowed_pods = {w.pod for w in active}
-            from_paused = sum(1 for tag in tags if tag.rsplit(":", 1)[0] in allowed_pods)
+            from_paused = sum(1 for tag in tags if any(owned_by(tag, p) for p in allowed_pods))
             if n - cfg.limit > from_paused:
                 unexplained.append((round(t - t_start, 3), n, sorted(tags)))
         errors: Counter[str] = Counter()
