@@ -67,12 +67,8 @@ for _ = 1, n_waiters do
     lost_waiters[#lost_waiters + 1] = id
   end
 end
-if #adopted > 0 then
-  redis.call('HINCRBY', K_STATS, 'adopted', #adopted)
-  raise_seq(max_token)
-elseif max_token > 0 then
-  raise_seq(max_token)
-end
+if #adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #adopted) end
+raise_seq(max_token)
 
 local pod_new = 0
 if pod ~= '' then pod_new = redis.call('ZADD', K_PODS, now + pod_ttl, pod) end

@@ -17,26 +17,7 @@ def hammer(url: str, prefix: str, gate: str, tasks: int, hold_s: float, probe: s
 
     The probe is a plain Redis counter outside fleetgate: INCR on entry, DECR on exit.
     """
-
-    async def main() -> int:
-        peak = 0
-        probe_client = redis.asyncio.Redis.from_url(url)
-        async with Fleet(url, prefix=prefix, registry=CollectorRegistry()) as fleet:
-            g = fleet.gate(gate, floor=4)
-
-            async def one() -> None:
-                nonlocal peak
-                async with g.permit(deadline=60):
-                    now = await probe_client.incr(probe)
-                    peak = max(peak, now)
-                    await asyncio.sleep(hold_s)
-                    await probe_client.decr(probe)
-
-            await asyncio.gather(*(one() for _ in range(tasks)))
-        await probe_client.aclose()
-        return peak
-
-    return asyncio.run(main())
+    return hammer_with(url, prefix, gate, probe_url=url, probe=probe, tasks=tasks, hold_s=hold_s)
 
 
 def park_and_record(url: str, prefix: str, gate: str, record: str, hold_s: float) -> None:

@@ -233,7 +233,9 @@ async def test_pod_resumes_after_redis_refused_writes(
         admin = aredis.Redis.from_url(own_redis.url)
         await admin.execute_command(*heal)
         await admin.aclose()
+        healed = time.monotonic()
         await _wait(lambda: not fleet.fallback_active, 5, "fleet mode resumes")
+        print(f"[fault] refused writes: fleet mode {time.monotonic() - healed:.2f} s after heal")
         assert await fleet.redis.zrange(gate.keys.holders, 0, -1) == [running.id]  # adopted
         async with gate.permit(deadline=5) as lease:
             assert not lease.local

@@ -197,17 +197,31 @@ def _histogram(
     return fam
 
 
-class SglangExposition(_Base):
-    """SGLang (``--enable-metrics``): scheduler gauges per DP rank, tokenizer counters."""
+class _FamiliesBase(_Base):
+    """A flavour rendered by prometheus_client: subclasses build the families from the limiter
+    of the scrape in progress."""
 
     def __init__(self, model: str, engines: int, capacity_hint: int) -> None:
         super().__init__(model, engines, capacity_hint)
         self._limiter: FifoLimiter | None = None
-        self._families = _Families(self._build)
+        self._families = _Families(lambda: self._build(self._current()))
 
-    def _build(self) -> Iterable[Metric]:
-        lim = self._limiter
-        assert lim is not None
+    def _current(self) -> FifoLimiter:
+        assert self._limiter is not None, "families are built only while rendering"
+        return self._limiter
+
+    def _build(self, lim: FifoLimiter) -> Iterable[Metric]:
+        raise NotImplementedError
+
+    def render(self, limiter: FifoLimiter) -> bytes:
+        self._limiter = limiter
+        return self._families.render()
+
+
+class SglangExposition(_FamiliesBase):
+    """SGLang (``--enable-metrics``): scheduler gauges per DP rank, tokenizer counters."""
+
+    def _build(self, lim: FifoLimiter) -> Iterable[Metric]:
         k = self.engines
         runs, waits, caps = split(lim.running, k), split(lim.waiting, k), split(lim.capacity, k)
         # Sorted label names, as the multiprocess collector writes them; dp_rank only with DP.
@@ -262,24 +276,16 @@ class SglangExposition(_Base):
             ),
         ]
 
-    def render(self, limiter: FifoLimiter) -> bytes:
-        self._limiter = limiter
-        return self._families.render()
 
-
-class TrtllmExposition(_Base):
+class TrtllmExposition(_FamiliesBase):
     """``trtllm-serve`` with ``return_perf_metrics``: multiprocess gauges with a ``pid`` label."""
 
     def __init__(self, model: str, engines: int, capacity_hint: int) -> None:
         super().__init__(model, engines, capacity_hint)
-        self._limiter: FifoLimiter | None = None
-        self._families = _Families(self._build)
         self.pid = str(os.getpid())
         self.iteration = 0
 
-    def _build(self) -> Iterable[Metric]:
-        lim = self._limiter
-        assert lim is not None
+    def _build(self, lim: FifoLimiter) -> Iterable[Metric]:
         names = ["engine_type", "model_name", "pid"]  # sorted, pid appended by the collector
         lv = ["undefined", "undefined", self.pid]
         usage = min(1.0, lim.running / lim.capacity) if lim.capacity else 0.0
@@ -328,9 +334,8 @@ class TrtllmExposition(_Base):
         ]
 
     def render(self, limiter: FifoLimiter) -> bytes:
-        self._limiter = limiter
         self.iteration += 1
-        return self._families.render()
+        return super().render(limiter)
 
     def iteration_stats(self, limiter: FifoLimiter) -> bytes:
         """The JSON ``/metrics`` of ``trtllm-serve``: a list of iteration-stats objects."""
@@ -349,17 +354,10 @@ class TrtllmExposition(_Base):
         return msgspec.json.encode([stats])
 
 
-class NimExposition(_Base):
+class NimExposition(_FamiliesBase):
     """NIM for LLMs at ``/v1/metrics``: vLLM-style names without the ``vllm:`` prefix."""
 
-    def __init__(self, model: str, engines: int, capacity_hint: int) -> None:
-        super().__init__(model, engines, capacity_hint)
-        self._limiter: FifoLimiter | None = None
-        self._families = _Families(self._build)
-
-    def _build(self) -> Iterable[Metric]:
-        lim = self._limiter
-        assert lim is not None
+    def _build(self, lim: FifoLimiter) -> Iterable[Metric]:
         lb, lv = ["model_name"], [self.model]
         usage = min(1.0, lim.running / lim.capacity) if lim.capacity else 0.0
         return [
@@ -407,10 +405,6 @@ class NimExposition(_Base):
                 self.c.e2e,
             ),
         ]
-
-    def render(self, limiter: FifoLimiter) -> bytes:
-        self._limiter = limiter
-        return self._families.render()
 
 
 # ----------------------------------------------------------------- hand-formatted expositions
