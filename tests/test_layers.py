@@ -26,6 +26,7 @@ The layers, bottom up:
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -72,11 +73,13 @@ def layer_of(module: str) -> str:
 def package_dirs() -> dict[str, Path]:
     """pyproject's ``[tool.setuptools] package-dir``: top package name -> directory."""
     text = (ROOT / "pyproject.toml").read_text()
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
-    mapping = tomllib.loads(text)["tool"]["setuptools"]["package-dir"]
+
+        data = tomllib.loads(text)
+    else:
+        data = pytest.importorskip("tomli").loads(text)
+    mapping: dict[str, str] = data["tool"]["setuptools"]["package-dir"]
     return {name: ROOT / path for name, path in mapping.items()}
 
 
