@@ -59,7 +59,7 @@ __all__ = [
     "run",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("fleetgate.tools.load")  # not __name__: __main__ under -m
 
 SPEC_ENV = "FLEETGATE_LOAD_SPEC"
 SHUTDOWN_TIMEOUT = 5.0
