@@ -19,7 +19,7 @@ from typing import Any
 import redis
 
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess
+from fleetgate.tools.redisproc import RedisProcess
 
 PREFIX = "fgb"
 

@@ -2,7 +2,7 @@
 
 4 spawned worker processes share R requests (full 1000, quick 200), each a findAndRerank-like
 request of 10 rerank calls, all fired at one instant at the reranker simulator run as its own OS
-process (``python -m fleetgate.sim.rerank --concurrency 32 --queue-size 64
+process (``python -m fleetgate.tools.sim.rerank --concurrency 32 --queue-size 64
 --request-timeout-ms 5000 --base-ms 20 --per-passage-ms 0``). Three modes, no retries anywhere:
 
 * ``none``: no gate at all (each worker's httpx pool of 64 connections is the only bound);
@@ -86,9 +86,9 @@ class SimProcess:
 
 @contextlib.contextmanager
 def sim_process(module: str, *args: str) -> Iterator[SimProcess]:
-    """``python -m fleetgate.sim.<module> --port P <args>`` until the block ends."""
+    """``python -m fleetgate.tools.sim.<module> --port P <args>`` until the block ends."""
     port = free_port()
-    cmd = [sys.executable, "-m", f"fleetgate.sim.{module}", "--port", str(port)]
+    cmd = [sys.executable, "-m", f"fleetgate.tools.sim.{module}", "--port", str(port)]
     cmd += ["--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
-from fleetgate.redisproc import free_port
+from fleetgate.tools.redisproc import free_port
 
 from ._common import Headline, Options, figure, log, percentiles, save, table
 from ._server import PREFIX, private_redis

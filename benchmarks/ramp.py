@@ -1,6 +1,6 @@
 """ramp: the adaptive gate against a vLLM simulator, from the floor to the capacity and back.
 
-A vLLM simulator runs as its own process (``python -m fleetgate.sim.vllm --capacity 256
+A vLLM simulator runs as its own process (``python -m fleetgate.tools.sim.vllm --capacity 256
 --service-ms 1000``); 2 spawned worker processes x 200 closed-loop tasks do ``gate.permit()`` +
 ``POST /v1/completions`` for the whole run (400 concurrent callers: always more demand than
 capacity). One set of workers serves every phase; the parent changes only the gate:

@@ -1,10 +1,18 @@
-"""The ``fleetgate`` command line.
+"""The ``fleetgate`` command line: one parser, one function per subcommand, the exit codes.
 
     fleetgate coordinator --config FILE     run the coordinator daemon (leader or standby)
     fleetgate status [--json] [--watch]     leader, epoch and one line per gate
     fleetgate inspect GATE                  holders, head waiters, config and counters of a gate
     fleetgate check                         health check: exit 0 if Redis is usable
     fleetgate sim vllm|rerank ...           model-server simulators for tests, demo, compose
+    fleetgate worker ...                    the load generator (docker-compose's workers)
+    fleetgate demo ...                      the README's demo
+
+This module is the application layer on top of everything else, the one place in
+``fleetgate/`` allowed to import the coordinator, the demo and the tools (``tests/
+test_layers.py`` says so); it imports each lazily, inside the subcommand that runs it, so
+``fleetgate status`` never loads the coordinator and ``fleetgate coordinator`` never loads the
+simulators. The read-only commands themselves are core (:mod:`fleetgate.commands`).
 
 The library only names its loggers; logging is configured here (``-v``, ``--log-config``).
 """
@@ -17,19 +25,16 @@ import logging
 import logging.config
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-import msgspec
 from redis.exceptions import RedisError
 
 from fleetgate import __version__
-from fleetgate._redis import connect, prepare, redact, scrub
 from fleetgate.errors import ConfigError, FleetgateError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "resolve_redis"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2  # as in fleetgate.commands
 
 
 def _redis_options(p: argparse.ArgumentParser) -> None:
@@ -55,14 +60,7 @@ def _logging_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fleetgate",
-        description="Fleet-wide concurrency gates for model servers, coordinated through Redis.",
-    )
-    parser.add_argument("--version", action="version", version=f"fleetgate {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
+def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "coordinator",
         help="run the coordinator daemon",
@@ -74,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", metavar="ID", help="coordinator id (default: host-pid-random)")
     _logging_options(p)
 
+
+def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "status",
         help="leader, epoch and one line per gate",
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _logging_options(p)
 
+
+def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "inspect",
         help="one gate in detail",
@@ -108,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     _logging_options(p)
 
+
+def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "check",
         help="health check (exit code 0 if Redis is usable)",
@@ -119,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     _redis_options(p)
     _logging_options(p)
 
+
+def _add_passthrough(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """sim, worker, demo: their options belong to their own parsers (see :data:`PASSTHROUGH`);
+    these entries give them a line in ``fleetgate --help``."""
     p = sub.add_parser(
         "sim",
         help="run a model-server simulator",
@@ -144,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     p.add_argument("args", nargs=argparse.REMAINDER, help="demo options")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fleetgate`` argument parser (sim, worker and demo pass their options on)."""
+    parser = argparse.ArgumentParser(
+        prog="fleetgate",
+        description="Fleet-wide concurrency gates for model servers, coordinated through Redis.",
+    )
+    parser.add_argument("--version", action="version", version=f"fleetgate {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in (_add_coordinator, _add_status, _add_inspect, _add_check, _add_passthrough):
+        add(sub)
     return parser
 
 
@@ -173,122 +193,77 @@ def resolve_redis(args: argparse.Namespace) -> tuple[str, str]:
     return url, prefix
 
 
-async def _status(args: argparse.Namespace) -> int:
-    from fleetgate.status import format_status, gather_status
+def _coordinator(args: argparse.Namespace) -> int:
+    from fleetgate.coordinator.daemon import run_coordinator
+
+    return int(run_coordinator(args.config, coordinator_id=args.id))
+
+
+def _status(args: argparse.Namespace) -> int:
+    from fleetgate import commands
 
     url, prefix = resolve_redis(args)
-    client = connect(url)
-    await prepare(client)
-    try:
-        while True:
-            status = await gather_status(client, prefix)
-            if args.json:
-                sys.stdout.write(msgspec.json.encode(status).decode() + "\n")
-            else:
-                if args.watch:
-                    sys.stdout.write("\x1b[2J\x1b[H")
-                sys.stdout.write(format_status(status, time.time()) + "\n")
-            sys.stdout.flush()
-            if not args.watch:
-                return EXIT_OK
-            await asyncio.sleep(args.watch)
-    finally:
-        await client.aclose()
+    return asyncio.run(commands.status(url, prefix, as_json=args.json, watch=args.watch))
 
 
-async def _inspect(args: argparse.Namespace) -> int:
-    from fleetgate.keys import GateKeys
-    from fleetgate.scripts import GateScripts
+def _inspect(args: argparse.Namespace) -> int:
+    from fleetgate import commands
 
     url, prefix = resolve_redis(args)
-    client = connect(url)
-    try:
-        snap = await GateScripts(client).inspect(GateKeys.of(prefix, args.gate), args.n)
-    finally:
-        await client.aclose()
-    if args.json:
-        print(msgspec.json.encode(snap).decode())
-        return EXIT_OK
-    print(f"gate {args.gate}: limit {snap.limit} (floor {snap.floor}, ceiling {snap.ceiling})")
-    print(
-        f"  in-flight {snap.holders}, queued {snap.queued}/{snap.max_queued}, "
-        f"live pods {snap.live_pods}"
-    )
-    print(f"  cfg    {snap.cfg}")
-    print(f"  target {snap.target or '-'}")
-    print(f"  stats  {snap.stats}")
-    for h in snap.leases:
-        print(f"  holder {h.id}  expires in {h.expires_at - snap.now} ms")
-    for w in snap.head:
-        print(f"  waiter {w.id}  seq {w.token}")
-    return EXIT_OK
+    return asyncio.run(commands.inspect(url, prefix, args.gate, args.n, as_json=args.json))
 
 
-async def _check(args: argparse.Namespace) -> int:
-    """Redis reachable, version >= 6.2, noeviction, a primary, fleetgate's keys intact.
-
-    Exit 1 on any error-level finding (see :mod:`fleetgate.safety`); warnings (replicas
-    attached, a setting that could not be read) are printed but keep exit code 0.
-    """
-    from fleetgate.safety import find_bad_keys, inspect_redis, redis_version
+def _check(args: argparse.Namespace) -> int:
+    from fleetgate import commands
 
     url, prefix = resolve_redis(args)
-    shown = redact(url)
-    client = connect(url)
+    return asyncio.run(commands.check(url, prefix))
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "coordinator": _coordinator,
+    "status": _status,
+    "inspect": _inspect,
+    "check": _check,
+}
+
+
+def _worker(argv: list[str]) -> int:
+    from fleetgate.tools import load
+
+    return load.main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from fleetgate import demo
+
+    return demo.main(argv)
+
+
+def _sim(argv: list[str]) -> int | None:
+    if argv[:1] == ["vllm"]:
+        from fleetgate.tools.sim import vllm
+
+        return vllm.main(argv[1:])
+    if argv[:1] == ["rerank"]:
+        from fleetgate.tools.sim import rerank
+
+        return rerank.main(argv[1:])
+    return None  # no simulator named: the main parser explains
+
+
+# Commands whose options belong to another module's parser (so their --help is theirs).
+PASSTHROUGH: dict[str, Callable[[list[str]], int | None]] = {
+    "worker": _worker,
+    "demo": _demo,
+    "sim": _sim,
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run one parsed command; fleetgate's errors become one line and an exit code."""
     try:
-        await prepare(client)
-        await client.ping()
-        version = await redis_version(client)
-        findings = await inspect_redis(client)
-        findings += await find_bad_keys(client, prefix)
-    except Exception as exc:
-        # Anything redis-py raises; its text never holds the password, and scrub() makes sure.
-        print(
-            f"fleetgate check: Redis at {shown} unusable: {scrub(str(exc), url)}", file=sys.stderr
-        )
-        return EXIT_ERROR
-    finally:
-        await client.aclose()
-    for finding in findings:
-        print(f"fleetgate check: {finding.level.upper()}: {finding.message}", file=sys.stderr)
-    ok = not any(f.level == "error" for f in findings)
-    print(f"redis {version or '?'} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
-    return EXIT_OK if ok else EXIT_ERROR
-
-
-def _passthrough(argv: list[str]) -> int | None:
-    """Commands whose options belong to another module's parser (so their --help is theirs)."""
-    if argv[:1] == ["worker"]:
-        from fleetgate import worker
-
-        return worker.main(argv[1:])
-    if argv[:1] == ["demo"]:
-        from fleetgate import demo
-
-        return demo.main(argv[1:])
-    if argv[:1] == ["sim"] and argv[1:2] in (["vllm"], ["rerank"]):
-        if argv[1] == "vllm":
-            from fleetgate.sim import vllm as sim
-        else:
-            from fleetgate.sim import rerank as sim  # type: ignore[no-redef]
-        return sim.main(argv[2:])
-    return None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    code = _passthrough(argv)
-    if code is not None:
-        return code
-    args = build_parser().parse_args(argv)
-    _setup_logging(args)
-    try:
-        if args.command == "coordinator":
-            from fleetgate.coordinator.daemon import run_coordinator
-
-            return int(run_coordinator(args.config, coordinator_id=args.id))
-        handler = {"status": _status, "inspect": _inspect, "check": _check}[args.command]
-        return asyncio.run(handler(args))
+        return COMMANDS[args.command](args)
     except ConfigError as exc:
         print(f"fleetgate {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -301,6 +276,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One line, never a traceback; redis-py messages carry host and port, never passwords.
         print(f"fleetgate {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fleetgate``: parse ``argv`` (None = ``sys.argv[1:]``), run, return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough = PASSTHROUGH.get(argv[0]) if argv else None
+    code = passthrough(argv[1:]) if passthrough is not None else None
+    if code is not None:
+        return code
+    args = build_parser().parse_args(argv)
+    _setup_logging(args)
+    return _run(args)
 
 
 if __name__ == "__main__":

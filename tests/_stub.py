@@ -1,4 +1,4 @@
-"""A vLLM /metrics stub whose values the test sets (the full simulator lives in fleetgate.sim)."""
+"""A vLLM /metrics stub whose values the test sets (the simulator: fleetgate.tools.sim)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
-from fleetgate.redisproc import INSTALL_HINT, RedisClusterProcess, RedisProcess
+from fleetgate.tools.redisproc import INSTALL_HINT, RedisClusterProcess, RedisProcess
 
 
 @dataclass

@@ -12,8 +12,8 @@ from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.promtext import sample_names_present, select_samples
 from fleetgate.coordinator.sources import MetricsSource, candidate_urls
 from fleetgate.errors import ConfigError
-from fleetgate.sim import serve_in_thread
-from fleetgate.sim.vllm import VllmSimConfig, build_app
+from fleetgate.tools.sim import serve_in_thread
+from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
 
 SGLANG_TP = """\
 # HELP sglang:num_running_reqs The number of running requests.

@@ -31,9 +31,9 @@ from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.errors import ConfigError
 from fleetgate.keys import MAX_GATE_NAME_BYTES, GateKeys, validate_gate_name
-from fleetgate.redisproc import RedisProcess
 from fleetgate.safety import find_bad_keys
-from fleetgate.sim import serve_in_thread
+from fleetgate.tools.redisproc import RedisProcess
+from fleetgate.tools.sim import serve_in_thread
 
 from ._stub import StubValues, metrics_stub
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from fleetgate.sim import serve_in_thread
-from fleetgate.sim.rerank import RerankSimConfig, build_app
+from fleetgate.tools.sim import serve_in_thread
+from fleetgate.tools.sim.rerank import RerankSimConfig, build_app
 
 from . import _workers
 from .conftest import RedisUnderTest

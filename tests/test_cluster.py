@@ -14,9 +14,9 @@ from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisClusterProcess
 from fleetgate.scripts import GRANTED, PARKED, GateDefaults, GateScripts
 from fleetgate.status import gather_status
+from fleetgate.tools.redisproc import RedisClusterProcess
 
 from . import _workers
 from .conftest import RedisUnderTest

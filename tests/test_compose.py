@@ -148,7 +148,7 @@ def test_compose_workers_and_simulators_match_the_gates(rendered: dict[str, Any]
     replicas = (worker.get("deploy") or {}).get("replicas", worker.get("scale"))
     assert replicas == 2
     argv = _argv(worker)
-    assert argv[:3] == ["python", "-m", "fleetgate.worker"] or argv[0] == "worker", argv
+    assert argv[:3] == ["python", "-m", "fleetgate.tools.load"] or argv[0] == "worker", argv
     assert _option(argv, "--redis") == [config.redis.url]
     assert _option(argv, "--metrics-listen") == ["0.0.0.0:9100"]
     gates, urls = _option(argv, "--gate"), _option(argv, "--target-url")

@@ -16,7 +16,7 @@ from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import GateDefaults, GateScripts
-from fleetgate.sim import serve_in_thread
+from fleetgate.tools.sim import serve_in_thread
 
 from ._stub import StubValues, metrics_stub
 from .conftest import RedisUnderTest

@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry
 from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.keys import GateKeys
-from fleetgate.sim import serve_in_thread
-from fleetgate.sim.flavors import FLAVORS
-from fleetgate.sim.vllm import VllmSimConfig, build_app
+from fleetgate.tools.sim import serve_in_thread
+from fleetgate.tools.sim.flavors import FLAVORS
+from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
 
 from .conftest import RedisUnderTest
 from .test_coordinator import POLL, eventually, running

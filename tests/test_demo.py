@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import redis
 
-from fleetgate._demo_run import GATES, _config_toml
 from fleetgate.coordinator.config import Config
-from fleetgate.redisproc import INSTALL_HINT, RedisProcess
+from fleetgate.demo.processes import GATES, _config_toml
+from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess
 
 from .conftest import RedisUnderTest
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from fleetgate.keys import GateKeys
-from fleetgate.sim import serve_in_thread
+from fleetgate.tools.sim import serve_in_thread
 
 from ._stub import StubValues, metrics_stub
 from ._workers import wait_for

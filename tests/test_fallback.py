@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet, RedisUnavailable
-from fleetgate.redisproc import RedisProcess
+from fleetgate.tools.redisproc import RedisProcess
 
 
 async def _wait(predicate, timeout: float) -> None:  # type: ignore[no-untyped-def]

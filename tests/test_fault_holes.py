@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry
 from fleetgate._redis import ServerUnavailable, unavailable_reply
 from fleetgate.client import Fleet, GateStateError
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess
 from fleetgate.scripts import PARKED, GateDefaults, GateScripts
+from fleetgate.tools.redisproc import RedisProcess
 
 from . import _workers
 from .conftest import RedisUnderTest

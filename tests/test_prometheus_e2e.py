@@ -2,7 +2,7 @@
 
 Runs Debian's ``prometheus`` binary (``apt-get install prometheus``; its systemd service is not
 used) on a free loopback port with a 1 s scrape interval, a coordinator in-process (its own loop
-in a thread), a worker as a subprocess (``python -m fleetgate.worker``) and a vLLM simulator,
+in a thread), a worker as a subprocess (``python -m fleetgate.tools.load``) and a vLLM simulator,
 then asks Prometheus' HTTP API. Skips where the ``prometheus`` binary is absent.
 """
 
@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry
 
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
-from fleetgate.redisproc import free_port
-from fleetgate.sim import serve_in_thread, vllm
+from fleetgate.tools.redisproc import free_port
+from fleetgate.tools.sim import serve_in_thread, vllm
 
 from .conftest import RedisUnderTest
 
@@ -160,7 +160,7 @@ scrape_configs:
 """
         )
         worker_argv = [
-            sys.executable, "-m", "fleetgate.worker",
+            sys.executable, "-m", "fleetgate.tools.load",
             "--redis", rut.url, "--prefix", rut.prefix,
             "--gate", ADAPTIVE, "--target-url", sim.url, "--kind", "vllm",
             "--rate", "40", "--concurrency", "4",

@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry
 from fleetgate.coordinator import daemon
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
-from fleetgate.redisproc import RedisProcess
 from fleetgate.safety import check_redis, inspect_redis
+from fleetgate.tools.redisproc import RedisProcess
 
 
 def _cli_check(url: str) -> subprocess.CompletedProcess[str]:

@@ -24,8 +24,8 @@ from fleetgate.client import ConfigError, Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess
-from fleetgate.sim import serve_in_thread
+from fleetgate.tools.redisproc import RedisProcess
+from fleetgate.tools.sim import serve_in_thread
 
 from ._stub import StubValues, metrics_stub
 

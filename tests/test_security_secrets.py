@@ -24,7 +24,7 @@ from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.errors import ConfigError
-from fleetgate.redisproc import RedisProcess, free_port
+from fleetgate.tools.redisproc import RedisProcess, free_port
 
 SECRET = "SECRET-pw-7f3a"
 

@@ -31,7 +31,7 @@ from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.errors import ConfigError
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess, free_port
+from fleetgate.tools.redisproc import RedisProcess, free_port
 
 
 @dataclass(frozen=True)

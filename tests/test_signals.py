@@ -521,7 +521,7 @@ class socket_on_free_port:
 @pytest.mark.parametrize("legacy", [False, True])
 async def test_parses_the_vllm_simulator(legacy: bool) -> None:
     """The simulator's exposition, loaded: 2 slots busy, 3 requests queued for capacity."""
-    sim = pytest.importorskip("fleetgate.sim.vllm")
+    sim = pytest.importorskip("fleetgate.tools.sim.vllm")
     app = sim.build_app(
         sim.VllmSimConfig(model="m", engines=2, capacity=2, service_ms=500, legacy_metrics=legacy)
     )

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetgate.sim import FifoLimiter, QueueFull, Served, serve_in_thread
-from fleetgate.sim.vllm import (
+from fleetgate.tools.sim import FifoLimiter, QueueFull, Served, serve_in_thread
+from fleetgate.tools.sim.vllm import (
     ServiceDist,
     VllmSim,
     VllmSimConfig,
@@ -361,7 +361,7 @@ def test_cli_options_map_onto_the_config() -> None:
 
 def test_python_dash_m_help() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "fleetgate.sim.vllm", "--help"],
+        [sys.executable, "-m", "fleetgate.tools.sim.vllm", "--help"],
         capture_output=True,
         text=True,
         timeout=30,

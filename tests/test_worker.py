@@ -1,4 +1,4 @@
-"""The load-generating worker (``python -m fleetgate.worker``) as the compose file runs it."""
+"""The load generator (``fleetgate worker``, ``python -m fleetgate.tools.load``), as in compose."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetgate import worker
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import free_port
-from fleetgate.sim import rerank, serve_in_thread, vllm
+from fleetgate.tools import load
+from fleetgate.tools.redisproc import free_port
+from fleetgate.tools.sim import rerank, serve_in_thread, vllm
 
 from .conftest import RedisUnderTest
 
@@ -42,7 +42,7 @@ def test_worker_drives_gates_and_serves_client_metrics(rut: RedisUnderTest) -> N
         serve_in_thread(rerank.build_app(rerank.RerankSimConfig(concurrency=2))) as rr,
     ):
         argv = [
-            sys.executable, "-m", "fleetgate.worker",
+            sys.executable, "-m", "fleetgate.tools.load",
             "--redis", rut.url, "--prefix", rut.prefix,
             "--gate", embed, "--target-url", v.url, "--kind", "vllm",
             "--gate", ranker, "--target-url", rr.url + "/v1", "--kind", "rerank",
@@ -95,6 +95,6 @@ def test_worker_drives_gates_and_serves_client_metrics(rut: RedisUnderTest) -> N
 )
 def test_worker_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        worker.main(argv)
+        load.main(argv)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err

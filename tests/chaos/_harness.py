@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 import redis
 
-from fleetgate.redisproc import INSTALL_HINT, RedisProcess, RedisServerMissing, free_port
+from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess, RedisServerMissing, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # Worker processes timestamp with the wall clock; this process' timelines are monotonic.
@@ -146,7 +146,7 @@ class Sim:
     """
 
     def __init__(self, base_ms: float = 20.0, per_passage_ms: float = 1.0) -> None:
-        from fleetgate.sim import rerank
+        from fleetgate.tools.sim import rerank
 
         self.config = rerank.RerankSimConfig(
             concurrency=100_000,
@@ -197,7 +197,7 @@ class Sim:
                 self.snapshots.append((self.times[-1], self.running, list(self.tags)))
 
     def __enter__(self) -> Sim:
-        from fleetgate.sim import serve_in_thread
+        from fleetgate.tools.sim import serve_in_thread
 
         self._cm = serve_in_thread(self.app)
         served = self._cm.__enter__()

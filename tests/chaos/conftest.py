@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fleetgate.redisproc import INSTALL_HINT, RedisProcess
+from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess
 
 from ._harness import Control, Sim, Workers
 

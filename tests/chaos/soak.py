@@ -50,7 +50,7 @@ from typing import Any
 import redis
 
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess
+from fleetgate.tools.redisproc import RedisProcess
 
 from ._harness import ROOT, Control, LimitSampler, Sim, WorkerProc, Workers, owned_by, poll
 

@@ -30,7 +30,7 @@ import pytest
 import redis
 
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess
+from fleetgate.tools.redisproc import RedisProcess
 
 from ._harness import Control, Sim, Workers, figure, poll
 

@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess
+from fleetgate.tools.redisproc import RedisProcess
 
 from ._harness import Control, LimitSampler, Sim, Workers, figure, poll
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from fleetgate.redisproc import RedisProcess
+from fleetgate.tools.redisproc import RedisProcess
 
 from ._harness import Control, LimitSampler, Sim, Workers, figure, poll
 from ._proxy import TcpProxy

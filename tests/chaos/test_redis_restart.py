@@ -23,8 +23,8 @@ import redis
 
 from fleetgate._redis import connect
 from fleetgate.keys import GateKeys
-from fleetgate.redisproc import RedisProcess
 from fleetgate.status import gather_status
+from fleetgate.tools.redisproc import RedisProcess
 
 from ._harness import Control, LimitSampler, Sim, Workers, figure, poll
 

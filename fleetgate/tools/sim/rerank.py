@@ -7,7 +7,7 @@ at once, each for ``base_ms + per_passage_ms * len(passages)``; the rest wait in
 ``queue_size`` (full: 503 at once). A call that waits and runs longer than ``request_timeout_ms``
 gets 504, so an ungated burst fails the way a real NIM does when its queue outgrows the timeout.
 
-Run it with ``fleetgate sim rerank`` or ``python -m fleetgate.sim.rerank --help``.
+Run it with ``fleetgate sim rerank`` or ``python -m fleetgate.tools.sim.rerank --help``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fleetgate.sim._server import (
+from fleetgate.tools.sim._server import (
     FifoLimiter,
     QueueFull,
     add_server_args,

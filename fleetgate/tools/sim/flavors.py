@@ -1,10 +1,10 @@
 """The ``/metrics`` exposition of each model-server flavour the simulator can pretend to be.
 
-Same engine underneath (:class:`~fleetgate.sim.vllm.VllmSim`: a FIFO of ``capacity`` slots);
+Same engine underneath (:class:`~fleetgate.tools.sim.vllm.VllmSim`: a FIFO of ``capacity`` slots);
 what differs is the text a scraper sees and where: family names, HELP/TYPE lines, labels,
 counter suffixes, blank lines and number formatting as each server's exporter writes them, at
 its path. ``docs/servers.md`` cites the source files these follow. vLLM's own exposition lives in
-:mod:`fleetgate.sim.vllm`.
+:mod:`fleetgate.tools.sim.vllm`.
 
 * ``sglang``, ``trtllm``: prometheus_client in multiprocess mode -- labels sorted, counters
   without ``_created``; TensorRT-LLM's gauges carry a ``pid`` label and ``"undefined"``
@@ -34,7 +34,7 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
-from fleetgate.sim._server import FifoLimiter
+from fleetgate.tools.sim._server import FifoLimiter
 
 __all__ = ["FLAVORS", "METRICS_PATHS", "Exposition", "make_exposition", "split"]
 
@@ -571,5 +571,5 @@ _MAKERS: dict[str, Callable[[str, int, int], _Base]] = {
 
 
 def make_exposition(flavor: str, model: str, engines: int, capacity: int) -> _Base:
-    """The exposition of a non-vLLM ``flavor`` (vLLM's lives in :mod:`fleetgate.sim.vllm`)."""
+    """The exposition of a non-vLLM ``flavor`` (vLLM's lives in :mod:`fleetgate.tools.sim.vllm`)."""
     return _MAKERS[flavor](model, engines, capacity)

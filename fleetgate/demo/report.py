@@ -230,6 +230,45 @@ def format_summary(rec: DemoRecord, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _series(rec: DemoRecord, gate: str, field: str) -> list[float]:
+    """One field of one gate over the samples (NaN where it is unknown)."""
+    out: list[float] = []
+    for x in rec.samples:
+        g = x.gates.get(gate)
+        v = getattr(g, field) if g is not None else None
+        out.append(float("nan") if v is None else float(v))
+    return out
+
+
+def _plot_gate(ax: Any, rec: DemoRecord, info: GateInfo) -> None:
+    """One gate's panel: server queue, capacity and running; fleet in-flight, limit, floor."""
+    t = [x.t for x in rec.samples]
+    waiting = [0.0 if w != w else w for w in _series(rec, info.name, "server_waiting")]
+    ax.fill_between(
+        t, 0, waiting, step="post", color="tab:red", alpha=0.25, label="server queue (saturation)"
+    )
+    capacity = _series(rec, info.name, "server_capacity")
+    ax.step(t, capacity, where="post", color="grey", ls="--", lw=1.2, label="server capacity")
+    running = _series(rec, info.name, "server_running")
+    ax.plot(t, running, color="tab:green", lw=1, alpha=0.8, label="server running")
+    in_flight = _series(rec, info.name, "in_flight")
+    ax.plot(t, in_flight, color="tab:orange", lw=1.4, label="fleet in-flight")
+    limit = _series(rec, info.name, "limit")
+    ax.step(t, limit, where="post", color="tab:blue", lw=2.2, label="limit (target, else floor)")
+    ax.axhline(info.floor, color="tab:blue", ls=":", lw=1, label="floor")
+    fo = rec.failover
+    if fo is not None:
+        ax.axvline(fo.kill_t, color="black", ls="--", lw=1.2, label="leader SIGKILLed")
+        if fo.published_after is not None:
+            end = fo.kill_t + fo.published_after
+            ax.axvspan(fo.kill_t, end, color="gold", alpha=0.25, label="no live leader")
+    kind = "adaptive (AIMD on vLLM metrics)" if info.adaptive else "fixed"
+    ax.set_title(f"gate {info.name} — {kind}, floor {info.floor}", loc="left", fontsize=10)
+    ax.set_ylabel("requests")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+
+
 def plot(rec: DemoRecord, path: Path) -> None:
     """Draw limit, fleet in-flight and server load per gate over time into ``path`` (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -239,69 +278,13 @@ def plot(rec: DemoRecord, path: Path) -> None:
     fig = Figure(figsize=(11, 2.9 * n), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
-    fo = rec.failover
-    t = [x.t for x in rec.samples]
     for ax, info in zip(axes, rec.gates, strict=True):
-
-        def series(field: str, name: str = info.name) -> list[float]:
-            out: list[float] = []
-            for x in rec.samples:
-                g = x.gates.get(name)
-                v = getattr(g, field) if g is not None else None
-                out.append(float("nan") if v is None else float(v))
-            return out
-
-        waiting = [0.0 if w != w else w for w in series("server_waiting")]
-        ax.fill_between(
-            t,
-            0,
-            waiting,
-            step="post",
-            color="tab:red",
-            alpha=0.25,
-            label="server queue (saturation)",
-        )
-        ax.step(
-            t,
-            series("server_capacity"),
-            where="post",
-            color="grey",
-            ls="--",
-            lw=1.2,
-            label="server capacity",
-        )
-        ax.plot(
-            t, series("server_running"), color="tab:green", lw=1, alpha=0.8, label="server running"
-        )
-        ax.plot(t, series("in_flight"), color="tab:orange", lw=1.4, label="fleet in-flight")
-        ax.step(
-            t,
-            series("limit"),
-            where="post",
-            color="tab:blue",
-            lw=2.2,
-            label="limit (target, else floor)",
-        )
-        ax.axhline(info.floor, color="tab:blue", ls=":", lw=1, label="floor")
-        if fo is not None:
-            ax.axvline(fo.kill_t, color="black", ls="--", lw=1.2, label="leader SIGKILLed")
-            if fo.published_after is not None:
-                ax.axvspan(
-                    fo.kill_t,
-                    fo.kill_t + fo.published_after,
-                    color="gold",
-                    alpha=0.25,
-                    label="no live leader",
-                )
-        kind = "adaptive (AIMD on vLLM metrics)" if info.adaptive else "fixed"
-        ax.set_title(f"gate {info.name} — {kind}, floor {info.floor}", loc="left", fontsize=10)
-        ax.set_ylabel("requests")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
+        _plot_gate(ax, rec, info)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
     axes[-1].set_xlabel("seconds since the load started")
     title = "fleetgate demo: fleet-wide limits follow the servers; failover keeps them"
+    fo = rec.failover
     if fo is not None and fo.published_after is not None:
         title += f" (failover {fo.published_after:.1f} s)"
     fig.suptitle(title, fontsize=11)

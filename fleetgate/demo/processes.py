@@ -3,7 +3,7 @@
 :class:`Children` owns every process the demo starts (each in its own process group, stopped in
 order with SIGTERM, a bounded wait and SIGKILL). :func:`prepare` starts Redis, the simulators,
 the coordinators and the workers, each waited for by polling, never by sleeping a fixed time.
-The live phase itself is :class:`fleetgate.demo.LiveRun`.
+The live phase itself is :class:`fleetgate.demo.live.LiveRun`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import httpx
 import msgspec
 import redis
 
-from fleetgate._demo_report import worker_totals
-from fleetgate._demo_worker import SPEC_ENV, GateLoad, Kind, WorkerSpec
 from fleetgate._redis import redact
+from fleetgate.demo.report import worker_totals
 from fleetgate.keys import fleet_keys
-from fleetgate.redisproc import RedisProcess, RedisServerMissing, free_port
+from fleetgate.tools.load import SPEC_ENV, GateLoad, Kind, LoadSpec
+from fleetgate.tools.redisproc import RedisProcess, RedisServerMissing, free_port
 
 __all__ = [
     "GATES",
@@ -263,34 +263,23 @@ def _wait_leader(url: str, prefix: str, cid: str, alive: Callable[[], None]) -> 
         _wait(f"{cid} leadership", leading, alive, STARTUP_TIMEOUT)
 
 
+def _sim_argv(gate: DemoGate, port: int) -> list[str]:
+    """The command line of the simulator behind ``gate`` on ``port``."""
+    if gate.kind == "rerank":
+        opts = ["fleetgate.tools.sim.rerank", "--concurrency", str(gate.capacity)]
+        opts += ["--base-ms", str(gate.service_ms), "--model", gate.model]
+    else:
+        opts = ["fleetgate.tools.sim.vllm", "--capacity", str(gate.capacity)]
+        opts += ["--model", gate.model, "--service-ms", str(gate.service_ms)]
+        opts += ["--service-dist", "lognormal"]
+    return [sys.executable, "-m", *opts, "--port", str(port), "--log-level", "warning"]
+
+
 def _start_sim(children: Children, gate: DemoGate, say: Callable[[str], None]) -> str:
     name = f"sim-{gate.kind}"
     for _attempt in range(3):  # a free port can be taken between the probe and the bind
         port = free_port()
-        if gate.kind == "rerank":
-            opts = [
-                "fleetgate.sim.rerank",
-                "--concurrency",
-                str(gate.capacity),
-                "--base-ms",
-                str(gate.service_ms),
-                "--model",
-                gate.model,
-            ]
-        else:
-            opts = [
-                "fleetgate.sim.vllm",
-                "--capacity",
-                str(gate.capacity),
-                "--model",
-                gate.model,
-                "--service-ms",
-                str(gate.service_ms),
-                "--service-dist",
-                "lognormal",
-            ]
-        argv = [sys.executable, "-m", *opts, "--port", str(port), "--log-level", "warning"]
-        children.spawn(name, "sim", argv)
+        children.spawn(name, "sim", _sim_argv(gate, port))
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(timeout=1.0) as http:
 
@@ -334,6 +323,89 @@ def _config_toml(redis_url: str, prefix: str, urls: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _redis(children: Children, external: str | None, prefix: str) -> tuple[str, str]:
+    """The Redis URL the demo uses and how to show it: ``external`` (whose ``prefix`` keys are
+    deleted at the end) or a private redis-server."""
+    if not external:
+        try:
+            server = children.start_redis()
+        except RedisServerMissing as exc:
+            raise DemoError(str(exc)) from None
+        return server.url, f"private redis-server on port {server.port}"
+    try:
+        redis.Redis.from_url(external, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        raise DemoError(f"FLEETGATE_REDIS_URL {redact(external)} unreachable: {exc}") from None
+
+    def drop_keys() -> None:
+        with redis.Redis.from_url(external) as r:
+            for key in r.scan_iter(match=f"{prefix}:*", count=500):
+                r.unlink(key)
+
+    children.on_close.append(drop_keys)
+    return external, f"{redact(external)} (prefix {prefix})"
+
+
+def _start_coordinators(
+    children: Children, config: Path, url: str, prefix: str, say: Callable[[str], None]
+) -> None:
+    """Start the coordinators; the first one is waited for until it leads and has registered
+    the gates, so it is the leader and the others stand by."""
+    leader = COORDINATORS[0]
+    for cid in COORDINATORS:
+        argv = [sys.executable, "-m", "fleetgate.cli", "coordinator", "--config", str(config)]
+        children.spawn(cid, "coordinator", [*argv, "--id", cid])
+        if cid == leader:
+            _wait_leader(url, prefix, cid, lambda: children.check_alive(leader))
+        say(f"  {cid:<12} {'leader' if cid == leader else 'standby'}  (config {config})")
+
+
+def _start_workers(
+    children: Children, setup: Setup, out: Path, workers: int, say: Callable[[str], None]
+) -> None:
+    """Start ``workers`` load generators (:mod:`fleetgate.tools.load`), each putting every
+    gate's load on its simulator, and wait until their stats files show the load runs."""
+    (out / "workers").mkdir(exist_ok=True)
+    loads = [
+        GateLoad(
+            name=g.name,
+            kind=g.kind,
+            url=setup.urls[g.name],
+            model=g.model,
+            floor=g.floor,
+            users=g.users,
+            calls=g.calls,
+            fan=g.fan,
+        )
+        for g in GATES
+    ]
+    for w in range(1, workers + 1):
+        stats = out / "workers" / f"worker-{w}.json"
+        stats.unlink(missing_ok=True)
+        spec = LoadSpec(
+            redis_url=setup.redis_url,
+            prefix=setup.prefix,
+            gates=loads,
+            pod_id=f"worker-{w}",
+            stats_path=str(stats),
+            parent_pid=os.getpid(),
+        )
+        # The spec (with the Redis URL) goes by environment: ps shows only the label.
+        argv = [sys.executable, "-m", "fleetgate.tools.load", "--spec-from-env", f"worker-{w}"]
+        env = {SPEC_ENV: msgspec.json.encode(spec).decode()}
+        children.spawn(f"worker-{w}", "worker", argv, env)
+        setup.stats_paths.append(stats)
+
+    def workers_alive() -> None:
+        for w in range(1, workers + 1):
+            children.check_alive(f"worker-{w}")
+
+    # A worker writes its stats file once its users run: the load starts now.
+    _wait("workers", lambda: all(p.exists() for p in setup.stats_paths), workers_alive, 60.0)
+    demand = ", ".join(f"{g.name} {workers * g.users * g.fan}" for g in GATES)
+    say(f"  {workers} workers, concurrent demand: {demand}")
+
+
 def prepare(
     args: argparse.Namespace,
     out: Path,
@@ -343,86 +415,25 @@ def prepare(
     say: Callable[[str], None],
 ) -> Setup:
     """Start Redis, simulators, coordinators and workers; return where everything is."""
-    if external:
-        url, label = external, f"{redact(external)} (prefix {prefix})"
-        try:
-            redis.Redis.from_url(url, socket_connect_timeout=2).ping()
-        except redis.RedisError as exc:
-            raise DemoError(f"FLEETGATE_REDIS_URL {redact(url)} unreachable: {exc}") from None
-
-        def drop_keys() -> None:
-            with redis.Redis.from_url(url) as r:
-                for key in r.scan_iter(match=f"{prefix}:*", count=500):
-                    r.unlink(key)
-
-        children.on_close.append(drop_keys)
-    else:
-        try:
-            server = children.start_redis()
-        except RedisServerMissing as exc:
-            raise DemoError(str(exc)) from None
-        url, label = server.url, f"private redis-server on port {server.port}"
+    url, label = _redis(children, external, prefix)
     say(f"fleetgate demo: redis {label}; output in {out}/")
     children.env = {k: v for k, v in os.environ.items() if k not in _CHILD_ENV_DROP}
     children.env.update(FLEETGATE_REDIS_URL=url, PYTHONUNBUFFERED="1")
     urls = {g.name: _start_sim(children, g, say) for g in GATES}
     config = out / "coordinator.toml"
     config.write_text(_config_toml(url, prefix, urls))
-    leader = COORDINATORS[0]
-    for cid in COORDINATORS:
-        argv = [sys.executable, "-m", "fleetgate.cli", "coordinator", "--config", str(config)]
-        children.spawn(cid, "coordinator", [*argv, "--id", cid])
-        if cid == leader:  # wait for it to lead and to register the gates
-            _wait_leader(url, prefix, cid, lambda: children.check_alive(leader))
-        say(f"  {cid:<12} {'leader' if cid == leader else 'standby'}  (config {config})")
+    _start_coordinators(children, config, url, prefix, say)
     setup = Setup(redis_url=url, redis_label=label, prefix=prefix, urls=urls)
-    for g in GATES:
-        setup.gates.append(
-            dict(
-                name=g.name,
-                kind=g.kind,
-                floor=g.floor,
-                adaptive=g.kind != "rerank",
-                capacity=g.capacity,
-                url=urls[g.name],
-            )
+    setup.gates = [
+        dict(
+            name=g.name,
+            kind=g.kind,
+            floor=g.floor,
+            adaptive=g.kind != "rerank",
+            capacity=g.capacity,
+            url=urls[g.name],
         )
-    (out / "workers").mkdir(exist_ok=True)
-    for w in range(1, args.workers + 1):
-        stats = out / "workers" / f"worker-{w}.json"
-        stats.unlink(missing_ok=True)
-        loads = [
-            GateLoad(
-                name=g.name,
-                kind=g.kind,
-                url=urls[g.name],
-                model=g.model,
-                floor=g.floor,
-                users=g.users,
-                calls=g.calls,
-                fan=g.fan,
-            )
-            for g in GATES
-        ]
-        spec = WorkerSpec(
-            worker_id=f"worker-{w}",
-            redis_url=url,
-            prefix=prefix,
-            stats_path=str(stats),
-            parent_pid=os.getpid(),
-            gates=loads,
-        )
-        argv = [sys.executable, "-m", "fleetgate._demo_worker", spec.worker_id]
-        env = {SPEC_ENV: msgspec.json.encode(spec).decode()}
-        children.spawn(spec.worker_id, "worker", argv, env)
-        setup.stats_paths.append(stats)
-
-    def workers_alive() -> None:
-        for w in range(1, args.workers + 1):
-            children.check_alive(f"worker-{w}")
-
-    # A worker writes its stats file once its users run: the load starts now.
-    _wait("workers", lambda: all(p.exists() for p in setup.stats_paths), workers_alive, 60.0)
-    demand = ", ".join(f"{g.name} {args.workers * g.users * g.fan}" for g in GATES)
-    say(f"  {args.workers} workers, concurrent demand: {demand}")
+        for g in GATES
+    ]
+    _start_workers(children, setup, out, args.workers, say)
     return setup

@@ -1,7 +1,7 @@
 """A vLLM stand-in: OpenAI-compatible endpoints with a hard ``max_num_seqs`` and vLLM's /metrics.
 
 ``--flavor`` makes the same engine expose another server's metrics instead (SGLang, TGI, TEI,
-llama.cpp, TensorRT-LLM, NIM: :mod:`fleetgate.sim.flavors`) at that server's path, with its
+llama.cpp, TensorRT-LLM, NIM: :mod:`fleetgate.tools.sim.flavors`) at that server's path, with its
 overload behaviour (TGI and TEI answer 429 beyond ``--max-concurrent-requests``);
 ``--no-metrics`` serves none.
 
@@ -11,7 +11,7 @@ names, HELP/TYPE lines and ``model_name``/``engine`` labels, so the coordinator'
 tested against it. ``/admin/*`` changes capacity at run time and exposes counters and peaks, so a
 test can act as an invariant checker (peak running never above the fleet-wide limit, ...).
 
-Run it with ``fleetgate sim vllm --capacity 8`` or ``python -m fleetgate.sim.vllm --help``.
+Run it with ``fleetgate sim vllm --capacity 8`` or ``python -m fleetgate.tools.sim.vllm --help``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fleetgate.sim._server import (
+from fleetgate.tools.sim._server import (
     TEXT_PLAIN,
     FifoLimiter,
     QueueFull,
@@ -46,7 +46,7 @@ from fleetgate.sim._server import (
     run_cli,
     run_unless_disconnected,
 )
-from fleetgate.sim.flavors import FLAVORS, METRICS_PATHS, TrtllmExposition, make_exposition
+from fleetgate.tools.sim.flavors import FLAVORS, METRICS_PATHS, TrtllmExposition, make_exposition
 
 __all__ = [
     "ServiceDist",

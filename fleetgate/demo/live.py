@@ -1,69 +1,38 @@
-"""``fleetgate demo``: a whole fleet on one machine, for about a minute.
+"""The live phase of ``fleetgate demo``: sample every second, fail the leader over, halve a server.
 
-``python -m fleetgate.demo [--duration 60] [--out DIR] [--quiet]`` starts, as child processes:
-
-* a private ``redis-server`` on a free port (or uses ``$FLEETGATE_REDIS_URL`` under a fresh,
-  unique key prefix, deleting only that prefix's keys at the end);
-* two vLLM simulators (a chat model with capacity 48, an embedder with capacity 96) and a
-  reranker simulator (concurrency 32);
-* two coordinators (``coord-a`` leads, ``coord-b`` stands by) from a generated TOML config:
-  two adaptive gates (floor 4) on the vLLM simulators' ``/metrics``, one fixed rerank gate (32);
-* three worker pods that push more load through the gates than the servers hold.
-
-It then shows a live view every second (leader, epoch, per gate limit/target/in-flight/queue/
-saturation/reason and the servers' running/waiting), SIGKILLs the leader halfway so the failover
-is visible, halves the chat server's capacity at two thirds so the target follows it down, and
-writes ``demo.png`` and ``demo.json`` to the output directory (default ``demo-out/``).
-
-Every child runs in its own process group and is stopped in order (workers, coordinators,
-simulators, Redis): SIGTERM, a bounded wait, SIGKILL for stragglers — at the end, on Ctrl-C or
-SIGTERM, and when the demo itself fails. On Linux the children also get SIGTERM if the demo dies.
+:class:`LiveRun` reads the fleet's status from Redis and the simulators' ``/admin/stats`` once a
+second into the :class:`~fleetgate.demo.report.DemoRecord`, shows it (the live view on a
+terminal, a progress line otherwise), SIGKILLs the leader halfway and times the failover, and
+halves the chat server's capacity at two thirds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import shutil
 import signal
 import sys
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 
-from fleetgate._demo_report import (
+from fleetgate._redis import REDIS_ERRORS, connect
+from fleetgate.demo.processes import LEADER_TTL, POLL_INTERVAL, Children, Setup, read_worker_totals
+from fleetgate.demo.report import (
     DemoRecord,
     Event,
     Failover,
-    GateInfo,
     GateSample,
     Sample,
-    format_summary,
-    plot,
     progress_line,
     render_view,
-    summarize,
 )
-from fleetgate._demo_run import (
-    LEADER_TTL,
-    POLL_INTERVAL,
-    Children,
-    DemoError,
-    Setup,
-    prepare,
-    read_worker_totals,
-)
-from fleetgate._redis import REDIS_ERRORS, connect
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.status import gather_status
 
-__all__ = ["LiveRun", "build_parser", "main"]
+__all__ = ["PROGRESS_EVERY", "LiveRun"]
 
 PROGRESS_EVERY = 5  # seconds between plain progress lines when stdout is not a terminal
 
@@ -282,151 +251,3 @@ class LiveRun:
             f"{info.name} server capacity {info.capacity} -> {new} (replica lost): "
             "the target follows",
         )
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The demo's argument parser."""
-    p = argparse.ArgumentParser(
-        prog="fleetgate demo",
-        description="Run a local fleet (Redis, vLLM and reranker simulators, a leader and a "
-        "standby coordinator, worker pods) for about a minute: watch the targets ramp, the "
-        "leader fail over and the limits follow the servers. Writes demo.png and demo.json.",
-    )
-    p.add_argument(
-        "--duration",
-        type=_positive,
-        default=60.0,
-        metavar="SECONDS",
-        help="seconds of load; the leader is killed halfway (default: %(default)s)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("demo-out"),
-        metavar="DIR",
-        help="where demo.png, demo.json, the config and the logs go (default: %(default)s)",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=3,
-        choices=range(1, 9),
-        metavar="N",
-        help="worker processes (1-8, default: %(default)s)",
-    )
-    p.add_argument("--quiet", action="store_true", help="print only the summary")
-    return p
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _ignore_signals() -> None:
-    """From here on a second Ctrl-C must not cut the cleanup short (it would leave orphans)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _say(quiet: bool, text: str) -> None:
-    if not quiet:
-        print(text, flush=True)
-
-
-def _finish(rec: DemoRecord, out: Path, quiet: bool) -> None:
-    """Write demo.json and demo.png and print the summary (whatever was recorded)."""
-    rec.summary = summarize(rec)
-    (out / "demo.json").write_bytes(msgspec.json.format(msgspec.json.encode(rec), indent=2))
-    if rec.samples:
-        try:
-            plot(rec, out / "demo.png")
-        except ImportError:
-            print("demo.png skipped: matplotlib is missing (pip install 'fleetgate[bench]')")
-    print(format_summary(rec, out), flush=True)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Set up the fleet, run the live phase, tear everything down; return the exit code."""
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "logs").mkdir(exist_ok=True)
-    external = os.environ.get("FLEETGATE_REDIS_URL") or None
-    prefix = f"demo-{uuid.uuid4().hex[:8]}" if external else "fg"
-    children = Children(out / "logs")
-    rec: DemoRecord | None = None
-    setup: Setup | None = None
-    code = 0
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        setup = prepare(args, out, children, external, prefix, lambda s: _say(args.quiet, s))
-        rec = DemoRecord(
-            started_at=time.time(),
-            duration=args.duration,
-            redis=setup.redis_label,
-            prefix=prefix,
-            gates=[GateInfo(**g) for g in setup.gates],
-            pids=children.pids(),
-        )
-        live = LiveRun(args, rec, children, setup, tty=sys.stdout.isatty())
-        asyncio.run(live.run())
-        rec.interrupted = live.interrupted
-        code = 130 if live.interrupted else 0
-    except KeyboardInterrupt:
-        code = 130
-        if rec is not None:
-            rec.interrupted = True
-        print("\ninterrupted: stopping everything", file=sys.stderr, flush=True)
-    except DemoError as exc:
-        code = 1
-        print(f"fleetgate demo: {exc}", file=sys.stderr, flush=True)
-    finally:
-        _ignore_signals()
-        if rec is not None:
-            rec.events.append(
-                Event(
-                    t=rec.samples[-1].t if rec.samples else 0.0,
-                    kind="stop",
-                    text="stopping workers, coordinators, simulators",
-                )
-            )
-        _say(args.quiet, "\nstopping: workers, coordinators, simulators, redis ...")
-        children.stop_all()
-        if rec is not None and setup is not None:
-            rec.workers = read_worker_totals(setup.stats_paths)
-    if rec is not None:
-        _finish(rec, out, args.quiet)
-    bad = children.survivors()
-    if bad:
-        print(f"fleetgate demo: processes still alive: {bad}", file=sys.stderr)
-        code = code or 1
-    return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m fleetgate.demo`` and ``fleetgate demo``; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return run(args)
-    except Exception:
-        # Children are already stopped (run's finally); report the bug and fail.
-        import traceback
-
-        traceback.print_exc()
-        return 1
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,322 @@
+"""The import rules between fleetgate's layers, and no import cycles between its modules.
+
+Every module of the installed packages (``fleetgate/``, ``client/``, ``coordinator/``, ``lua/``
+mapped by pyproject's ``package-dir``) is parsed with :mod:`ast`; every import counts, also one
+inside a function or under ``if TYPE_CHECKING:`` (a cycle of knowledge is a cycle). An import
+of ``a.b.c`` is an edge to ``a.b.c`` only, not to the packages above it: Python runs their
+``__init__`` first, but counting that would put every module that imports a sibling into a cycle
+with a package ``__init__`` that re-exports it.
+
+The layers, bottom up:
+
+* **core** — everything in ``fleetgate/`` not named below: errors, keys, settings, scripts, the
+  Redis connection, status, safety, registry, the read-only commands (:mod:`fleetgate.commands`),
+  and the Lua package. It imports no other layer.
+* **client** (``fleetgate.client``) and **coordinator** (``fleetgate.coordinator``) — each on
+  the core only; they never know about each other.
+* **tools** (``fleetgate.tools``: simulators, redis-server launcher, load generator) and
+  **testing** (``fleetgate.testing``) — on the client and the core.
+* **demo** (``fleetgate.demo``) — on anything below it.
+* **cli** (``fleetgate.cli``) — the dispatcher on top: it may import any layer, lazily, inside the
+  subcommand that runs it (the coordinator for ``fleetgate coordinator``, the demo, the tools).
+  That is why the read-only commands live in the core module :mod:`fleetgate.commands`: what
+  an operator runs against Redis stays core, only the dispatch is an application.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Allowance for cycles that exist today and are being removed elsewhere; each entry is one
+# strongly connected set of modules. Only cycles inside fleetgate.client may be listed here.
+KNOWN_CYCLES: set[frozenset[str]] = {
+    # removed by the client untangle (issue 10 item 3): Fleet and Gate import each other.
+    frozenset({"fleetgate.client._fleet", "fleetgate.client._gate"}),
+}
+
+# layer -> the layers it must never import
+FORBIDDEN: dict[str, set[str]] = {
+    "core": {"client", "coordinator", "demo", "tools", "testing", "cli"},
+    "client": {"coordinator", "demo", "tools", "testing", "cli"},
+    "coordinator": {"client", "demo", "tools", "testing", "cli"},
+    "tools": {"coordinator", "demo", "testing", "cli"},
+    "testing": {"coordinator", "demo", "tools", "cli"},
+    "demo": {"testing", "cli"},
+    "cli": set(),
+}
+
+_PREFIX_LAYERS = (
+    ("fleetgate.client", "client"),
+    ("fleetgate.coordinator", "coordinator"),
+    ("fleetgate.demo", "demo"),
+    ("fleetgate.tools", "tools"),
+    ("fleetgate.testing", "testing"),
+    ("fleetgate.cli", "cli"),
+)
+
+
+def layer_of(module: str) -> str:
+    """The layer a ``fleetgate.*`` module belongs to."""
+    for prefix, layer in _PREFIX_LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    return "core"
+
+
+def package_dirs() -> dict[str, Path]:
+    """pyproject's ``[tool.setuptools] package-dir``: top package name -> directory."""
+    text = (ROOT / "pyproject.toml").read_text()
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        data = tomllib.loads(text)
+    else:
+        data = pytest.importorskip("tomli").loads(text)
+    mapping: dict[str, str] = data["tool"]["setuptools"]["package-dir"]
+    return {name: ROOT / path for name, path in mapping.items()}
+
+
+def discover() -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package ``__init__``), over every mapped package."""
+    modules: dict[str, tuple[Path, bool]] = {}
+    dirs = package_dirs()
+    for name, top in dirs.items():
+        for path in sorted(top.rglob("*.py")):
+            rel = path.relative_to(top).with_suffix("").parts
+            if any(part.startswith(".") for part in rel):
+                continue
+            is_pkg = rel[-1] == "__init__"
+            parts = rel[:-1] if is_pkg else rel
+            module = ".".join((name, *parts))
+            modules[module] = (path, is_pkg)
+    return modules
+
+
+def imports_of(source: str, module: str, is_pkg: bool, known: Iterable[str]) -> set[str]:
+    """Every ``fleetgate.*`` module ``source`` imports, wherever the import statement is.
+
+    ``from X import Y`` counts as an import of ``X.Y`` when that is a module, else of ``X``;
+    relative imports are resolved against ``module``.
+    """
+    known = set(known)
+    package = module if is_pkg else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):  # walks function bodies and if-blocks too
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                origin = node.module or ""
+            for alias in node.names:
+                sub = f"{origin}.{alias.name}"
+                found.add(sub if sub in known else origin)
+    return {m for m in found if m == "fleetgate" or m.startswith("fleetgate.")}
+
+
+def import_graph(sources: Mapping[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the fleetgate modules it imports (no self-edges from ``from . import``)."""
+    known = set(sources)
+    return {
+        module: imports_of(text, module, is_pkg, known) - {module}
+        for module, (text, is_pkg) in sources.items()
+    }
+
+
+def layer_violations(graph: Mapping[str, set[str]]) -> list[str]:
+    """One readable line per import that breaks :data:`FORBIDDEN`."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        layer = layer_of(module)
+        for target in sorted(targets):
+            if layer_of(target) in FORBIDDEN[layer]:
+                bad.append(f"{module} ({layer}) imports {target} ({layer_of(target)})")
+    return bad
+
+
+def strongly_connected(graph: Mapping[str, set[str]]) -> list[frozenset[str]]:
+    """The sets of modules that import each other, directly or around a loop (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.add(w)
+                if w == v:
+                    break
+            if len(members) > 1 or v in graph.get(v, ()):
+                found.append(frozenset(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def cycle_chain(graph: Mapping[str, set[str]], members: frozenset[str]) -> str:
+    """One shortest import loop through the first member, as ``a -> b -> a``."""
+    start = min(members)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:  # breadth first inside the set, back to start
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, set()) & members):
+                if w == start:
+                    return " -> ".join([*paths[v], start])
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no loop through {start} in {sorted(members)}")
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    sources = {m: (path.read_text(), pkg) for m, (path, pkg) in discover().items()}
+    return import_graph(sources)
+
+
+def test_the_modules_are_found(graph: dict[str, set[str]]) -> None:
+    for module in (
+        "fleetgate.errors",
+        "fleetgate.cli",
+        "fleetgate.client._fleet",
+        "fleetgate.coordinator.daemon",
+        "fleetgate.demo.main",
+        "fleetgate.tools.load",
+        "fleetgate.tools.sim.vllm",
+        "fleetgate.lua",
+    ):
+        assert module in graph
+    assert "fleetgate.client" in graph["fleetgate.testing"]
+    assert "fleetgate.coordinator.daemon" in graph["fleetgate.cli"]  # a lazy import counts
+
+
+def test_layers_import_only_downwards(graph: dict[str, set[str]]) -> None:
+    bad = layer_violations(graph)
+    assert not bad, "imports against the layering:\n  " + "\n  ".join(bad)
+
+
+def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
+    cycles = [c for c in strongly_connected(graph) if c not in KNOWN_CYCLES]
+    chains = [cycle_chain(graph, c) for c in cycles]
+    assert not chains, "import cycles:\n  " + "\n  ".join(chains)
+
+
+def test_known_cycles_are_client_ones_and_still_there(graph: dict[str, set[str]]) -> None:
+    for members in KNOWN_CYCLES:
+        assert all(layer_of(m) == "client" for m in members), sorted(members)
+    gone = KNOWN_CYCLES - set(strongly_connected(graph))
+    assert not gone, f"these cycles are gone (or changed): remove them from KNOWN_CYCLES: {gone}"
+
+
+# The checks themselves must be able to fail: planted violations on synthetic modules.
+
+_TC = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    {}\n"
+_IN_FUNCTION = "def f():\n    {}\n"
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "wanted"),
+    [
+        ("fleetgate.status", "from fleetgate.client import Fleet", "fleetgate.client (client)"),
+        ("fleetgate.keys", _IN_FUNCTION.format("import fleetgate.coordinator.daemon"), "daemon"),
+        ("fleetgate.scripts", _TC.format("from fleetgate.tools import load"), "tools.load"),
+        ("fleetgate.safety", _IN_FUNCTION.format("from fleetgate import demo"), "demo (demo)"),
+        ("fleetgate.client._gate", "from fleetgate.coordinator import config", "coordinator"),
+        ("fleetgate.client._gate", _TC.format("from ..tools.sim import vllm"), "tools.sim.vllm"),
+        ("fleetgate.coordinator.daemon", _TC.format("from fleetgate.client import Gate"), "client"),
+        ("fleetgate.coordinator.signals", "from ..demo.main import main", "fleetgate.demo.main"),
+    ],
+)
+def test_a_planted_layer_violation_is_found(module: str, source: str, wanted: str) -> None:
+    modules = {
+        "fleetgate.client": "",
+        "fleetgate.coordinator.config": "",
+        "fleetgate.coordinator.daemon": "",
+        "fleetgate.demo": "",
+        "fleetgate.demo.main": "",
+        "fleetgate.tools.load": "",
+        "fleetgate.tools.sim.vllm": "",
+        module: source,
+    }
+    pkgs = {"fleetgate.client", "fleetgate.demo"}
+    graph = import_graph({m: (s, m in pkgs) for m, s in modules.items()})
+    bad = layer_violations(graph)
+    assert len(bad) == 1 and bad[0].startswith(module) and wanted in bad[0], bad
+
+
+def test_the_cli_may_import_every_layer() -> None:
+    source = _IN_FUNCTION.format("from fleetgate.coordinator.daemon import run_coordinator")
+    graph = import_graph(
+        {"fleetgate.cli": (source, False), "fleetgate.coordinator.daemon": ("", False)}
+    )
+    assert graph["fleetgate.cli"] == {"fleetgate.coordinator.daemon"}
+    assert layer_violations(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("sources", "chain"),
+    [
+        (  # two modules, one import only for typing: still a cycle
+            {
+                "fleetgate.a": "from fleetgate import b",
+                "fleetgate.b": _TC.format("from fleetgate.a import A"),
+            },
+            "fleetgate.a -> fleetgate.b -> fleetgate.a",
+        ),
+        (  # three modules around a loop, one import inside a function, one relative
+            {
+                "fleetgate.x.p": "from .q import Q",
+                "fleetgate.x.q": _IN_FUNCTION.format("import fleetgate.x.r"),
+                "fleetgate.x.r": "from fleetgate.x import p",
+            },
+            "fleetgate.x.p -> fleetgate.x.q -> fleetgate.x.r -> fleetgate.x.p",
+        ),
+    ],
+)
+def test_a_planted_cycle_is_found(sources: dict[str, str], chain: str) -> None:
+    graph = import_graph({m: (s, False) for m, s in sources.items()})
+    cycles = strongly_connected(graph)
+    assert [cycle_chain(graph, c) for c in cycles] == [chain]
+
+
+def test_no_cycle_in_a_chain_of_imports() -> None:
+    sources = {"fleetgate.a": "import fleetgate.b", "fleetgate.b": "import fleetgate.c"}
+    graph = import_graph({m: (s, False) for m, s in {**sources, "fleetgate.c": ""}.items()})
+    assert strongly_connected(graph) == []
+
+
+def test_the_readme_layout_names_every_folder() -> None:
+    """The README's layout table names every subpackage of fleetgate/ (a new one is explained)."""
+    table = (ROOT / "README.md").read_text().split("## Repository layout", 1)[1]
+    folders = [d for d in (ROOT / "fleetgate").iterdir() if (d / "__init__.py").exists()]
+    missing = [f"fleetgate/{d.name}/" for d in folders if f"`fleetgate/{d.name}/`" not in table]
+    assert not missing, f"the README's 'Repository layout' does not name {missing}"
