@@ -3,6 +3,8 @@ real redis-server."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis.asyncio as aredis
 
@@ -49,7 +51,7 @@ async def test_lib_lua_lower_bounds_are_the_structs(
     struct's lower bounds."""
     lowest = {name: low for name, (low, _) in bounds().items()}
     below = {name: low - 1 for name, low in lowest.items()}
-    await async_redis.hset(keys.cfg, mapping=below)
+    await async_redis.hset(keys.cfg, mapping=dict[Any, Any](below))
     assert _effective(await scripts.snapshot(keys, 0)) == lowest
 
     await async_redis.delete(keys.cfg)
