@@ -49,6 +49,16 @@ from msgspec import Meta
 from fleetgate._redis import validate_redis_url
 from fleetgate.errors import ConfigError
 from fleetgate.keys import validate_gate_name, validate_prefix
+from fleetgate.settings import (
+    DEFAULT_CEILING,
+    Ceiling,
+    Floor,
+    GateSettings,
+    LeaseMs,
+    MaxQueued,
+    WaiterMs,
+    check_ceiling,
+)
 
 from .adapters import ADAPTERS, AUTO, validate_server
 from .signals import derive_metrics_url, validate_metrics_url
@@ -62,7 +72,7 @@ __all__ = [
     "load_config",
 ]
 
-DEFAULT_CEILING = 512
+_DEFAULTS = GateSettings()
 
 _T = TypeVar("_T")
 
@@ -134,22 +144,17 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
         return self.target_ttl_polls * self.poll_interval
 
 
-# Upper bounds: beyond them a value is a typo, not a plan -- a lease of days outlives any crash
-# it is meant to recover from, and the scripts compute with doubles (exact below 2^53).
-MAX_PERMITS = 1_000_000
-MAX_QUEUED = 10_000_000
-MAX_TTL_MS = 86_400_000  # one day
-
-
 class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One gate. ``floor`` is its static limit; ``ceiling`` bounds the adaptive target."""
 
     name: str
-    floor: Annotated[int, Meta(ge=1, le=MAX_PERMITS)]
-    ceiling: Annotated[int, Meta(ge=1, le=MAX_PERMITS)] = DEFAULT_CEILING
-    max_queued: Annotated[int, Meta(ge=0, le=MAX_QUEUED)] = 1000
-    lease_ms: Annotated[int, Meta(ge=100, le=MAX_TTL_MS)] = 10_000
-    waiter_ms: Annotated[int, Meta(ge=100, le=MAX_TTL_MS)] = 5_000
+    # The settings' types, bounds and defaults are fleetgate.settings.GateSettings'; only the
+    # floor is required here.
+    floor: Floor
+    ceiling: Ceiling = DEFAULT_CEILING
+    max_queued: MaxQueued = _DEFAULTS.max_queued
+    lease_ms: LeaseMs = _DEFAULTS.lease_ms
+    waiter_ms: WaiterMs = _DEFAULTS.waiter_ms
     base_url: str | None = None
     metrics_url: str | tuple[str, ...] | None = None
     model_name: str | None = None
@@ -159,8 +164,7 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         _check("name", validate_gate_name, self.name)
-        if self.ceiling < self.floor:
-            raise ConfigError(f"ceiling: expected >= floor ({self.floor}), got {self.ceiling}")
+        check_ceiling(self.floor, self.ceiling)
         if self.base_url is not None and self.metrics_url is not None:
             raise ConfigError("metrics_url: set base_url or metrics_url, not both")
         if self.base_url is not None:
@@ -177,6 +181,13 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.model_name is not None and not self.model_name:
             raise ConfigError("model_name: must not be empty (leave it out to match every model)")
         _check("server", validate_server, self.server)
+
+    @property
+    def settings(self) -> GateSettings:
+        """The gate's settings, as the scripts take them."""
+        return GateSettings(
+            self.floor, self.ceiling, self.max_queued, self.lease_ms, self.waiter_ms
+        )
 
     @property
     def metrics_urls(self) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact, scrub
 from fleetgate.keys import fleet_keys
-from fleetgate.safety import find_bad_keys, inspect_redis, is_wrongtype
+from fleetgate.safety import find_bad_keys, is_wrongtype, server_findings
 
 from .config import Config, GateConfig, load_config
 from .controller import ControllerParams, ControllerState, Observation, step
@@ -218,7 +218,7 @@ class Coordinator:
         """Check the server's settings once Redis answers; log every finding as WARNING."""
         while not self._stopping:
             try:
-                findings = await inspect_redis(self._client)
+                findings = await server_findings(self._client)
             except REDIS_ERRORS:
                 await asyncio.sleep(SAFETY_RETRY)
                 continue

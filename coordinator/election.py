@@ -15,17 +15,15 @@ that finds another owner, or no lease, drops leadership at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aredis
 
 from fleetgate._redis import REDIS_ERRORS
 from fleetgate.keys import fleet_keys
-from fleetgate.scripts import script_source
+from fleetgate.scripts import LeaderScripts
 
 __all__ = ["Election", "Leadership"]
 
@@ -59,8 +57,7 @@ class Election:
         self.ttl = ttl
         self.ttl_ms = int(ttl * 1000)
         self.term: Leadership | None = None
-        self._renew: Any = client.register_script(script_source("leader_renew"))
-        self._release: Any = client.register_script(script_source("leader_release"))
+        self._scripts = LeaderScripts(client)
 
     @property
     def is_leader(self) -> bool:
@@ -76,7 +73,7 @@ class Election:
         if not won:
             return None
         epoch = int(await self.client.incr(self.keys.epoch))
-        if not await self._renew(keys=[self.keys.leader], args=[self.id, self.ttl_ms]):
+        if not await self._scripts.renew(self.keys.leader, self.id, self.ttl_ms):
             log.warning("won the lease but lost it before confirming epoch %d", epoch)
             return None
         self.term = Leadership(epoch, self._valid_from(sent))
@@ -89,7 +86,7 @@ class Election:
             return False
         sent = time.monotonic()
         try:
-            owned = await self._renew(keys=[self.keys.leader], args=[self.id, self.ttl_ms])
+            owned = await self._scripts.renew(self.keys.leader, self.id, self.ttl_ms)
         except REDIS_ERRORS as exc:
             if self.term.valid():
                 log.warning("lease renewal failed (%s); still leader for now", exc)
@@ -112,21 +109,7 @@ class Election:
             return
         self.term = None
         try:
-            await self._release(keys=[self.keys.leader], args=[self.id])
+            await self._scripts.release(self.keys.leader, self.id)
             log.info("coordinator %s resigned leadership", self.id)
         except REDIS_ERRORS as exc:
             log.warning("could not release the lease (%s); it lapses by TTL", exc)
-
-    async def hold(self, on_term: Any = None) -> None:
-        """Forever: campaign while standing by, renew while leading (ttl/3 cadence)."""
-        while True:
-            try:
-                if self.term is None:
-                    term = await self.campaign()
-                    if term is not None and on_term is not None:
-                        await on_term(term)
-                else:
-                    await self.renew()
-            except REDIS_ERRORS as exc:
-                log.warning("election: Redis error %s", exc)
-            await asyncio.sleep(self.ttl / 3 if self.term else min(1.0, self.ttl / 3))

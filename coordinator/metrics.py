@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -28,75 +29,68 @@ class CoordinatorMetrics:
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> CoordinatorMetrics:
-        g = ("gate",)
-        return cls(
-            target=Gauge("fleetgate_coordinator_target", "Target published", g, registry=registry),
-            running=Gauge(
-                "fleetgate_coordinator_running",
-                "Requests running on the engine (all clients)",
-                g,
-                registry=registry,
-            ),
-            waiting_capacity=Gauge(
-                "fleetgate_coordinator_waiting_capacity",
-                "Requests waiting for engine capacity",
-                g,
-                registry=registry,
-            ),
-            saturated=Gauge(
-                "fleetgate_coordinator_saturated",
-                "1 when capacity-waiting > 0",
-                g,
-                registry=registry,
-            ),
-            in_flight=Gauge(
-                "fleetgate_coordinator_fleet_in_flight",
-                "Leases held fleet-wide at the last poll",
-                g,
-                registry=registry,
-            ),
-            decisions=Counter(
-                "fleetgate_coordinator_decisions",
-                "Controller decisions by reason",
-                ("gate", "reason"),
-                registry=registry,
-            ),
-            scrape_errors=Counter(
-                "fleetgate_coordinator_scrape_errors",
-                "Polls whose /metrics could not be used",
-                g,
-                registry=registry,
-            ),
-            scrape_seconds=Histogram(
-                "fleetgate_coordinator_scrape_seconds",
-                "Time to scrape and parse one gate's endpoints",
-                g,
-                registry=registry,
-            ),
-            poll_seconds=Histogram(
-                "fleetgate_coordinator_poll_seconds",
-                "Time of one whole poll: scrape, decide, publish",
-                registry=registry,
-            ),
-            leader=Gauge(
-                "fleetgate_coordinator_leader", "1 while this coordinator leads", registry=registry
-            ),
-            epoch=Gauge(
-                "fleetgate_coordinator_epoch", "Epoch of the current term", registry=registry
-            ),
-            refused=Counter(
-                "fleetgate_coordinator_refused_publishes",
-                "Targets refused for a stale epoch (this coordinator was deposed)",
-                registry=registry,
-            ),
-            reaped_gates=Counter(
-                "fleetgate_coordinator_reaper_sweeps",
-                "Gate sweeps by the reaper",
-                registry=registry,
-            ),
-            pruned_gates=Counter(
-                "fleetgate_coordinator_pruned_gates",
-                "Idle gates deleted and dropped from the registry (prune_idle_after)",
-                registry=registry,
-            ),
-        )
+        return cls(**_per_gate(registry), **_per_coordinator(registry))
+
+
+def _per_gate(registry: CollectorRegistry) -> dict[str, Any]:
+    """The metrics labelled by gate."""
+    g = ("gate",)
+
+    def gauge(name: str, doc: str) -> Gauge:
+        return Gauge(f"fleetgate_coordinator_{name}", doc, g, registry=registry)
+
+    return {
+        "target": gauge("target", "Target published"),
+        "running": gauge("running", "Requests running on the engine (all clients)"),
+        "waiting_capacity": gauge("waiting_capacity", "Requests waiting for engine capacity"),
+        "saturated": gauge("saturated", "1 when capacity-waiting > 0"),
+        "in_flight": gauge("fleet_in_flight", "Leases held fleet-wide at the last poll"),
+        "decisions": Counter(
+            "fleetgate_coordinator_decisions",
+            "Controller decisions by reason",
+            ("gate", "reason"),
+            registry=registry,
+        ),
+        "scrape_errors": Counter(
+            "fleetgate_coordinator_scrape_errors",
+            "Polls whose /metrics could not be used",
+            g,
+            registry=registry,
+        ),
+        "scrape_seconds": Histogram(
+            "fleetgate_coordinator_scrape_seconds",
+            "Time to scrape and parse one gate's endpoints",
+            g,
+            registry=registry,
+        ),
+    }
+
+
+def _per_coordinator(registry: CollectorRegistry) -> dict[str, Any]:
+    """The metrics of the coordinator as a whole."""
+    return {
+        "poll_seconds": Histogram(
+            "fleetgate_coordinator_poll_seconds",
+            "Time of one whole poll: scrape, decide, publish",
+            registry=registry,
+        ),
+        "leader": Gauge(
+            "fleetgate_coordinator_leader", "1 while this coordinator leads", registry=registry
+        ),
+        "epoch": Gauge(
+            "fleetgate_coordinator_epoch", "Epoch of the current term", registry=registry
+        ),
+        "refused": Counter(
+            "fleetgate_coordinator_refused_publishes",
+            "Targets refused for a stale epoch (this coordinator was deposed)",
+            registry=registry,
+        ),
+        "reaped_gates": Counter(
+            "fleetgate_coordinator_reaper_sweeps", "Gate sweeps by the reaper", registry=registry
+        ),
+        "pruned_gates": Counter(
+            "fleetgate_coordinator_pruned_gates",
+            "Idle gates deleted and dropped from the registry (prune_idle_after)",
+            registry=registry,
+        ),
+    }

@@ -10,17 +10,15 @@ new room to waiters at once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
-from fleetgate._redis import AnyRedis, is_cluster
+from fleetgate._redis import AnyRedis, BatchCall
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.registry import read_registry
-from fleetgate.scripts import GateScripts, publish_args
+from fleetgate.scripts import PRUNED, GateScripts
 
 from .config import GateConfig
 from .controller import ControllerParams, ControllerState, Decision, dump_state, load_state
@@ -29,8 +27,6 @@ from .signals import Signals
 __all__ = ["Publication", "Publisher"]
 
 log = logging.getLogger("fleetgate.coordinator")
-
-PRUNED = 1  # prune.lua's reply state for a gate it deleted
 
 
 class Publication(msgspec.Struct, frozen=True):
@@ -41,16 +37,6 @@ class Publication(msgspec.Struct, frozen=True):
     signals: Signals | None
     in_flight: int | None
     polled_at: float  # Redis server time, seconds
-
-
-def _cfg_mapping(gate: GateConfig) -> dict[str, int]:
-    return {
-        "floor": gate.floor,
-        "ceiling": gate.ceiling,
-        "max_queued": gate.max_queued,
-        "lease_ms": gate.lease_ms,
-        "waiter_ms": gate.waiter_ms,
-    }
 
 
 def _util_mapping(p: Publication) -> dict[str, str]:
@@ -121,7 +107,7 @@ class Publisher:
         self, epoch: int, target_ttl_ms: int, pubs: Sequence[Publication]
     ) -> list[bool]:
         """Register the gates, then write each gate's cfg, snapshot and target (one fenced
-        ``publish.lua`` call per gate; one pipeline on a standalone Redis).
+        ``publish.lua`` call per gate; one batch, see :meth:`GateScripts.batch`).
 
         Returns, per publication, whether it was accepted (False: a newer epoch owns the gate,
         so this coordinator has been deposed, and nothing of it was written). Publications whose
@@ -129,33 +115,21 @@ class Publisher:
         and the snapshot, and leave the target's value alone.
         """
         names = [p.gate.name for p in pubs]
-        if is_cluster(self.client):
-            # Redis Cluster blocks scripts in pipelines: the same calls, concurrently per gate.
-            await self.client.sadd(self.fleet.gates, *names)
-            replies = await asyncio.gather(
-                *(
-                    self.scripts.publish(
-                        self.keys(p.gate.name), epoch, target_ttl_ms, *self._payload(p)
-                    )
-                    for p in pubs
-                )
+        calls = [
+            self.scripts.publish_call(
+                self.keys(p.gate.name), epoch, target_ttl_ms, *self._payload(p)
             )
-            return list(replies)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(self.fleet.gates, *names)
-        script = self.scripts.script("publish")
-        for p in pubs:
-            # On a pipeline, awaiting the script only queues its EVALSHA (and the pipeline
-            # loads the script first if the server lacks it).
-            args = publish_args(epoch, target_ttl_ms, *self._payload(p))
-            await script(keys=self.keys(p.gate.name).script_keys(), args=args, client=pipe)
-        results = await pipe.execute()
-        return [int(r[0]) == 1 for r in results[1:]]
+            for p in pubs
+        ]
+        replies = await self.scripts.batch(
+            calls, also=[lambda client: client.sadd(self.fleet.gates, *names)]
+        )
+        return [bool(r) for r in replies]
 
     @staticmethod
     def _payload(p: Publication) -> tuple[int | None, dict[str, int], dict[str, str]]:
         target = p.decision.target if p.decision.publish else None
-        return target, _cfg_mapping(p.gate), _util_mapping(p)
+        return target, p.gate.settings.as_cfg(), _util_mapping(p)
 
     async def registered_gates(self) -> list[str]:
         """The registered gate names, sorted. An entry that is no valid gate name (anyone may
@@ -185,28 +159,16 @@ class Publisher:
         """
         if not names:
             return [], []
-        script = self.scripts.script("prune")
-        if is_cluster(self.client):
-            replies: list[Any] = await asyncio.gather(
-                *(
-                    script(keys=self.keys(n).script_keys(), args=[epoch, idle_after_ms])
-                    for n in names
-                ),
-                return_exceptions=True,
-            )
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            for n in names:
-                await script(
-                    keys=self.keys(n).script_keys(), args=[epoch, idle_after_ms], client=pipe
-                )
-            replies = await pipe.execute(raise_on_error=False)
+        replies = await self.scripts.batch(
+            [self.scripts.prune_call(self.keys(n), epoch, idle_after_ms) for n in names],
+            raise_on_error=False,
+        )
         pruned: list[str] = []
         failed: list[tuple[str, Exception]] = []
         for name, reply in zip(names, replies, strict=True):
             if isinstance(reply, Exception):
                 failed.append((name, reply))
-            elif int(reply[0]) == PRUNED:
+            elif reply == PRUNED:
                 pruned.append(name)
         if not pruned:
             return [], failed
@@ -220,31 +182,15 @@ class Publisher:
     async def _exist(self, names: Sequence[str]) -> list[bool]:
         """Per gate: does any of the keys a client's acquire or heartbeat creates exist?"""
 
-        def keys(n: str) -> list[str]:
-            k = self.keys(n)
-            return [k.cfg, k.holders, k.queue, k.waiters, k.pods]
+        def exists(name: str) -> BatchCall:
+            k = self.keys(name)
+            return lambda client: client.exists(k.cfg, k.holders, k.queue, k.waiters, k.pods)
 
-        if is_cluster(self.client):
-            counts = await asyncio.gather(*(self.client.exists(*keys(n)) for n in names))
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            for n in names:
-                pipe.exists(*keys(n))
-            counts = await pipe.execute()
+        counts = await self.scripts.redis.batch([exists(n) for n in names])
         return [int(c) > 0 for c in counts]
 
     async def sweep(self, names: Sequence[str]) -> None:
-        """Reap expired leases and waiters of ``names`` and move their queues (one pipeline)."""
+        """Reap expired leases and waiters of ``names`` and move their queues (one batch)."""
         if not names:
             return
-        if is_cluster(self.client):
-            await asyncio.gather(
-                *(self.scripts.heartbeat(self.keys(n), "", 0, [], []) for n in names)
-            )
-            return
-        pipe = self.client.pipeline(transaction=False)
-        script = self.scripts.script("heartbeat")
-        for name in names:
-            # The heartbeat with an empty pod id renews nothing: it only reaps and hands off.
-            await script(keys=self.keys(name).script_keys(), args=["", 0, 0, 0], client=pipe)
-        await pipe.execute()
+        await self.scripts.batch([self.scripts.sweep_call(self.keys(n)) for n in names])

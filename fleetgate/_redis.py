@@ -1,12 +1,16 @@
-"""Creating redis-py asyncio clients from a URL, the one place connection options are chosen."""
+"""Creating redis-py asyncio clients from a URL, the one place connection options are chosen, and
+:class:`RedisMode`, the one object that knows whether a client talks to a standalone Redis or a
+Redis Cluster (callers never ask)."""
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 import functools
-import inspect
 import os
 import re
+from collections.abc import Awaitable, Callable, Sequence
+from inspect import Parameter, isawaitable, signature
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -31,9 +35,10 @@ __all__ = [
     "REDIS_ERRORS",
     "UNAVAILABLE_REPLIES",
     "AnyRedis",
+    "BatchCall",
+    "RedisMode",
     "ServerUnavailable",
     "connect",
-    "is_cluster",
     "prepare",
     "redact",
     "scrub",
@@ -108,26 +113,106 @@ def split_cluster_flag(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=rest)), flag[-1].lower() in _TRUE
 
 
-def is_cluster(client: object) -> bool:
-    return isinstance(client, aredis.RedisCluster)
+# One command of a batch: given the pipeline (standalone) or the client (Cluster), issue it;
+# what it returns is awaited when awaitable (a script call queues itself on a pipeline that way).
+BatchCall = Callable[[Any], Any]
+
+
+class RedisMode:
+    """A redis-py asyncio client and the way of talking to it that its mode needs.
+
+    Standalone and Redis Cluster differ in four places, all here: the topology load before
+    concurrent use (:meth:`prepare`), commands that go to every primary (:meth:`each_primary`),
+    dropping idle connections (:meth:`disconnect_idle`) and batches of gate commands
+    (:meth:`batch`: one pipeline, or concurrent calls because Cluster refuses scripts in
+    pipelines). Sentinel joins here.
+    """
+
+    __slots__ = ("client", "cluster")
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        #: informative only: callers use the methods below, never this flag
+        self.cluster = isinstance(client, aredis.RedisCluster)
+
+    async def prepare(self) -> None:
+        """Load a cluster client's topology before concurrent use.
+
+        redis-py's asyncio ``RedisCluster`` can corrupt a connection when many first commands
+        race its lazy initialisation (seen with redis-py 8.1); one explicit ``initialize()``
+        avoids it. A standalone client needs nothing. Unreachable Redis is left to the caller's
+        first command, so a process may start before its Redis: that includes redis-py's
+        ``RedisClusterException`` "Redis Cluster cannot be connected" (which is not a
+        ``ConnectionError``), raised when no startup node answers -- or when the ACL refuses
+        ``CLUSTER SLOTS``/``COMMAND``, which redis-py 8.1 misreports as "Cluster mode is not
+        enabled on this node".
+        """
+        if self.cluster:
+            try:
+                await self.client.initialize()
+            except _PREPARE_ERRORS:
+                pass
+
+    async def each_primary(self, command: Callable[..., Awaitable[Any]]) -> list[tuple[str, Any]]:
+        """``command(**target)`` on every node that takes writes, as ``(label, reply)``.
+
+        ``target`` is empty on a standalone Redis (label ``""``) and ``target_nodes=node`` per
+        Cluster primary (label ``"host:port "``, ready to prefix a message).
+        """
+        if not self.cluster:
+            return [("", await command())]
+        out = []
+        for node in self.client.get_primaries():
+            out.append((f"{node.host}:{node.port} ", await command(target_nodes=node)))
+        return out
+
+    async def disconnect_idle(self) -> None:
+        """Close the idle pooled connections (of every node, for a cluster client).
+
+        Connections that were mid-command when Redis went away go back to redis-py's pool (8.1)
+        in a state its connection check misses: their next command fails with "Connection
+        closed by server.", which read as a second outage right after recovery (every pod fell
+        back again within 2 ms of resuming fleet mode in
+        tests/chaos/test_redis_restart.py::test_redis_restart_fair_share). New connections are
+        opened on demand.
+        """
+        if not self.cluster:
+            await self.client.connection_pool.disconnect(inuse_connections=False)
+            return
+        for node in self.client.get_nodes():
+            await node.disconnect_free_connections()
+
+    async def batch(self, calls: Sequence[BatchCall], *, raise_on_error: bool = True) -> list[Any]:
+        """Run ``calls`` (each on a different gate, say) and return their replies in order.
+
+        Standalone: one pipeline without MULTI (one round trip; redis-py loads a script the
+        server lacks first). Cluster: concurrent calls, since Cluster refuses scripts in
+        pipelines. ``raise_on_error=False`` returns a failed call's exception as its reply.
+        """
+        if not calls:
+            return []
+        if self.cluster:
+            return list(
+                await asyncio.gather(
+                    *(_awaited(call(self.client)) for call in calls),
+                    return_exceptions=not raise_on_error,
+                )
+            )
+        pipe = self.client.pipeline(transaction=False)
+        for call in calls:
+            queued = call(pipe)
+            if isawaitable(queued):
+                await queued  # a script on a pipeline: awaiting only queues its EVALSHA
+        return list(await pipe.execute(raise_on_error=raise_on_error))
+
+
+async def _awaited(value: Any) -> Any:
+    return await value if isawaitable(value) else value
 
 
 async def prepare(client: Any) -> None:
-    """Load a cluster client's topology before concurrent use.
-
-    redis-py's asyncio ``RedisCluster`` can corrupt a connection when many first commands race
-    its lazy initialisation (seen with redis-py 8.1); one explicit ``initialize()`` avoids it.
-    A standalone client needs nothing. Unreachable Redis is left to the caller's first command,
-    so a process may start before its Redis: that includes redis-py's ``RedisClusterException``
-    "Redis Cluster cannot be connected" (which is not a ``ConnectionError``), raised when no
-    startup node answers -- or when the ACL refuses ``CLUSTER SLOTS``/``COMMAND``, which
-    redis-py 8.1 misreports as "Cluster mode is not enabled on this node".
-    """
-    if is_cluster(client):
-        try:
-            await client.initialize()
-        except _PREPARE_ERRORS:
-            pass
+    """Load a cluster client's topology before concurrent use (see :meth:`RedisMode.prepare`)."""
+    await RedisMode(client).prepare()
 
 
 # Connections of one process' pool. Calls beyond it wait for a free connection (a blocking
@@ -228,8 +313,8 @@ def _init_params(cls: type) -> frozenset[str]:
         init = klass.__dict__.get("__init__")
         if init is None:
             continue
-        for p in inspect.signature(init).parameters.values():
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        for p in signature(init).parameters.values():
+            if p.kind in (Parameter.POSITIONAL_OR_KEYWORD, Parameter.KEYWORD_ONLY):
                 names.add(p.name)
     return frozenset(names)
 
@@ -263,6 +348,24 @@ def validate_redis_url(url: object, *, check_files: bool = False) -> str:
     shown = redact(url)
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         raise ConfigError(f"Redis URL {shown!r} contains whitespace or control characters")
+    scheme, query = _split_url(url, shown)
+    cluster_flags = [v for k, v in query if k == "cluster"]
+    cluster = bool(cluster_flags) and cluster_flags[-1].lower() in _TRUE
+    if cluster_flags and cluster_flags[-1].lower() not in _TRUE | _FALSE:
+        raise ConfigError(f"Redis URL {shown!r}: cluster= takes 1/0, true/false, yes/no, on/off")
+    if cluster and scheme == "unix":
+        raise ConfigError(f"Redis URL {shown!r}: a Redis Cluster cannot be reached by unix://")
+    _check_query_keys(query, scheme, cluster, shown)
+    try:
+        parse_url(url if not cluster_flags else split_cluster_flag(url)[0])
+    except ValueError as exc:  # e.g. "Invalid value for 'db' in connection URL."
+        raise ConfigError(f"Redis URL {shown!r}: {scrub(str(exc), url)}") from None
+    _check_tls_options(dict(query), shown, check_files)
+    return url
+
+
+def _split_url(url: str, shown: str) -> tuple[str, list[tuple[str, str]]]:
+    """The scheme (lower case) and the query pairs of ``url``; ConfigError if malformed."""
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a malformed port
@@ -280,13 +383,11 @@ def validate_redis_url(url: object, *, check_files: bool = False) -> str:
         )
     if scheme == "unix" and not parts.path:
         raise ConfigError(f"Redis URL {shown!r} has no socket path")
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    cluster_flags = [v for k, v in query if k == "cluster"]
-    cluster = bool(cluster_flags) and cluster_flags[-1].lower() in _TRUE
-    if cluster_flags and cluster_flags[-1].lower() not in _TRUE | _FALSE:
-        raise ConfigError(f"Redis URL {shown!r}: cluster= takes 1/0, true/false, yes/no, on/off")
-    if cluster and scheme == "unix":
-        raise ConfigError(f"Redis URL {shown!r}: a Redis Cluster cannot be reached by unix://")
+    return scheme, parse_qsl(parts.query, keep_blank_values=True)
+
+
+def _check_query_keys(query: list[tuple[str, str]], scheme: str, cluster: bool, shown: str) -> None:
+    """Every query parameter is one the installed redis-py takes for this connection."""
     accepted = _accepted(scheme, cluster)
     for key, _ in query:
         if key in accepted:
@@ -303,11 +404,9 @@ def validate_redis_url(url: object, *, check_files: bool = False) -> str:
         close = difflib.get_close_matches(key, sorted(accepted), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"Redis URL {shown!r}: unknown query parameter {key!r}{hint}")
-    try:
-        parse_url(url if not cluster_flags else split_cluster_flag(url)[0])
-    except ValueError as exc:  # e.g. "Invalid value for 'db' in connection URL."
-        raise ConfigError(f"Redis URL {shown!r}: {scrub(str(exc), url)}") from None
-    options = dict(query)
+
+
+def _check_tls_options(options: dict[str, str], shown: str, check_files: bool) -> None:
     reqs = options.get("ssl_cert_reqs")
     if reqs is not None and reqs.lower() not in _CERT_REQS:
         raise ConfigError(
@@ -318,7 +417,6 @@ def validate_redis_url(url: object, *, check_files: bool = False) -> str:
             path = options.get(key)
             if path is not None and not os.path.exists(path):
                 raise ConfigError(f"Redis URL {shown!r}: {key} file {path!r} does not exist")
-    return url
 
 
 # ------------------------------------------------------------------------------ redaction

@@ -16,7 +16,7 @@ import msgspec
 
 from fleetgate._redis import connect, prepare, redact, scrub
 from fleetgate.keys import GateKeys
-from fleetgate.safety import find_bad_keys, inspect_redis, redis_version
+from fleetgate.safety import find_bad_keys, redis_version, server_findings
 from fleetgate.scripts import GateScripts
 from fleetgate.status import format_status, gather_status
 
@@ -50,7 +50,7 @@ async def inspect(url: str, prefix: str, gate: str, n: int, *, as_json: bool) ->
     """Print one gate: limit, counts, config, target, counters, ``n`` holders and waiters."""
     client = connect(url)
     try:
-        snap = await GateScripts(client).inspect(GateKeys.of(prefix, gate), n)
+        snap = await GateScripts(client).snapshot(GateKeys.of(prefix, gate), n)
     finally:
         await client.aclose()
     if as_json:
@@ -83,7 +83,7 @@ async def check(url: str, prefix: str) -> int:
         await prepare(client)
         await client.ping()
         version = await redis_version(client)
-        findings = await inspect_redis(client)
+        findings = await server_findings(client)
         findings += await find_bad_keys(client, prefix)
     except Exception as exc:
         # Anything redis-py raises; its text never holds the password, and scrub() makes sure.

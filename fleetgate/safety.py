@@ -1,6 +1,6 @@
 """Checks of the Redis server and of fleetgate's keys that the scripts cannot make themselves.
 
-* :func:`check_redis` / :func:`inspect_redis`: server settings a semaphore depends on.
+* :func:`check_redis` / :func:`server_findings`: server settings a semaphore depends on.
   ``maxmemory-policy`` must be ``noeviction`` -- an evicted ``holders`` zset or ``cfg`` hash would
   silently reset a gate's count or cap. Replicas are reported because a grant acknowledged by the
   primary can vanish in a failover before it was replicated (docs/security.md, "Redis
@@ -27,9 +27,10 @@ from typing import Any, Literal
 import redis.asyncio as aredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from fleetgate._redis import is_cluster
+from fleetgate._redis import RedisMode
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.registry import read_registry
+from fleetgate.settings import bounds
 
 __all__ = [
     "EXPECTED_TYPES",
@@ -39,6 +40,7 @@ __all__ = [
     "inspect_redis",
     "is_wrongtype",
     "redis_version",
+    "server_findings",
 ]
 
 MIN_VERSION = (6, 2)
@@ -71,7 +73,8 @@ EXPECTED_TYPES: Mapping[str, str] = {
     "util": "hash",
 }
 _FLEET_TYPES: Mapping[str, str] = {"gates": "set", "leader": "string", "epoch": "string"}
-_CFG_FIELDS = {"floor": 1, "ceiling": 1, "max_queued": 0, "lease_ms": 100, "waiter_ms": 100}
+# The lowest value of each cfg field the scripts take as given (fleetgate.settings).
+_CFG_LOWEST = {name: low for name, (low, _) in bounds().items()}
 _TARGET_FIELDS = ("value", "epoch", "expires_at")
 # Larger numbers are no configuration anyone means (a lease of 30 years, a cap of 10^18), and
 # make the scripts compute with floats that Redis cannot return.
@@ -99,13 +102,11 @@ def _denied(exc: ResponseError) -> bool:
 
 async def _per_node(client: Any, section: str) -> list[tuple[str, dict[str, Any]]]:
     """``INFO section`` of every node the client writes to (one node when standalone)."""
-    if not is_cluster(client):
-        return [("", dict(await client.info(section)))]
-    out = []
-    for node in client.get_primaries():
-        info = await client.info(section, target_nodes=node)
-        out.append((f"{node.host}:{node.port} ", dict(info)))
-    return out
+
+    async def info(**target: Any) -> dict[str, Any]:
+        return dict(await client.info(section, **target))
+
+    return await RedisMode(client).each_primary(info)
 
 
 async def _policy(client: Any) -> list[tuple[str, str | None, str | None]]:
@@ -149,19 +150,35 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) if x.isdigit() else 0 for x in version.split(".")[:3])
 
 
-async def inspect_redis(client: aredis.Redis | aredis.RedisCluster) -> list[Finding]:
-    """Findings about the server's settings (empty when everything fleetgate needs holds)."""
-    findings: list[Finding] = []
+async def server_findings(client: aredis.Redis | aredis.RedisCluster) -> list[Finding]:
+    """Findings about the server's settings (empty when everything fleetgate needs holds):
+    version, eviction policy and replication, of every primary."""
+    findings = await _version_findings(client)
+    findings += await _eviction_findings(client)
+    findings += await _replication_findings(client)
+    return findings
+
+
+# Deprecated name of server_findings: fleetgate/cli.py calls it until it switches; then remove.
+inspect_redis = server_findings
+
+
+async def _version_findings(client: Any) -> list[Finding]:
     version = await redis_version(client)
     if version is None:
-        findings.append(
+        return [
             Finding("warning", "unchecked", "the Redis version could not be checked (INFO refused)")
-        )
-    elif _version_tuple(version) < MIN_VERSION:
+        ]
+    if _version_tuple(version) < MIN_VERSION:
         need = ".".join(map(str, MIN_VERSION))
-        findings.append(
+        return [
             Finding("error", "version", f"Redis {version} is too old: fleetgate needs >= {need}")
-        )
+        ]
+    return []
+
+
+async def _eviction_findings(client: Any) -> list[Finding]:
+    findings: list[Finding] = []
     for node, policy, why in await _policy(client):
         if policy is None:
             findings.append(
@@ -182,15 +199,17 @@ async def inspect_redis(client: aredis.Redis | aredis.RedisCluster) -> list[Find
                     "and queues",
                 )
             )
+    return findings
+
+
+async def _replication_findings(client: Any) -> list[Finding]:
     try:
         replication = await _per_node(client, "replication")
     except ResponseError as exc:
         if not _denied(exc):
             raise
-        findings.append(
-            Finding("warning", "unchecked", f"replication could not be checked ({exc})")
-        )
-        return findings
+        return [Finding("warning", "unchecked", f"replication could not be checked ({exc})")]
+    findings: list[Finding] = []
     for node, info in replication:
         role = str(info.get("role", ""))
         if role in ("slave", "replica"):
@@ -216,9 +235,9 @@ async def inspect_redis(client: aredis.Redis | aredis.RedisCluster) -> list[Find
 async def check_redis(client: aredis.Redis | aredis.RedisCluster) -> list[str]:
     """Warnings about the server's settings, one line each (empty: nothing to report).
 
-    See :func:`inspect_redis` for the levels; ``fleetgate check`` fails on error-level ones.
+    See :func:`server_findings` for the levels; ``fleetgate check`` fails on error-level ones.
     """
-    return [f.message for f in await inspect_redis(client)]
+    return [f.message for f in await server_findings(client)]
 
 
 def _bad_number(value: str, low: int) -> str | None:
@@ -250,15 +269,6 @@ async def find_bad_keys(
     """
     fk = fleet_keys(prefix)
     findings: list[Finding] = []
-
-    def wrong(key: str, found: str, expected: str) -> Finding:
-        return Finding(
-            "error",
-            "wrong_type",
-            f"key {key} is a {found}, expected a {expected}: every command on it fails with "
-            f"WRONGTYPE; delete it (redis-cli DEL '{key}') -- fleetgate recreates it",
-        )
-
     try:
         fleet_types = await _types(client, [getattr(fk, a) for a in _FLEET_TYPES])
         names = set(gates)
@@ -276,7 +286,7 @@ async def find_bad_keys(
                 )
         for (attr, expected), found in zip(_FLEET_TYPES.items(), fleet_types, strict=True):
             if found not in ("none", expected):
-                findings.append(wrong(getattr(fk, attr), found, expected))
+                findings.append(_wrong_type(getattr(fk, attr), found, expected))
         for name in sorted(names)[:max_gates]:
             try:
                 keys = GateKeys.of(prefix, name)
@@ -285,12 +295,21 @@ async def find_bad_keys(
                     Finding("error", "bad_value", f"{fk.gates} holds an invalid gate name {name!r}")
                 )
                 continue
-            findings += await _gate_findings(client, keys, wrong)
+            findings += await _gate_findings(client, keys)
     except ResponseError as exc:
         if not _denied(exc):
             raise
         findings.append(Finding("warning", "unchecked", f"keys could not be checked ({exc})"))
     return findings
+
+
+def _wrong_type(key: str, found: str, expected: str) -> Finding:
+    return Finding(
+        "error",
+        "wrong_type",
+        f"key {key} is a {found}, expected a {expected}: every command on it fails with "
+        f"WRONGTYPE; delete it (redis-cli DEL '{key}') -- fleetgate recreates it",
+    )
 
 
 async def _types(client: Any, keys: list[str]) -> list[str]:
@@ -300,16 +319,16 @@ async def _types(client: Any, keys: list[str]) -> list[str]:
     return [str(t) for t in await pipe.execute()]
 
 
-async def _gate_findings(client: Any, keys: GateKeys, wrong: Any) -> list[Finding]:
+async def _gate_findings(client: Any, keys: GateKeys) -> list[Finding]:
     out: list[Finding] = []
     attrs = list(EXPECTED_TYPES)
     types = dict(zip(attrs, await _types(client, [getattr(keys, a) for a in attrs]), strict=True))
     for attr, expected in EXPECTED_TYPES.items():
         if types[attr] not in ("none", expected):
-            out.append(wrong(getattr(keys, attr), types[attr], expected))
+            out.append(_wrong_type(getattr(keys, attr), types[attr], expected))
     if types["cfg"] == "hash":
         cfg = await client.hgetall(keys.cfg)
-        for name, low in _CFG_FIELDS.items():
+        for name, low in _CFG_LOWEST.items():
             value = cfg.get(name)
             problem = None if value is None else _bad_number(str(value), low)
             if problem:

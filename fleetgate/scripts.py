@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from fleetgate._redis import ServerUnavailable, unavailable_reply
+from fleetgate._redis import BatchCall, RedisMode, ServerUnavailable, unavailable_reply
 from fleetgate.errors import ConfigError, GateStateError
 from fleetgate.keys import GateKeys
+from fleetgate.settings import GateSettings
 
 __all__ = [
     "SCRIPT_NAMES",
@@ -26,8 +27,10 @@ __all__ = [
     "GateDefaults",
     "GateScripts",
     "HeartbeatReply",
+    "LeaderScripts",
+    "ScriptCall",
     "Snapshot",
-    "publish_args",
+    "Utilization",
     "script_source",
 ]
 
@@ -45,7 +48,10 @@ SCRIPT_NAMES = (
 # Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
-GRANTED, PARKED, REJECTED = 1, 2, 0
+GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
+PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
+
+_R = TypeVar("_R")
 
 
 @functools.cache
@@ -61,29 +67,45 @@ def script_source(name: str) -> str:
     return f"{lib}\n{body}"
 
 
-@dataclass(frozen=True)
-class GateDefaults:
-    """The configuration a client registers for a gate that has none yet."""
-
-    floor: int = 1
-    ceiling: int = 512
-    max_queued: int = 1000
-    lease_ms: int = 10_000
-    waiter_ms: int = 5_000
-
-    def argv(self) -> list[int]:
-        return [self.floor, self.ceiling, self.max_queued, self.lease_ms, self.waiter_ms]
+# The client's name for GateSettings until client/ switches to fleetgate.settings (the same class).
+GateDefaults = GateSettings
 
 
 @dataclass(frozen=True)
 class AcquireReply:
+    """``acquire.lua``'s reply. Of ``holders``, ``position`` and ``max_queued`` only the one of
+    the outcome is set (the others are 0)."""
+
     status: int  # GRANTED, PARKED or REJECTED
     token: int
     limit: int
-    n: int  # holders when granted, 1-based position when parked, max_queued when rejected
+    holders: int  # granted: holders counting this one
+    position: int  # parked: 1-based place in the wait list
+    max_queued: int  # rejected: the wait list's bound it is full at
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
     expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
+
+    @classmethod
+    def decode(cls, reply: Any) -> AcquireReply:
+        status, token, limit, n, lease_ms, waiter_ms, expires_at = (int(x) for x in reply[:7])
+        return cls(
+            status=status,
+            token=token,
+            limit=limit,
+            holders=n if status == GRANTED else 0,
+            position=n if status == PARKED else 0,
+            max_queued=n if status == REJECTED else 0,
+            lease_ms=lease_ms,
+            waiter_ms=waiter_ms,
+            expires_at=expires_at,
+        )
+
+    @property
+    def n(self) -> int:
+        """Deprecated: the script's overloaded count. client/_gate.py reads it until the
+        integrator switches it to ``max_queued``; then remove."""
+        return self.holders or self.position or self.max_queued
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,23 @@ class HeartbeatReply:
     pod_new: bool  # the pod's live entry had to be created (first, expired or wiped)
     adopted: list[str]  # leases the gate had lost before they expired, counted again
 
+    @classmethod
+    def decode(cls, r: Any) -> HeartbeatReply:
+        return cls(
+            limit=int(r[0]),
+            live_pods=int(r[1]),
+            lost_leases=[_s(x) for x in r[2]],
+            granted_waiters=[_s(x) for x in r[3]],
+            lost_waiters=[_s(x) for x in r[4]],
+            queued=int(r[5]),
+            holders=int(r[6]),
+            lease_ms=int(r[7]),
+            waiter_ms=int(r[8]),
+            expires_at=int(r[9]),
+            pod_new=int(r[10]) == 1,
+            adopted=[_s(x) for x in r[11]],
+        )
+
 
 class Waiter(msgspec.Struct):
     id: str
@@ -113,8 +152,36 @@ class Holder(msgspec.Struct):
     expires_at: int
 
 
+class Utilization(msgspec.Struct, frozen=True, kw_only=True):
+    """The coordinator's last utilisation snapshot of a gate (``fg:{G}:util``), parsed: a
+    missing or garbled value is None (False for the flags)."""
+
+    running: float | None = None
+    waiting_capacity: float | None = None
+    metrics_ok: bool = False
+    saturated: bool = False
+    last_poll: float | None = None
+    metrics_url: str | None = None
+    reason: str | None = None
+    server: str | None = None
+
+    @classmethod
+    def parse(cls, util: Mapping[str, str]) -> Utilization:
+        return cls(
+            running=_float(util.get("running")),
+            waiting_capacity=_float(util.get("waiting_capacity")),
+            metrics_ok=util.get("metrics_ok") == "1",
+            saturated=util.get("saturated") == "1",
+            last_poll=_float(util.get("last_poll")),
+            metrics_url=util.get("metrics_url") or None,
+            reason=util.get("reason") or None,
+            server=util.get("server") or None,
+        )
+
+
 class Snapshot(msgspec.Struct):
-    """A consistent view of one gate (the ``inspect`` script)."""
+    """A consistent view of one gate (``inspect.lua``): the raw hashes plus parsed views of them
+    (:attr:`live_target`, :attr:`epoch`, :meth:`utilization`, :meth:`stat`)."""
 
     now: int
     limit: int
@@ -124,12 +191,53 @@ class Snapshot(msgspec.Struct):
     holders: int
     queued: int
     live_pods: int
+    lease_ms: int = 0
+    waiter_ms: int = 0
     cfg: dict[str, str] = {}
     target: dict[str, str] = {}
     stats: dict[str, str] = {}
     util: dict[str, str] = {}
     head: list[Waiter] = []
     leases: list[Holder] = []
+
+    @property
+    def live_target(self) -> int | None:
+        """The coordinator's published target while it is unexpired, else None (the limit has
+        decayed to the floor)."""
+        expires = _int(self.target.get("expires_at"))
+        if expires is None or expires <= self.now:
+            return None
+        return _int(self.target.get("value"))
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the leader that last published the gate."""
+        return _int(self.target.get("epoch"))
+
+    def stat(self, name: str) -> int:
+        """A fleet-wide counter of ``fg:{G}:stats`` (0 when absent)."""
+        return _int(self.stats.get(name)) or 0
+
+    def utilization(self) -> Utilization:
+        return Utilization.parse(self.util)
+
+
+def _int(v: str | None) -> int | None:
+    if v is None or v == "":
+        return None
+    try:
+        return int(float(v))
+    except (ValueError, OverflowError):
+        return None
+
+
+def _float(v: str | None) -> float | None:
+    if v is None or v == "":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        return None
 
 
 def _empty_tables_as_lists(raw: bytes | str) -> Any:
@@ -144,26 +252,70 @@ def _empty_tables_as_lists(raw: bytes | str) -> Any:
     return obj
 
 
+class ScriptCall(Generic[_R]):
+    """One script call with its arguments encoded and its reply decoder: awaited alone by
+    :class:`GateScripts`, or batched with others by :meth:`GateScripts.batch`."""
+
+    __slots__ = ("args", "decode", "keys", "script")
+
+    def __init__(
+        self, script: Any, keys: GateKeys, args: list[Any], decode: Callable[[Any], _R]
+    ) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.decode = decode
+
+    def __call__(self, client: Any) -> Any:
+        """Issue the call on ``client`` (a client, or a pipeline it queues itself on)."""
+        return self.script(keys=self.keys.script_keys(), args=self.args, client=client)
+
+
 @dataclass
 class GateScripts:
-    """The scripts registered on one redis-py client (standalone or cluster, asyncio)."""
+    """The scripts registered on one redis-py client (standalone or cluster, asyncio).
+
+    Every script's ARGV is encoded here and every reply decoded here: one call at a time
+    (:meth:`acquire`, ...) or several gates' calls batched (the ``*_call`` methods with
+    :meth:`batch`).
+    """
 
     client: Any
     _scripts: dict[str, Any] = field(default_factory=dict)
+    redis: RedisMode = field(init=False)
 
     def __post_init__(self) -> None:
+        self.redis = RedisMode(self.client)
         for name in SCRIPT_NAMES:
             self._scripts[name] = self.client.register_script(script_source(name))
 
-    def script(self, name: str) -> Any:
-        """The registered redis-py ``Script`` (for use in a pipeline: ``client=pipe``)."""
-        return self._scripts[name]
-
-    async def _call(self, name: str, keys: GateKeys, args: list[Any]) -> Any:
+    async def _run(self, call: ScriptCall[_R]) -> _R:
         try:
-            return await self._scripts[name](keys=keys.script_keys(), args=args)
+            raw = await call(self.client)
         except ResponseError as exc:
-            raise await self.translate(exc, keys) from exc
+            raise await self.translate(exc, call.keys) from exc
+        return call.decode(raw)
+
+    async def batch(
+        self,
+        calls: Sequence[ScriptCall[_R]],
+        *,
+        also: Sequence[BatchCall] = (),
+        raise_on_error: bool = True,
+    ) -> list[_R | Exception]:
+        """Run ``calls`` together (one pipeline on a standalone Redis, concurrent calls on a
+        Cluster) after the plain commands ``also`` (whose replies are dropped); the replies
+        decoded, in order. ``raise_on_error=False``: a failed call's exception is its reply."""
+        try:
+            raw = await self.redis.batch([*also, *calls], raise_on_error=raise_on_error)
+        except ResponseError as exc:
+            if unavailable_reply(exc):  # an outage, as for a single call
+                raise ServerUnavailable(str(exc)) from exc
+            raise
+        return [
+            r if isinstance(r, Exception) else c.decode(r)
+            for c, r in zip(calls, raw[len(also) :], strict=True)
+        ]
 
     async def translate(self, exc: ResponseError, keys: GateKeys) -> Exception:
         """The error to raise for a Redis error reply to a script of gate ``keys``.
@@ -193,19 +345,25 @@ class GateScripts:
             wrong = []
         return GateStateError(keys.name, wrong, text)
 
+    # -- one call per script: ARGV encoded, reply decoded ----------------------------------
+
+    def _call(
+        self, name: str, keys: GateKeys, args: list[Any], decode: Callable[[Any], _R]
+    ) -> ScriptCall[_R]:
+        return ScriptCall(self._scripts[name], keys, args, decode)
+
     async def acquire(
-        self, keys: GateKeys, lease_id: str, wait_ms: int, defaults: GateDefaults
+        self, keys: GateKeys, lease_id: str, wait_ms: int, defaults: GateSettings
     ) -> AcquireReply:
-        r = await self._call("acquire", keys, [lease_id, max(1, wait_ms), *defaults.argv()])
-        return AcquireReply(*(int(x) for x in r[:7]))
+        args = [lease_id, max(1, wait_ms), *defaults.argv()]
+        return await self._run(self._call("acquire", keys, args, AcquireReply.decode))
 
     async def release(self, keys: GateKeys, lease_id: str) -> bool:
-        r = await self._call("release", keys, [lease_id])
-        return int(r[0]) == 1
+        return await self._run(self._call("release", keys, [lease_id], _accepted))
 
     async def cancel(self, keys: GateKeys, waiter_id: str) -> int:
-        r = await self._call("cancel", keys, [waiter_id])
-        return int(r[0])
+        """1 = left the wait list, 2 = the grant raced in and was released, 0 = unknown id."""
+        return await self._run(self._call("cancel", keys, [waiter_id], _first))
 
     async def heartbeat(
         self,
@@ -216,7 +374,7 @@ class GateScripts:
         waiters: list[tuple[str, int]],
         *,
         max_token: int = 0,
-        defaults: GateDefaults | None = None,
+        defaults: GateSettings | None = None,
     ) -> HeartbeatReply:
         """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((id, remaining
         deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate."""
@@ -229,25 +387,31 @@ class GateScripts:
         args.append(max_token)
         if defaults is not None:
             args += defaults.argv()
-        r = await self._call("heartbeat", keys, args)
-        return HeartbeatReply(
-            limit=int(r[0]),
-            live_pods=int(r[1]),
-            lost_leases=[_s(x) for x in r[2]],
-            granted_waiters=[_s(x) for x in r[3]],
-            lost_waiters=[_s(x) for x in r[4]],
-            queued=int(r[5]),
-            holders=int(r[6]),
-            lease_ms=int(r[7]),
-            waiter_ms=int(r[8]),
-            expires_at=int(r[9]),
-            pod_new=int(r[10]) == 1,
-            adopted=[_s(x) for x in r[11]],
-        )
+        return await self._run(self._call("heartbeat", keys, args, HeartbeatReply.decode))
+
+    def sweep_call(self, keys: GateKeys) -> ScriptCall[Any]:
+        """A heartbeat without a pod: renews nothing, only reaps and hands off (the reaper)."""
+        return self._call("heartbeat", keys, ["", 0, 0, 0, 0], HeartbeatReply.decode)
 
     async def set_target(self, keys: GateKeys, value: int, epoch: int, ttl_ms: int) -> bool:
-        r = await self._call("set_target", keys, [value, epoch, ttl_ms])
-        return int(r[0]) == 1
+        return await self._run(self._call("set_target", keys, [value, epoch, ttl_ms], _accepted))
+
+    def publish_call(
+        self,
+        keys: GateKeys,
+        epoch: int,
+        ttl_ms: int,
+        target: int | None,
+        cfg: Mapping[str, Any],
+        util: Mapping[str, Any],
+    ) -> ScriptCall[bool]:
+        """The coordinator's epoch-fenced write of one gate (``publish.lua``): target None leaves
+        the target's value alone; the reply False = refused (a newer epoch owns the gate)."""
+        args: list[Any] = [epoch, ttl_ms, "" if target is None else target, len(cfg)]
+        for pairs in (cfg, util):
+            for k, v in pairs.items():
+                args += [k, v]
+        return self._call("publish", keys, args, _accepted)
 
     async def publish(
         self,
@@ -258,37 +422,68 @@ class GateScripts:
         cfg: Mapping[str, Any],
         util: Mapping[str, Any],
     ) -> bool:
-        """The coordinator's epoch-fenced write of one gate (``publish.lua``); False = refused."""
-        r = await self._call("publish", keys, publish_args(epoch, ttl_ms, target, cfg, util))
-        return int(r[0]) == 1
+        """:meth:`publish_call`, alone."""
+        return await self._run(self.publish_call(keys, epoch, ttl_ms, target, cfg, util))
+
+    def prune_call(self, keys: GateKeys, epoch: int, idle_after_ms: int) -> ScriptCall[int]:
+        """``prune.lua``: the reply is PRUNED, IDLE, IN_USE or PRUNE_REFUSED."""
+        return self._call("prune", keys, [epoch, idle_after_ms], _first)
 
     async def adopt(
         self, keys: GateKeys, lease_ids: list[str], max_token: int = 0
     ) -> tuple[int, int]:
         """Count ``lease_ids`` (running work) as leases again after an outage; raise the gate's
         token counter above ``max_token``. Returns (ids added, server-ms expiry)."""
-        r = await self._call("adopt", keys, [max_token, *lease_ids])
-        return int(r[0]), int(r[1])
+        return await self._run(self._call("adopt", keys, [max_token, *lease_ids], _pair))
+
+    async def snapshot(
+        self, keys: GateKeys, listed: int = 10, defaults: GateSettings | None = None
+    ) -> Snapshot:
+        """A consistent snapshot of a gate (``inspect.lua``) listing its first ``listed``
+        waiters and holders (``<= 0``: none; at most 1000): the counts are exact, and the cost
+        never grows with the queue. ``defaults``: what an acquire would register for a gate
+        without configuration."""
+        args: list[Any] = [listed, *(defaults.argv() if defaults else [])]
+        return await self._run(self._call("inspect", keys, args, _snapshot))
 
     async def inspect(
-        self, keys: GateKeys, n: int = 10, defaults: GateDefaults | None = None
+        self, keys: GateKeys, n: int = 10, defaults: GateSettings | None = None
     ) -> Snapshot:
-        """Snapshot of a gate listing its first ``n`` waiters and holders (``n <= 0``: none; at
-        most 1000): the counts are exact, and the cost never grows with the queue."""
-        args: list[Any] = [n, *(defaults.argv() if defaults else [])]
-        raw = await self._call("inspect", keys, args)
-        return msgspec.convert(_empty_tables_as_lists(raw), Snapshot, strict=False)
+        """Deprecated name of :meth:`snapshot` (client/ and fleetgate/cli.py call it until the
+        integrator switches them); then remove."""
+        return await self.snapshot(keys, n, defaults)
 
 
-def publish_args(
-    epoch: int, ttl_ms: int, target: int | None, cfg: Mapping[str, Any], util: Mapping[str, Any]
-) -> list[Any]:
-    """ARGV of ``publish.lua``: target None leaves the target's value alone."""
-    args: list[Any] = [epoch, ttl_ms, "" if target is None else target, len(cfg)]
-    for pairs in (cfg, util):
-        for k, v in pairs.items():
-            args += [k, v]
-    return args
+class LeaderScripts:
+    """The coordinator's leadership-lease scripts (on the fleet keys, not a gate's)."""
+
+    def __init__(self, client: Any) -> None:
+        self._renew = client.register_script(script_source("leader_renew"))
+        self._release = client.register_script(script_source("leader_release"))
+
+    async def renew(self, leader_key: str, owner: str, ttl_ms: int) -> bool:
+        """Extend the lease to ``ttl_ms`` if ``owner`` holds it; False if it does not."""
+        return bool(await self._renew(keys=[leader_key], args=[owner, ttl_ms]))
+
+    async def release(self, leader_key: str, owner: str) -> None:
+        """Delete the lease if ``owner`` holds it."""
+        await self._release(keys=[leader_key], args=[owner])
+
+
+def _first(r: Any) -> int:
+    return int(r[0])
+
+
+def _accepted(r: Any) -> bool:
+    return int(r[0]) == 1
+
+
+def _pair(r: Any) -> tuple[int, int]:
+    return int(r[0]), int(r[1])
+
+
+def _snapshot(raw: Any) -> Snapshot:
+    return msgspec.convert(_empty_tables_as_lists(raw), Snapshot, strict=False)
 
 
 def _s(x: bytes | str) -> str:

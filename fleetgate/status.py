@@ -53,48 +53,31 @@ class FleetStatus(msgspec.Struct, kw_only=True):
     invalid_gates: list[str] = []
 
 
-def _num(v: str | None, kind: type[int] | type[float]) -> int | float | None:
-    if v is None or v == "":
-        return None
-    try:
-        return kind(float(v))
-    except ValueError:
-        return None
-
-
 def gate_status(name: str, snap: Snapshot) -> GateStatus:
-    """One status row from an ``inspect`` snapshot."""
-    util, target, stats = snap.util, snap.target, snap.stats
-
-    def stat(k: str) -> int:
-        return int(_num(stats.get(k), int) or 0)
-
-    live_target = _num(target.get("value"), int)
-    expires = _num(target.get("expires_at"), int)
-    if expires is not None and expires <= snap.now:
-        live_target = None  # expired: the limit has decayed to the floor
+    """One status row from a gate's snapshot."""
+    util = snap.utilization()
     return GateStatus(
         name=name,
         limit=snap.limit,
-        target=live_target,  # type: ignore[arg-type]
+        target=snap.live_target,  # None once expired: the limit has decayed to the floor
         floor=snap.floor,
         ceiling=snap.ceiling,
-        epoch=_num(target.get("epoch"), int),  # type: ignore[arg-type]
+        epoch=snap.epoch,
         in_flight=snap.holders,
         queued=snap.queued,
         max_queued=snap.max_queued,
         live_pods=snap.live_pods,
-        saturated=util.get("saturated") == "1",
-        metrics_ok=util.get("metrics_ok") == "1",
-        running=_num(util.get("running"), float),
-        waiting_capacity=_num(util.get("waiting_capacity"), float),
-        last_poll=_num(util.get("last_poll"), float),
-        reason=util.get("reason") or None,
-        server=util.get("server") or None,
-        granted=stat("granted"),
-        rejected=stat("rejected"),
-        expired_leases=stat("expired_leases"),
-        abandoned_waiters=stat("abandoned_waiters"),
+        saturated=util.saturated,
+        metrics_ok=util.metrics_ok,
+        running=util.running,
+        waiting_capacity=util.waiting_capacity,
+        last_poll=util.last_poll,
+        reason=util.reason,
+        server=util.server,
+        granted=snap.stat("granted"),
+        rejected=snap.stat("rejected"),
+        expired_leases=snap.stat("expired_leases"),
+        abandoned_waiters=snap.stat("abandoned_waiters"),
     )
 
 
@@ -111,7 +94,7 @@ async def gather_status(client: aredis.Redis, prefix: str) -> FleetStatus:
     scripts = GateScripts(client)
     # n=0: counts only; nothing is listed, so each gate costs O(log n) whatever its queue.
     gates = [
-        gate_status(n, await scripts.inspect(GateKeys.of(prefix, n), 0)) for n in registry.names
+        gate_status(n, await scripts.snapshot(GateKeys.of(prefix, n), 0)) for n in registry.names
     ]
     return FleetStatus(
         leader=str(leader) if leader is not None else None,

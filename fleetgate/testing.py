@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import math
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -186,9 +185,9 @@ async def set_target(fleet: Fleet, name: str, value: int, *, ttl: float = 60.0) 
     if not (ttl > 0 and math.isfinite(ttl)):
         raise ConfigError(f"ttl: expected a finite number of seconds > 0, got {ttl!r}")
     gate = fleet.gate(name)
-    snap = await fleet.scripts.inspect(gate.keys, n=0)
-    epoch = int(float(snap.target.get("epoch") or 1))
-    cfg = {} if snap.cfg else dataclasses.asdict(gate.defaults)
+    snap = await fleet.scripts.snapshot(gate.keys, listed=0)
+    epoch = snap.epoch or 1
+    cfg = {} if snap.cfg else gate.defaults.as_cfg()
     await fleet.scripts.publish(gate.keys, epoch, int(ttl * 1000), value, cfg, {})
-    limit: int = (await fleet.scripts.inspect(gate.keys, n=0)).limit
+    limit: int = (await fleet.scripts.snapshot(gate.keys, listed=0)).limit
     return limit

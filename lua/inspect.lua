@@ -4,7 +4,8 @@
 --         exact), at most INSPECT_MAX, so one snapshot costs O(log n + listed), never O(queue)
 --       2..6 optional defaults (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate that
 --       has no configuration yet: the snapshot shows what an acquire would register
--- Returns a JSON object: now, cfg, target, limit, holders, queued, live_pods, stats, util,
+-- Returns a JSON object: now, cfg, target, limit, floor, ceiling, max_queued, lease_ms, waiter_ms
+--   (the configuration in force), holders, queued, live_pods, stats, util,
 --   head (first waiters: id, token, expires_at), leases (first holders: id, expires_at).
 -- Expired entries that nobody reaped yet are not counted (the snapshot applies the same rule
 -- as the next write would).
@@ -42,6 +43,8 @@ return cjson.encode({
   floor = cfg.floor,
   ceiling = cfg.ceiling,
   max_queued = cfg.max_queued,
+  lease_ms = cfg.lease_ms,
+  waiter_ms = cfg.waiter_ms,
   holders = redis.call('ZCOUNT', K_HOLDERS, '(' .. now, '+inf'),
   queued = redis.call('ZCOUNT', K_WAITERS, '(' .. now, '+inf'),
   live_pods = redis.call('ZCOUNT', K_PODS, '(' .. now, '+inf'),

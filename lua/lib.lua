@@ -38,18 +38,30 @@ local function ensure_cfg(floor, ceiling, max_queued, lease_ms, waiter_ms)
   end
 end
 
+-- A gate's settings without configuration or caller defaults, and their lower bounds: the same
+-- as fleetgate.settings.GateSettings (tests/test_settings.py runs this against the struct).
+local DEFAULT = {floor = 1, ceiling = 512, max_queued = 1000, lease_ms = 10000, waiter_ms = 5000}
+local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_ms = 100}
+
+-- Field i (name) of the stored configuration v, else of the caller's defaults d, else DEFAULT;
+-- raised to LOWEST.
+local function cfg_field(v, d, i, name)
+  return math.max(LOWEST[name], math.floor(num(v[i], num(d[i], DEFAULT[name]))))
+end
+
 -- Missing fields take the caller's defaults (d, optional: floor, ceiling, max_queued, lease_ms,
--- waiter_ms), then safe values: half-written or garbled configuration never fails a call.
+-- waiter_ms), then DEFAULT; values below LOWEST are raised to it, and the ceiling to the floor:
+-- half-written or garbled configuration never fails a call.
 local function load_cfg(d)
   d = d or {}
   local v = redis.call('HMGET', K_CFG, 'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms')
   local cfg = {
-    floor = math.max(1, math.floor(num(v[1], num(d[1], 1)))),
-    max_queued = math.max(0, math.floor(num(v[3], num(d[3], 1000)))),
-    lease_ms = math.max(100, math.floor(num(v[4], num(d[4], 10000)))),
-    waiter_ms = math.max(100, math.floor(num(v[5], num(d[5], 5000)))),
+    floor = cfg_field(v, d, 1, 'floor'),
+    max_queued = cfg_field(v, d, 3, 'max_queued'),
+    lease_ms = cfg_field(v, d, 4, 'lease_ms'),
+    waiter_ms = cfg_field(v, d, 5, 'waiter_ms'),
   }
-  cfg.ceiling = math.max(cfg.floor, math.floor(num(v[2], num(d[2], cfg.floor))))
+  cfg.ceiling = math.max(cfg.floor, cfg_field(v, d, 2, 'ceiling'))
   return cfg
 end
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from fleetgate.redisproc import RedisProcess, RedisServerMissing, free_port
+from fleetgate.tools.redisproc import RedisProcess, RedisServerMissing, free_port
 
 __all__ = ["SentinelDeployment"]
 

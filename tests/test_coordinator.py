@@ -78,7 +78,7 @@ async def eventually(check: Callable[[], object], timeout: float, what: str) -> 
 
 
 async def limit_of(r: aredis.Redis, keys: GateKeys) -> int:
-    return (await GateScripts(r).inspect(keys)).limit
+    return (await GateScripts(r).snapshot(keys)).limit
 
 
 async def test_targets_rise_fall_and_decay_to_floor(

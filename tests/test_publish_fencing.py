@@ -106,8 +106,8 @@ async def test_deposed_leader_writes_nothing(where: tuple[aredis.Redis, str]) ->
     assert await client.hget(llm.util, "last_poll") == "200.0"
     # The cap is the new leader's: its fixed gate's floor, not the old config's 32.
     scripts = GateScripts(client)
-    assert (await scripts.inspect(fixed)).limit == 8
-    assert (await scripts.inspect(llm)).limit == 10
+    assert (await scripts.snapshot(fixed)).limit == 8
+    assert (await scripts.snapshot(llm)).limit == 10
 
 
 async def test_growth_by_config_hands_off_at_once(rut: RedisUnderTest) -> None:
@@ -288,7 +288,7 @@ def test_late_publish_of_a_deposed_leader_lands_nowhere(
 async def limit_of(url: str, keys: GateKeys) -> int:
     client = connect(url)
     try:
-        return (await GateScripts(client).inspect(keys)).limit
+        return (await GateScripts(client).snapshot(keys)).limit
     finally:
         await client.aclose()
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate.coordinator import daemon
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
-from fleetgate.safety import check_redis, inspect_redis
+from fleetgate.safety import check_redis, server_findings
 from fleetgate.tools.redisproc import RedisProcess
 
 
@@ -44,7 +44,7 @@ async def test_healthy_server_has_nothing_to_report(r: aredis.Redis) -> None:
 
 async def test_eviction_policy_is_an_error(own_redis: RedisProcess, r: aredis.Redis) -> None:
     await r.config_set("maxmemory-policy", "allkeys-lru")
-    [finding] = await inspect_redis(r)
+    [finding] = await server_findings(r)
     assert finding.level == "error" and finding.code == "eviction"
     assert "'allkeys-lru'" in finding.message and "noeviction" in finding.message
     out = await asyncio.to_thread(_cli_check, own_redis.url)
@@ -81,7 +81,7 @@ async def test_nothing_readable_is_a_warning_not_a_crash(
     url = f"redis://blind:pw@127.0.0.1:{own_redis.port}/0"
     blind = aredis.Redis.from_url(url, decode_responses=True)
     try:
-        findings = await inspect_redis(blind)
+        findings = await server_findings(blind)
     finally:
         await blind.aclose()
     assert {f.code for f in findings} == {"unchecked"}
@@ -111,7 +111,7 @@ async def test_replicas_are_reported_and_a_replica_is_refused(
     primary, replica = replicated
     client = aredis.Redis.from_url(primary.url, decode_responses=True)
     try:
-        [finding] = await inspect_redis(client)
+        [finding] = await server_findings(client)
     finally:
         await client.aclose()
     assert finding.code == "replicas" and finding.level == "warning"

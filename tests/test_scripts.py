@@ -35,9 +35,9 @@ async def test_grant_park_reject_and_fifo_handoff(
     assert b.token > a.token
     parked = [await scripts.acquire(keys, f"p{i}:2", 1000, D2) for i in (1, 2, 3)]
     assert [p.status for p in parked] == [PARKED] * 3
-    assert [p.n for p in parked] == [1, 2, 3]
+    assert [p.position for p in parked] == [1, 2, 3]
     full = await scripts.acquire(keys, "p4:1", 1000, D2)
-    assert full.status == REJECTED and full.n == 3
+    assert full.status == REJECTED and full.max_queued == 3
     assert await async_redis.zcard(keys.queue) == 3
     assert await async_redis.hget(keys.stats, "rejected") == "1"
 
@@ -132,19 +132,19 @@ async def test_set_target_epoch_fencing_growth_and_expiry(
     assert await scripts.set_target(keys, 4, epoch=4, ttl_ms=300) is False  # stale epoch
     assert await async_redis.hget(keys.target, "value") == "3"
     assert await scripts.set_target(keys, 100, epoch=5, ttl_ms=60_000) is True
-    assert (await scripts.inspect(keys)).limit == 4  # clamped to the ceiling
+    assert (await scripts.snapshot(keys)).limit == 4  # clamped to the ceiling
     assert await scripts.set_target(keys, 2, epoch=6, ttl_ms=100) is True
     await asyncio.sleep(0.15)
-    assert (await scripts.inspect(keys)).limit == 1  # expired target -> floor
+    assert (await scripts.snapshot(keys)).limit == 1  # expired target -> floor
 
 
 async def test_inspect_snapshot(scripts: GateScripts, keys: GateKeys) -> None:
-    snap = await scripts.inspect(keys)
+    snap = await scripts.snapshot(keys)
     assert snap.holders == 0 and snap.head == [] and snap.leases == []
     d = GateDefaults(floor=1, ceiling=1)
     await scripts.acquire(keys, "a:1", 1000, d)
     await scripts.acquire(keys, "b:1", 1000, d)
-    snap = await scripts.inspect(keys)
+    snap = await scripts.snapshot(keys)
     assert (snap.holders, snap.queued, snap.limit) == (1, 1, 1)
     assert [w.id for w in snap.head] == ["b:1"]
     assert [h.id for h in snap.leases] == ["a:1"]

@@ -68,14 +68,14 @@ async def test_inspect_lists_at_most_what_is_asked_and_never_everything(
     await _park_many(async_redis, keys, N)
     scripts = GateScripts(async_redis)
     for n in (0, -1, -N):  # "nothing"; negative counts must not turn into ZRANGE 0 -2 (all)
-        snap = await scripts.inspect(keys, n)
+        snap = await scripts.snapshot(keys, n)
         assert (snap.head, snap.leases) == ([], []), n
         assert (snap.queued, snap.holders) == (N, N)
-    snap = await scripts.inspect(keys, 3)
+    snap = await scripts.snapshot(keys, 3)
     assert [w.id for w in snap.head] == ["pod0:0", "pod1:1", "pod2:2"]
     assert len(snap.leases) == 3 and all(w.expires_at for w in snap.head)
     # An absurd count is capped: one script never lists the whole queue.
     zscore0, _ = await _server_work(async_redis)
-    snap = await scripts.inspect(keys, 10 * N)
+    snap = await scripts.snapshot(keys, 10 * N)
     zscore1, _ = await _server_work(async_redis)
     assert len(snap.head) == len(snap.leases) == zscore1 - zscore0 == 1000

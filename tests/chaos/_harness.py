@@ -311,7 +311,7 @@ class LimitSampler:
             while not self._stop.is_set():
                 t = time.monotonic()
                 try:
-                    snap = await scripts.inspect(keys, self.n)
+                    snap = await scripts.snapshot(keys, self.n)
                 except Exception:
                     self.failures += 1
                     with contextlib.suppress(Exception):
