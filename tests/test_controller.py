@@ -424,3 +424,121 @@ def test_target_always_within_bounds(
         if d.reason in (Reason.SLOW_START, Reason.INCREASE):
             assert d.target > s.target
         s = d.state
+
+
+# ------------------------------------------------------------- capacity memory (issue 13 item 4)
+
+
+def kv_busy(target: int, capacity: float, **kw: float) -> Observation:
+    """Fleet at the target, engine below its capacity; KV-cache usage = running / capacity."""
+    running = kw.get("running", min(target, capacity))
+    return Observation(
+        running=running,
+        waiting_capacity=0,
+        in_flight=kw.get("in_flight", target),
+        kv_cache_usage=min(1.0, running / capacity),
+    )
+
+
+def test_kv_estimate_caps_the_ramp_at_the_capacity() -> None:
+    # 128 of a 200-slot engine run, KV 64 % used: the next step is 200, not 256.
+    d = step(state(128), kv_busy(128, 200), P, now=0)
+    assert (d.target, d.reason) == (200, Reason.INCREASE)
+    # Far below the estimate the ramp still doubles.
+    d = step(state(32), kv_busy(32, 200), P, now=0)
+    assert (d.target, d.reason) == (64, Reason.SLOW_START)
+
+
+def test_kv_full_holds_at_the_capacity_without_probing() -> None:
+    s = state(200)
+    for n in range(30):
+        d = step(s, kv_busy(200, 200, running=197), P, now=12.0 * n)
+        assert (d.target, d.reason, d.publish) == (200, Reason.HOLD_CAPACITY, True)
+        s = d.state
+
+
+def test_too_little_kv_usage_gives_no_estimate() -> None:
+    # 2 of 256 slots: 0.8 % KV, too coarse to extrapolate from; slow start as without KV.
+    d = step(state(4), kv_busy(4, 256, running=2, in_flight=4), P, now=0)
+    assert d.reason is Reason.HOLD_IDLE  # the server runs 2 of 4: not near-full
+    d = step(state(4), kv_busy(4, 256), P, now=0)
+    assert (d.target, d.reason) == (8, Reason.SLOW_START)
+
+
+def test_saturation_remembers_the_capacity() -> None:
+    d = step(state(512), saturated(running=256, in_flight=512, waiting=256), P, now=0)
+    assert d.target == 256 and d.state.capacity == 256
+    # At the remembered capacity, no KV signal: hold, no +25 % probe every third poll.
+    s = d.state
+    reasons = []
+    for n in range(1, P.probe_polls):
+        d = step(s, busy(256), P, now=12.0 * n)
+        reasons.append(d.reason)
+        assert d.target == 256
+        s = d.state
+    assert set(reasons) == {Reason.HOLD_CAPACITY}
+    # After probe_polls clean polls: one small probe above it (+5 %).
+    d = step(s, busy(256), P, now=12.0 * P.probe_polls)
+    assert (d.target, d.reason) == (268, Reason.PROBE)
+    # The probe saturates: back to what the engine ran, the estimate confirmed.
+    d = step(d.state, saturated(running=256, in_flight=268, waiting=12), P, now=12.0 * 11)
+    assert (d.target, d.reason, d.state.capacity) == (256, Reason.DECREASE, 256)
+
+
+def test_clean_probes_grow_faster() -> None:
+    s = state(100, slow_start=False, capacity=100.0, near_full_streak=P.probe_polls)
+    targets = []
+    for n in range(5):
+        d = step(s, busy(s.target), P, now=12.0 * n)
+        assert d.reason is Reason.PROBE
+        targets.append(d.target)
+        s = d.state
+    assert targets == [105, 115, 138, 172, 215]  # +5 %, +10 %, +20 %, then +25 % per poll
+
+
+def test_kv_estimate_follows_a_capacity_change_after_saturation() -> None:
+    # Saturated at 128 with KV full: estimate 128. Capacity doubles: KV halves, estimate 256.
+    obs = Observation(running=128, waiting_capacity=32, in_flight=160, kv_cache_usage=1.0)
+    d = step(state(160, slow_start=False), obs, P, now=0)
+    assert (d.target, d.state.capacity, d.state.kv_capacity) == (128, 128, 128)
+    d = step(d.state, kv_busy(128, 256), P, now=12)
+    assert (d.target, d.reason) == (256, Reason.INCREASE)
+
+
+def test_kv_estimate_scaled_by_what_saturation_showed() -> None:
+    # An engine bound by max_num_seqs, not memory: saturated at 100 running with KV 50 % used.
+    # Later the same KV reading must not read as "room for 200".
+    obs = Observation(running=100, waiting_capacity=10, in_flight=110, kv_cache_usage=0.5)
+    d = step(state(110, slow_start=False), obs, P, now=0)
+    assert (d.target, d.state.capacity, d.state.kv_capacity) == (100, 100, 200)
+    busy_kv = Observation(running=100, waiting_capacity=0, in_flight=100, kv_cache_usage=0.5)
+    d = step(d.state, busy_kv, P, now=12)
+    assert (d.target, d.reason) == (100, Reason.HOLD_CAPACITY)
+
+
+# ------------------------------------------------ the server must run near the target (item 5)
+
+
+def test_client_side_bottleneck_never_increases() -> None:
+    """The fleet holds every permit but the server runs few: the bottleneck is the clients'."""
+    for s in (state(64), state(64, slow_start=False), state(64, capacity=500.0)):
+        for n in range(20):
+            obs = Observation(running=25, waiting_capacity=0, in_flight=64, kv_cache_usage=0.05)
+            d = step(s, obs, P, now=12.0 * n)
+            assert (d.target, d.reason) == (64, Reason.HOLD_IDLE)
+            s = d.state
+
+
+def test_server_busy_with_other_traffic_needs_our_fleet_near_full_too() -> None:
+    d = step(state(64), Observation(running=300, waiting_capacity=0, in_flight=20), P, now=0)
+    assert (d.target, d.reason) == (64, Reason.HOLD_IDLE)
+
+
+def test_old_stored_state_loads() -> None:
+    """A state stored by the previous version (no capacity memory) still resumes."""
+    old = (
+        b'{"target":77,"slow_start":false,"last_decrease":1.7e9,"drained":false,'
+        b'"recovering":true,"near_full_streak":1,"unknown_streak":0}'
+    )
+    s = load_state(old, P)
+    assert (s.target, s.slow_start, s.capacity, s.kv_capacity) == (77, False, None, None)
