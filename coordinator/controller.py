@@ -89,7 +89,7 @@ class ControllerParams(msgspec.Struct, frozen=True):
     floor: int
     ceiling: int
     adaptive: bool = True
-    poll_interval: float = 12.0
+    poll_interval: float = 2.0
     #: near-full when load >= near_full * target
     near_full: float = 0.8
     #: additive-increase step as a fraction of the target (at least 1)
