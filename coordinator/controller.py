@@ -15,7 +15,8 @@ estimate alone, else unknown.
 2. saturated (capacity-waiting > 0)       -> ``decrease`` toward the level the engine sustains
    for us, ``min(running, in_flight - capacity_waiting)``, cutting by at most half; without a
    usable estimate to ``0.8*T``. At most once per drain period, else ``hold_cooldown``. Ends
-   slow start; the new target is remembered as ``C``.
+   slow start; the new target is remembered as ``C``. A cut inside the drain period is
+   allowed when the engine runs fewer than the target while queueing (its capacity is lower).
 3. signals unknown / scrape failed        -> ``hold_unknown`` (not re-published, so the published
    lease decays); after ``unknown_reset_polls`` such polls -> ``reset`` to floor and slow start
    (``C`` is kept, so the next ramp stops at it).
@@ -23,9 +24,9 @@ estimate alone, else unknown.
    other is unknown) -- and not saturated:
    * ``C`` known and above T -> ``min(2T, C)`` (``slow_start`` while doubling, ``increase`` when
      the estimate stops it): multiplicative far below ``C``, straight to it near it;
-   * ``C`` known and T at or above it -> ``hold_capacity``; when the KV cache is not full, a
-     ``probe`` above it after ``probe_polls`` clean polls (+5 %, doubling per clean probe up to
-     +25 %), so a capacity grown without a KV signal is found;
+   * ``C`` known and T at or above it -> ``hold_capacity``; without a KV estimate, a ``probe``
+     above it after ``probe_polls`` clean polls (+5 %, doubling per probe the engine used
+     without queueing, up to +25 %), so a capacity grown without a KV signal is found;
    * ``C`` unknown -> ``slow_start`` (x2) before the first saturation, ``increase`` (+25 %) for a
      state stored by an older version; the first increase after a decrease needs
      ``recovery_polls`` near-full polls (``hold_hysteresis``).
@@ -112,8 +113,6 @@ class ControllerParams(msgspec.Struct, frozen=True):
     unknown_reset_polls: int = 3
     #: KV-cache usage below this is too coarse to extrapolate the capacity from
     kv_min: float = 0.05
-    #: KV-cache usage at or above this means the engine's memory is full: no probe above C
-    kv_full: float = 0.95
     #: clean near-full polls at the capacity estimate before a probe above it
     probe_polls: int = 10
     #: the first probe's step as a fraction of the target; it doubles per clean probe (<= increase)
@@ -132,7 +131,7 @@ class ControllerParams(msgspec.Struct, frozen=True):
             and self.recovery_polls >= 1
             and 0 <= self.min_decrease_polls <= self.drain_polls
             and self.unknown_reset_polls >= 1
-            and 0 < self.kv_min <= self.kv_full <= 1
+            and 0 < self.kv_min <= 1
             and self.probe_polls >= 1
             and 0 < self.probe <= self.increase
         ):
@@ -230,6 +229,11 @@ def _may_decrease(
         return True
     if elapsed < p.min_decrease_polls * p.poll_interval:
         return False
+    if obs.running is not None and obs.running < state.target:
+        # Queueing while running fewer than the cut allows: the engine's capacity is below the
+        # cut (it was still draining when the cut was measured). A measurement, not a second
+        # punishment of the same excess.
+        return True
     settled = obs.in_flight is not None and obs.in_flight <= state.target
     return state.drained or settled or elapsed >= p.drain_polls * p.poll_interval
 
@@ -369,12 +373,18 @@ def step(
         grown = min(math.floor(target * p.slow_start_factor + _EPS), math.floor(capacity + _EPS))
         reason = Reason.SLOW_START if grown < capacity else Reason.INCREASE
     elif capacity is not None:
-        kv_full = obs.kv_cache_usage is not None and obs.kv_cache_usage >= p.kv_full
-        if kv_full or (state.probes == 0 and streak < p.probe_polls):
+        # A KV estimate follows the capacity by itself (it is measured whatever the load), so
+        # with one there is nothing to probe for; without one, wait probe_polls clean polls.
+        if kv_estimate is not None or (state.probes == 0 and streak < p.probe_polls):
             new = msgspec.structs.replace(state, near_full_streak=streak, probes=0)
             return _out(new, Reason.HOLD_CAPACITY, True, sat, clamped)
-        # No proof the engine is full: probe above the estimate, a little at first, faster
-        # while the probes stay clean (the capacity has grown); the first saturation ends it.
+        if state.probes > 0 and obs.running is not None and obs.running <= capacity:
+            # The last probe's permits did not reach the engine: no proof of room yet.
+            new = msgspec.structs.replace(state, near_full_streak=streak)
+            return _out(new, Reason.HOLD_CAPACITY, True, sat, clamped)
+        # No signal of the capacity: probe above the estimate, a little at first, faster while
+        # the probes stay clean (the engine runs more than C: it has grown); the first
+        # saturation ends it.
         fraction = min(p.increase, p.probe * 2**state.probes)
         grown = target + max(1, math.floor(target * fraction + _EPS))
         reason = Reason.PROBE

@@ -584,3 +584,44 @@ def test_old_stored_state_loads() -> None:
     )
     s = load_state(old, P)
     assert (s.target, s.slow_start, s.capacity, s.kv_capacity) == (77, False, None, None)
+
+
+# ------------------------------------------- refinements from the ramp benchmark (same issue)
+
+
+def test_kv_estimate_at_the_target_means_no_probe_even_when_fewer_run() -> None:
+    """Measured: under client-side jitter running dips (226 of 256), KV usage reads 0.88, yet
+    running / usage still says 256. The estimate, not the usage, decides: no probe."""
+    s = state(256)
+    for n in range(3 * P.probe_polls):
+        running = 226 if n % 3 else 250
+        obs = Observation(
+            running=running, waiting_capacity=0, in_flight=256, kv_cache_usage=running / 256
+        )
+        d = step(s, obs, P, now=12.0 * n)
+        assert (d.target, d.reason) == (256, Reason.HOLD_CAPACITY)
+        s = d.state
+
+
+def test_a_probe_counts_as_clean_only_when_the_server_ran_above_the_estimate() -> None:
+    s = state(268, slow_start=False, capacity=256.0, near_full_streak=20, probes=1)
+    # The probe's extra permits have not reached the engine: no proof of room, no next probe.
+    d = step(s, busy(268, running=240), P, now=0)
+    assert (d.target, d.reason, d.state.probes) == (268, Reason.HOLD_CAPACITY, 1)
+    # The engine ran more than the remembered capacity without queueing: the capacity grew.
+    d = step(d.state, busy(268, running=262), P, now=12)
+    assert (d.target, d.reason) == (268 + 26, Reason.PROBE)
+
+
+def test_saturated_engine_running_below_a_fresh_cut_cuts_again_at_once() -> None:
+    """Capacity halved: the first poll sees the engine still draining (running 135 > 128); the
+    next one sees it run 128 < the cut while still queueing: that is the capacity, cut to it
+    without waiting for the drain period (it is a measurement, not a second punishment)."""
+    d = step(state(256, slow_start=False), saturated(135, 256, 116), P, now=0)
+    assert d.target == 135
+    d = step(d.state, saturated(128, 172, 44), P, now=12)
+    assert (d.target, d.reason) == (128, Reason.DECREASE)
+    # Running at the cut (not below it): the drain period holds as before.
+    d2 = step(state(256, slow_start=False), saturated(135, 256, 116), P, now=0)
+    d2 = step(d2.state, saturated(135, 172, 37), P, now=12)
+    assert d2.reason is Reason.HOLD_COOLDOWN
