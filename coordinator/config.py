@@ -73,6 +73,12 @@ __all__ = [
 ]
 
 _DEFAULTS = GateSettings()
+DEFAULT_POLL_INTERVAL = 2.0
+#: the scrape timeout when the poll interval allows it (a healthy /metrics answers in ms)
+DEFAULT_SCRAPE_TIMEOUT = 2.0
+# The default of ``scrape_timeout``, meaning "unset": a decoded value must be > 0, so no file or
+# environment can produce it; ``__post_init__`` replaces it with min(2 s, poll_interval).
+_SCRAPE_TIMEOUT_UNSET = 0.0
 
 _T = TypeVar("_T")
 
@@ -111,14 +117,18 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     """How the coordinator polls, leads and publishes. Times are in seconds (at most an hour;
     ``prune_idle_after`` at most 30 days)."""
 
-    poll_interval: Annotated[float, Meta(gt=0, le=3600)] = 12.0
+    #: 2 s: a ramp from the floor takes ~6 polls, so 12 s instead of the seed's 72 s; one poll of
+    #: 1,000 gates costs ~0.8 s of coordinator CPU (docs/aimd.md, "Why these constants")
+    poll_interval: Annotated[float, Meta(gt=0, le=3600)] = DEFAULT_POLL_INTERVAL
     #: each poll waits poll_interval * (1 ± poll_jitter), so standbys and replicas do not align
     poll_jitter: Annotated[float, Meta(ge=0, le=0.5)] = 0.1
     leader_ttl: Annotated[float, Meta(gt=0, le=3600)] = 10.0
     metrics_listen: str = "127.0.0.1:9464"
     #: a published target expires after this many poll intervals without a fresh poll
     target_ttl_polls: Annotated[int, Meta(ge=1)] = 3
-    scrape_timeout: Annotated[float, Meta(gt=0, le=600)] = 2.0
+    #: total seconds per /metrics scrape; unset = min(2 s, poll_interval), so it always fits the
+    #: poll (an explicit value above poll_interval is refused)
+    scrape_timeout: Annotated[float, Meta(gt=0, le=600)] = _SCRAPE_TIMEOUT_UNSET
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 2 * 1024 * 1024
     adaptive: bool = True
     #: seconds a registered gate that is not in this config must stay idle (no holders, waiters,
@@ -127,6 +137,9 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
 
     def __post_init__(self) -> None:
         _check("metrics_listen", _parse_listen, self.metrics_listen)
+        if self.scrape_timeout == _SCRAPE_TIMEOUT_UNSET:  # unset (0 itself is refused on decode)
+            timeout = min(DEFAULT_SCRAPE_TIMEOUT, self.poll_interval)
+            msgspec.structs.force_setattr(self, "scrape_timeout", timeout)
         if self.scrape_timeout > self.poll_interval:
             raise ConfigError(
                 f"scrape_timeout: must be <= poll_interval ({self.poll_interval:g} s), "

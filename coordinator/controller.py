@@ -6,18 +6,30 @@ leader stores in Redis after every step, so a standby that takes over continues 
 leader stopped (warm failover). ``now`` must therefore come from a clock every leader shares --
 Redis server time (``TIME``) or wall time, never ``time.monotonic()``.
 
-The rule, per poll (constants in :class:`ControllerParams`; ``docs/aimd.md`` explains each):
+The rule, per poll (constants in :class:`ControllerParams`; ``docs/aimd.md`` explains each).
+``C`` is the capacity estimate: the level remembered where saturation was last seen (scaled by
+the KV-cache estimate ``running / kv_cache_usage`` when both are known), else the KV-cache
+estimate alone, else unknown.
 
 1. adaptation off (or no metrics source)  -> ``static``: target = floor, never published.
 2. saturated (capacity-waiting > 0)       -> ``decrease`` toward the level the engine sustains
    for us, ``min(running, in_flight - capacity_waiting)``, cutting by at most half; without a
    usable estimate to ``0.8*T``. At most once per drain period, else ``hold_cooldown``. Ends
-   slow start.
+   slow start; the new target is remembered as ``C``. A cut inside the drain period is
+   allowed when the engine runs fewer than the target while queueing (its capacity is lower).
 3. signals unknown / scrape failed        -> ``hold_unknown`` (not re-published, so the published
-   lease decays); after ``unknown_reset_polls`` such polls -> ``reset`` to floor and slow start.
-4. near-full (fleet in-flight, or running when unknown, >= 0.8*T) -> ``slow_start`` (x2) before
-   the first saturation, ``increase`` (+max(1, 25 %)) after it; the first increase after a
-   decrease needs ``recovery_polls`` consecutive near-full polls (``hold_hysteresis``).
+   lease decays); after ``unknown_reset_polls`` such polls -> ``reset`` to floor and slow start
+   (``C`` is kept, so the next ramp stops at it).
+4. near-full -- the server runs >= 0.8*T *and* the fleet holds >= 0.8*T (either alone when the
+   other is unknown) -- and not saturated:
+   * ``C`` known and above T -> ``min(2T, C)`` (``slow_start`` while doubling, ``increase`` when
+     the estimate stops it): multiplicative far below ``C``, straight to it near it;
+   * ``C`` known and T at or above it -> ``hold_capacity``; without a KV estimate, a ``probe``
+     above it after ``probe_polls`` clean polls (+5 %, doubling per probe the engine used
+     without queueing, up to +25 %), so a capacity grown without a KV signal is found;
+   * ``C`` unknown -> ``slow_start`` (x2) before the first saturation, ``increase`` (+25 %) for a
+     state stored by an older version; the first increase after a decrease needs
+     ``recovery_polls`` near-full polls (``hold_hysteresis``).
 5. otherwise                              -> ``hold_idle``.
 
 The target is always clamped to [floor, ceiling]; when the bounds alone move or stop it, the
@@ -65,6 +77,8 @@ class Reason(str, enum.Enum):
     HOLD_HYSTERESIS = "hold_hysteresis"
     CLAMP = "clamp"
     RESET = "reset"
+    HOLD_CAPACITY = "hold_capacity"
+    PROBE = "probe"
 
     def __str__(self) -> str:
         return self.value
@@ -76,7 +90,7 @@ class ControllerParams(msgspec.Struct, frozen=True):
     floor: int
     ceiling: int
     adaptive: bool = True
-    poll_interval: float = 12.0
+    poll_interval: float = 2.0
     #: near-full when load >= near_full * target
     near_full: float = 0.8
     #: additive-increase step as a fraction of the target (at least 1)
@@ -97,6 +111,12 @@ class ControllerParams(msgspec.Struct, frozen=True):
     drain_polls: float = 3.0
     #: unknown polls after which the published target has expired: reset to floor
     unknown_reset_polls: int = 3
+    #: KV-cache usage below this is too coarse to extrapolate the capacity from
+    kv_min: float = 0.05
+    #: clean near-full polls at the capacity estimate before a probe above it
+    probe_polls: int = 10
+    #: the first probe's step as a fraction of the target; it doubles per clean probe (<= increase)
+    probe: float = 0.05
 
     def __post_init__(self) -> None:
         if self.floor < 1 or self.ceiling < self.floor:
@@ -111,6 +131,9 @@ class ControllerParams(msgspec.Struct, frozen=True):
             and self.recovery_polls >= 1
             and 0 <= self.min_decrease_polls <= self.drain_polls
             and self.unknown_reset_polls >= 1
+            and 0 < self.kv_min <= 1
+            and self.probe_polls >= 1
+            and 0 < self.probe <= self.increase
         ):
             raise ConfigError(f"controller constants out of range: {self!r}")
 
@@ -127,7 +150,12 @@ class ControllerParams(msgspec.Struct, frozen=True):
 
 
 class ControllerState(msgspec.Struct, frozen=True):
-    """What the controller remembers between polls; stored by the leader for warm failover."""
+    """What the controller remembers between polls; stored by the leader for warm failover.
+
+    Every field has a default, so a state stored by an older version (without ``capacity``,
+    ``kv_capacity``, ``probes``) loads as one without capacity memory, and an older leader
+    reading a newer state ignores the fields it does not know.
+    """
 
     target: int
     slow_start: bool = True
@@ -139,6 +167,12 @@ class ControllerState(msgspec.Struct, frozen=True):
     recovering: bool = False
     near_full_streak: int = 0
     unknown_streak: int = 0
+    #: the target chosen at the last saturation: what the engine sustained for us (``C``)
+    capacity: float | None = None
+    #: the KV-cache estimate (running / KV usage) at that saturation, None when unknown
+    kv_capacity: float | None = None
+    #: consecutive probes above ``capacity`` that did not saturate (the next probe's step doubles)
+    probes: int = 0
 
     @classmethod
     def initial(cls, params: ControllerParams) -> ControllerState:
@@ -154,11 +188,15 @@ class Observation(msgspec.Struct, frozen=True):
     #: leases held fleet-wide (ZCARD of holders); None when Redis did not say
     in_flight: float | None = None
     ok: bool = True
+    #: KV-cache usage, a fraction (1 = full); None when the server does not report it
+    kv_cache_usage: float | None = None
 
     @classmethod
     def from_signals(cls, signals: Signals, in_flight: float | None = None) -> Observation:
         """Combine parsed signals with the fleet in-flight count."""
-        return cls(signals.running, signals.waiting_capacity, in_flight, signals.ok)
+        return cls(
+            signals.running, signals.waiting_capacity, in_flight, signals.ok, signals.kv_cache_usage
+        )
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -191,6 +229,11 @@ def _may_decrease(
         return True
     if elapsed < p.min_decrease_polls * p.poll_interval:
         return False
+    if obs.running is not None and obs.running < state.target:
+        # Queueing while running fewer than the cut allows: the engine's capacity is below the
+        # cut (it was still draining when the cut was measured). A measurement, not a second
+        # punishment of the same excess.
+        return True
     settled = obs.in_flight is not None and obs.in_flight <= state.target
     return state.drained or settled or elapsed >= p.drain_polls * p.poll_interval
 
@@ -214,6 +257,42 @@ def _sustainable(obs: Observation) -> float | None:
     return min(estimates) if estimates else None
 
 
+def _kv_estimate(obs: Observation, p: ControllerParams) -> float | None:
+    """How many requests like the running ones fit in the engine's KV cache: running / usage.
+
+    None unless both are known and usage is at least ``kv_min`` (a few blocks of a large cache
+    say little). Usage 1 gives ``running`` itself: full, no room beyond what runs.
+    """
+    kv, running = obs.kv_cache_usage, obs.running
+    if kv is None or running is None or not (math.isfinite(kv) and math.isfinite(running)):
+        return None
+    if kv < p.kv_min or running < 1:
+        return None
+    return running / min(kv, 1.0)
+
+
+def _capacity(state: ControllerState, kv_estimate: float | None) -> float | None:
+    """The capacity estimate ``C``: the remembered saturation level, scaled by how the KV-cache
+    estimate moved since (replicas added or removed), else the KV-cache estimate alone."""
+    if state.capacity is None:
+        return kv_estimate
+    if kv_estimate is not None and state.kv_capacity:
+        return state.capacity * kv_estimate / state.kv_capacity
+    return state.capacity
+
+
+def _near_full(obs: Observation, target: int, p: ControllerParams) -> bool:
+    """The server runs near the target and the fleet holds near it (each when known).
+
+    The server's running count guards against a client-side bottleneck (the fleet holds its
+    permits but the requests do not reach the engine: more permits would not be used); the
+    fleet's in-flight count guards against an engine kept busy by other traffic.
+    """
+    level = p.near_full * target
+    known = [v for v in (obs.running, obs.in_flight) if v is not None]
+    return bool(known) and all(v >= level for v in known)
+
+
 def step(
     state: ControllerState, obs: Observation | None, params: ControllerParams, now: float
 ) -> Decision:
@@ -232,7 +311,7 @@ def step(
     if obs is not None and sat:
         # Saturation acts even on a partial (not ok) view: it is proven, and a cut is safe.
         if not _may_decrease(state, obs, p, now):
-            new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=0)
+            new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=0, probes=0)
             return _out(new, Reason.HOLD_COOLDOWN, obs.ok, sat, clamped)
         estimate = _sustainable(obs)
         if estimate is None or estimate >= target:
@@ -240,20 +319,26 @@ def step(
         else:
             cut = max(math.floor(target * p.deepest_cut + _EPS), math.floor(estimate + _EPS))
         new_target = _clamp(min(cut, target - 1), p)
+        # Remember where the engine saturated: the level chosen now, and the KV-cache estimate
+        # beside it, so a later KV reading says how far the capacity has moved since.
+        memory = {
+            "capacity": float(new_target),
+            "kv_capacity": _kv_estimate(obs, p),
+            "slow_start": False,
+            "near_full_streak": 0,
+            "unknown_streak": 0,
+            "probes": 0,
+        }
         if new_target >= target:  # already at the floor
-            new = msgspec.structs.replace(
-                state, slow_start=False, near_full_streak=0, unknown_streak=0
-            )
+            new = msgspec.structs.replace(state, **memory)
             return Decision(new, target, Reason.CLAMP, publish=True, saturated=sat)
         new = msgspec.structs.replace(
             state,
             target=new_target,
-            slow_start=False,
             last_decrease=now,
             drained=False,
             recovering=True,
-            near_full_streak=0,
-            unknown_streak=0,
+            **memory,
         )
         return Decision(new, new_target, Reason.DECREASE, publish=True, saturated=sat)
 
@@ -261,34 +346,65 @@ def step(
         streak = state.unknown_streak + 1
         if streak >= p.unknown_reset_polls:
             # The last published lease has run out by now: the fleet is at the floor, so the
-            # controller restarts from there rather than jumping back to a stale target.
-            new = ControllerState(target=p.floor, unknown_streak=streak)
+            # controller restarts from there rather than jumping back to a stale target. The
+            # capacity memory stays: the next ramp stops at it instead of overshooting.
+            new = ControllerState(
+                target=p.floor,
+                unknown_streak=streak,
+                capacity=state.capacity,
+                kv_capacity=state.kv_capacity,
+            )
             reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
             return Decision(new, p.floor, reason, publish=False, saturated=sat)
-        new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=streak)
+        new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=streak, probes=0)
         return Decision(new, target, Reason.HOLD_UNKNOWN, publish=False, saturated=sat)
 
     state = msgspec.structs.replace(state, drained=True, unknown_streak=0)
-    load = obs.in_flight if obs.in_flight is not None else obs.running
-    if load is None or load < p.near_full * target:
-        new = msgspec.structs.replace(state, near_full_streak=0)
+    if not _near_full(obs, target, p):
+        new = msgspec.structs.replace(state, near_full_streak=0, probes=0)
         return _out(new, Reason.HOLD_IDLE, True, sat, clamped)
 
     streak = state.near_full_streak + 1
-    if state.recovering and streak < p.recovery_polls:
-        new = msgspec.structs.replace(state, near_full_streak=streak)
-        return _out(new, Reason.HOLD_HYSTERESIS, True, sat, clamped)
-    if state.slow_start:
-        grown = max(target + 1, math.floor(target * p.slow_start_factor + _EPS))
-        reason = Reason.SLOW_START
+    kv_estimate = _kv_estimate(obs, p)
+    capacity = _capacity(state, kv_estimate)
+    probes = 0
+    if capacity is not None and math.floor(capacity + _EPS) > target:
+        # Below the estimate: double while far below it, then straight to it.
+        grown = min(math.floor(target * p.slow_start_factor + _EPS), math.floor(capacity + _EPS))
+        reason = Reason.SLOW_START if grown < capacity else Reason.INCREASE
+    elif capacity is not None:
+        # A KV estimate follows the capacity by itself (it is measured whatever the load), so
+        # with one there is nothing to probe for; without one, wait probe_polls clean polls.
+        if kv_estimate is not None or (state.probes == 0 and streak < p.probe_polls):
+            new = msgspec.structs.replace(state, near_full_streak=streak, probes=0)
+            return _out(new, Reason.HOLD_CAPACITY, True, sat, clamped)
+        if state.probes > 0 and obs.running is not None and obs.running <= capacity:
+            # The last probe's permits did not reach the engine: no proof of room yet.
+            new = msgspec.structs.replace(state, near_full_streak=streak)
+            return _out(new, Reason.HOLD_CAPACITY, True, sat, clamped)
+        # No signal of the capacity: probe above the estimate, a little at first, faster while
+        # the probes stay clean (the engine runs more than C: it has grown); the first
+        # saturation ends it.
+        fraction = min(p.increase, p.probe * 2**state.probes)
+        grown = target + max(1, math.floor(target * fraction + _EPS))
+        reason = Reason.PROBE
+        probes = state.probes + 1
     else:
-        grown = target + max(1, math.floor(target * p.increase + _EPS))
-        reason = Reason.INCREASE
+        if state.recovering and streak < p.recovery_polls:
+            new = msgspec.structs.replace(state, near_full_streak=streak)
+            return _out(new, Reason.HOLD_HYSTERESIS, True, sat, clamped)
+        if state.slow_start:
+            grown = max(target + 1, math.floor(target * p.slow_start_factor + _EPS))
+            reason = Reason.SLOW_START
+        else:
+            grown = target + max(1, math.floor(target * p.increase + _EPS))
+            reason = Reason.INCREASE
     new_target = _clamp(grown, p)
     if new_target == target:  # already at the ceiling
         reason = Reason.CLAMP
+        probes = 0
     new = msgspec.structs.replace(
-        state, target=new_target, recovering=False, near_full_streak=streak
+        state, target=new_target, recovering=False, near_full_streak=streak, probes=probes
     )
     return Decision(new, new_target, reason, publish=True, saturated=sat)
 

@@ -93,6 +93,14 @@ class _ErrorLog:
             self._repeats.clear()
 
 
+def _quiet_httpx() -> None:
+    """httpx logs every request at INFO ("HTTP Request: GET ..."): one line per gate per poll.
+    Raise its logger to WARNING unless someone configured that logger's level explicitly."""
+    httpx_log = logging.getLogger("httpx")
+    if httpx_log.level == logging.NOTSET:
+        httpx_log.setLevel(logging.WARNING)
+
+
 def default_coordinator_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -139,6 +147,8 @@ class Coordinator:
         self._next_prune = 0.0
         self.safety_findings: list[str] | None = None  # None until the start-up check ran
         self._gate_failures = 0  # gates that failed in the current poll
+        # gates whose last scrape failed: a failure is logged when it starts, not every poll
+        self._scrape_failing: set[str] = set()
 
     @property
     def election(self) -> Election:
@@ -166,6 +176,8 @@ class Coordinator:
         # Each gate has its own small pool (see sources.py); they share one SSL context.
         self._scrape_slots = asyncio.Semaphore(SCRAPE_CONCURRENCY)
         tls = httpx.create_ssl_context()
+        if self.http == "httpx":
+            _quiet_httpx()
 
         def fetcher(gate: GateConfig) -> Fetcher:
             if self.http == "httpx":
@@ -333,7 +345,15 @@ class Coordinator:
         self.metrics.scrape_seconds.labels(gate.name).observe(time.perf_counter() - t0)
         if not signals.ok:
             self.metrics.scrape_errors.labels(gate.name).inc()
-            log.warning("gate %s: metrics unusable: %s", gate.name, signals.error)
+            # Once per transition: 1,000 gates behind one dead host must not write 1,000 lines
+            # per poll. Repeats go to DEBUG; the scrape_errors counter counts every one.
+            failing = gate.name in self._scrape_failing
+            level = logging.DEBUG if failing else logging.WARNING
+            log.log(level, "gate %s: metrics unusable: %s", gate.name, signals.error)
+            self._scrape_failing.add(gate.name)
+        elif gate.name in self._scrape_failing:
+            self._scrape_failing.discard(gate.name)
+            log.info("gate %s: metrics readable again", gate.name)
         return signals
 
     async def poll_once(self) -> list[Publication]:

@@ -324,3 +324,29 @@ def test_controller_params_for_gate() -> None:
     assert ControllerParams.for_gate(rerank, config.coordinator).adaptive is False
     off = parse(BASE, FLEETGATE_ADAPTIVE="0")
     assert ControllerParams.for_gate(off.gates[0], off.coordinator).adaptive is False
+
+
+# ------------------------------------------------------- defaults that fit (issue 13 item 5)
+
+
+def test_scrape_timeout_follows_a_short_poll_interval() -> None:
+    """``poll_interval = 0.5`` alone is accepted: the unset scrape timeout fits inside it."""
+    short = Config.from_toml_text("[coordinator]\npoll_interval = 0.5\n", env={})
+    assert short.coordinator.scrape_timeout == 0.5
+    default = Config.from_toml_text("", env={}).coordinator
+    assert (default.poll_interval, default.scrape_timeout) == (2.0, 2.0)
+    slow = Config.from_toml_text("[coordinator]\npoll_interval = 30\n", env={})
+    assert slow.coordinator.scrape_timeout == 2.0  # a scrape's own cap, not the poll's
+    env = Config.from_toml_text("", env={"FLEETGATE_POLL_INTERVAL": "0.25"})
+    assert env.coordinator.scrape_timeout == 0.25
+    explicit = Config.from_toml_text(
+        "[coordinator]\npoll_interval = 0.5\nscrape_timeout = 0.2\n", env={}
+    )
+    assert explicit.coordinator.scrape_timeout == 0.2
+
+
+def test_explicit_scrape_timeout_above_the_poll_is_still_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^coordinator\.scrape_timeout: must be <= poll"):
+        Config.from_toml_text("[coordinator]\npoll_interval = 0.5\nscrape_timeout = 2\n", env={})
+    with pytest.raises(ConfigError, match=r"^coordinator\.scrape_timeout: expected float > 0"):
+        Config.from_toml_text("[coordinator]\nscrape_timeout = 0\n", env={})

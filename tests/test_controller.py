@@ -136,9 +136,13 @@ def test_first_saturation_ends_slow_start() -> None:
     assert not d.state.slow_start and d.target == 50
     # At the floor a saturation cannot cut, but it still ends slow start.
     d = step(s, saturated(running=4, in_flight=4), P, now=0)
-    assert d.reason is Reason.CLAMP and not d.state.slow_start
-    d = step(d.state, busy(4), P, now=12)
-    assert d.reason is Reason.INCREASE and d.target == 5
+    assert d.reason is Reason.CLAMP and not d.state.slow_start and d.state.capacity == 4
+    # The floor is remembered as the capacity: hold there, then probe (+max(1, 5 %)).
+    for n in range(1, P.probe_polls):
+        d = step(d.state, busy(4), P, now=12 * n)
+        assert (d.reason, d.target) == (Reason.HOLD_CAPACITY, 4)
+    d = step(d.state, busy(4), P, now=12 * P.probe_polls)
+    assert (d.reason, d.target) == (Reason.PROBE, 5)
 
 
 def test_one_decrease_per_drain_period() -> None:
@@ -185,10 +189,20 @@ def test_clock_going_back_does_not_block_a_cut() -> None:
     assert d.reason is Reason.DECREASE
 
 
-def test_hysteresis_after_a_decrease() -> None:
+def test_after_a_decrease_the_target_holds_at_the_remembered_capacity() -> None:
+    # Was: hold one poll, then +25 % (the 256, 256, 320 sawtooth). Now the cut level is the
+    # capacity estimate and the target stays there.
     d = step(state(100, slow_start=False), saturated(running=80, in_flight=100), P, now=0)
-    assert d.target == 80 and d.state.recovering
-    d = step(d.state, busy(80), P, now=12)
+    assert d.target == 80 and d.state.recovering and d.state.capacity == 80
+    for n in range(1, P.probe_polls):
+        d = step(d.state, busy(80), P, now=12 * n)
+        assert (d.target, d.reason, d.publish) == (80, Reason.HOLD_CAPACITY, True)
+
+
+def test_hysteresis_after_a_decrease_without_capacity_memory() -> None:
+    # A state stored by the previous version: recovering from a cut, no capacity remembered.
+    s = state(80, slow_start=False, last_decrease=0.0, recovering=True)
+    d = step(s, busy(80), P, now=12)
     assert (d.target, d.reason, d.publish) == (80, Reason.HOLD_HYSTERESIS, True)
     d = step(d.state, busy(80), P, now=24)
     assert (d.target, d.reason) == (100, Reason.INCREASE)
@@ -198,8 +212,8 @@ def test_hysteresis_after_a_decrease() -> None:
 
 
 def test_hysteresis_streak_resets_on_an_idle_poll() -> None:
-    d = step(state(100, slow_start=False), saturated(running=80, in_flight=100), P, now=0)
-    d = step(d.state, busy(80), P, now=12)
+    s = state(80, slow_start=False, last_decrease=0.0, recovering=True)
+    d = step(s, busy(80), P, now=12)
     d = step(d.state, busy(80, in_flight=10), P, now=24)
     assert d.reason is Reason.HOLD_IDLE
     d = step(d.state, busy(80), P, now=36)
@@ -274,7 +288,7 @@ def test_static_when_adaptation_is_off() -> None:
 
 def test_observation_from_signals() -> None:
     sig = Signals(running=10, waiting_capacity=2, waiting=3, kv_cache_usage=0.5)
-    assert Observation.from_signals(sig, in_flight=7) == Observation(10, 2, 7, True)
+    assert Observation.from_signals(sig, in_flight=7) == Observation(10, 2, 7, True, 0.5)
     assert not Observation.from_signals(Signals.failure("x")).ok
 
 
@@ -319,16 +333,21 @@ def test_state_round_trips_and_clamps() -> None:
 
 @dataclass
 class Engine:
-    """A model engine with capacity C; clients always have more work than the limit allows."""
+    """A model engine with capacity C; clients always have more work than the limit allows.
+
+    With ``kv`` it reports KV-cache usage as vLLM's simulator does: running / capacity."""
 
     capacity: int
+    kv: bool = False
 
     def observe(self, target: int) -> Observation:
         demand = target  # the fleet fills every permit
+        running = min(demand, self.capacity)
         return Observation(
-            running=min(demand, self.capacity),
+            running=running,
             waiting_capacity=max(0, demand - self.capacity),
             in_flight=demand,
+            kv_cache_usage=running / self.capacity if self.kv else None,
         )
 
 
@@ -348,39 +367,60 @@ def polls_to_reach(decisions: list[Decision], level: float) -> int:
     return next(n for n, d in enumerate(decisions, 1) if d.target >= level)
 
 
-def test_ramp_floor_4_to_capacity_256() -> None:
-    """The docs/aimd.md trace: 4 -> >= 90 % of 256 in 6 polls (one minute at 12 s)."""
-    decisions = run(Engine(256), P, polls=30)
+def test_ramp_floor_4_to_capacity_200_with_kv() -> None:
+    """The docs/aimd.md trace: x2 from 4 to 128, then straight to the KV estimate, never above."""
+    decisions = run(Engine(200, kv=True), P, polls=40)
+    assert [d.target for d in decisions[:7]] == [8, 16, 32, 64, 128, 200, 200]
+    assert polls_to_reach(decisions, 0.9 * 200) == 6
+    assert {d.target for d in decisions[5:]} == {200}  # flat: no probe, no sawtooth
+    assert not any(d.saturated for d in decisions)
+
+
+def test_ramp_floor_4_to_capacity_256_without_kv() -> None:
+    """No KV signal: one slow-start overshoot finds the capacity, then it is remembered.
+
+    Was: 256, 256, 320 forever (+25 % probe one poll in three). Now: a +5 % probe once every
+    ``probe_polls`` + 1 polls."""
+    decisions = run(Engine(256), P, polls=60)
     assert [d.target for d in decisions[:8]] == [8, 16, 32, 64, 128, 256, 512, 256]
     assert polls_to_reach(decisions, 0.9 * 256) == 6
-    # Steady state: the first overshoot costs one poll; afterwards the target probes
-    # 256 -> 320 once every three polls and never drops below the capacity.
-    tail = [d.target for d in decisions[7:]]
-    assert min(tail) == 256 and max(tail) == 320
-    assert [d.reason for d in decisions[7:10]] == [
-        Reason.DECREASE,
-        Reason.HOLD_HYSTERESIS,
-        Reason.INCREASE,
-    ]
+    tail = decisions[7:]
+    assert min(d.target for d in tail) == 256 and max(d.target for d in tail) == 268
+    saturated_polls = sum(1 for d in tail if d.saturated)
+    assert saturated_polls / len(tail) <= 0.10
 
 
-@pytest.mark.parametrize("capacity", [5, 37, 100, 256, 300, 511])
-def test_ramp_reaches_ninety_percent_quickly(capacity: int) -> None:
-    decisions = run(Engine(capacity), P, polls=40)
+@pytest.mark.parametrize("kv", [False, True])
+@pytest.mark.parametrize("capacity", [5, 37, 100, 200, 256, 300, 511])
+def test_ramp_reaches_ninety_percent_quickly(capacity: int, kv: bool) -> None:
+    decisions = run(Engine(capacity, kv=kv), P, polls=40)
     assert polls_to_reach(decisions, 0.9 * capacity) <= 8
     tail = [d.target for d in decisions[12:]]
     assert min(tail) >= 0.9 * capacity or min(tail) == P.floor
-    assert max(tail) <= max(capacity * 1.25 + 1, P.floor * 2)
+    assert max(tail) <= max(capacity * 1.10, capacity + 1)
+    if kv:  # the KV estimate stops the ramp at the capacity
+        assert max(d.target for d in decisions) <= max(capacity, P.floor)
 
 
-def test_capacity_loss_then_gain() -> None:
+def test_capacity_loss_then_gain_with_kv() -> None:
+    decisions = run(Engine(256, kv=True), P, polls=20)
+    halved = run(Engine(128, kv=True), P, polls=6, start=decisions[-1].state)
+    assert (halved[0].reason, halved[0].target) == (Reason.DECREASE, 128)
+    assert {d.target for d in halved} == {128}
+    doubled = run(Engine(256, kv=True), P, polls=10, start=halved[-1].state)
+    assert (doubled[0].reason, doubled[0].target) == (Reason.INCREASE, 256)
+    assert {d.target for d in doubled} == {256}
+
+
+def test_capacity_loss_then_gain_without_kv() -> None:
     decisions = run(Engine(256), P, polls=20)
     halved = run(Engine(128), P, polls=6, start=decisions[-1].state)
     assert (halved[0].reason, halved[0].target) == (Reason.DECREASE, 128)
-    assert 128 <= halved[-1].target <= 160
-    doubled = run(Engine(512), P, polls=20, start=halved[-1].state)
-    # After slow start ended, growth is +25 % per near-full poll.
-    assert polls_to_reach(doubled, 0.9 * 512) == 5  # the figure in docs/aimd.md
+    assert max(d.target for d in halved[1:]) <= 128 * 1.05
+    # Without a KV signal a grown capacity is found by probes: the first one after at most
+    # probe_polls polls, then +10 %, +20 %, +25 % per poll (the figure in docs/aimd.md).
+    doubled = run(Engine(512), P, polls=30, start=halved[-1].state)
+    assert polls_to_reach(doubled, 0.9 * 512) <= P.probe_polls + 7
 
 
 # ------------------------------------------------------------------------------- properties
@@ -388,7 +428,7 @@ def test_capacity_loss_then_gain() -> None:
 _value = st.one_of(st.none(), st.floats(min_value=0, max_value=1e6))
 _obs = st.one_of(
     st.none(),
-    st.builds(Observation, _value, _value, _value, st.booleans()),
+    st.builds(Observation, _value, _value, _value, st.booleans(), _value),
 )
 
 
@@ -397,6 +437,7 @@ _obs = st.one_of(
     floor=st.integers(1, 64),
     span=st.integers(0, 600),
     start=st.integers(-10, 2000),
+    memory=st.tuples(_value, _value),
     adaptive=st.booleans(),
     seq=st.lists(st.tuples(_obs, st.floats(0, 30)), max_size=25),
 )
@@ -404,11 +445,12 @@ def test_target_always_within_bounds(
     floor: int,
     span: int,
     start: int,
+    memory: tuple[float | None, float | None],
     adaptive: bool,
     seq: list[tuple[Observation | None, float]],
 ) -> None:
     params = ControllerParams(floor=floor, ceiling=floor + span, adaptive=adaptive)
-    s = ControllerState(target=start)
+    s = ControllerState(target=start, capacity=memory[0], kv_capacity=memory[1])
     now = 0.0
     for obs, gap in seq:
         now += gap
@@ -421,6 +463,165 @@ def test_target_always_within_bounds(
             assert d.target == floor and not d.publish
         if d.reason is Reason.DECREASE:
             assert d.target < s.target or s.target > params.ceiling
-        if d.reason in (Reason.SLOW_START, Reason.INCREASE):
+        if d.reason in (Reason.SLOW_START, Reason.INCREASE, Reason.PROBE):
             assert d.target > s.target
         s = d.state
+
+
+# ------------------------------------------------------------- capacity memory (issue 13 item 4)
+
+
+def kv_busy(target: int, capacity: float, **kw: float) -> Observation:
+    """Fleet at the target, engine below its capacity; KV-cache usage = running / capacity."""
+    running = kw.get("running", min(target, capacity))
+    return Observation(
+        running=running,
+        waiting_capacity=0,
+        in_flight=kw.get("in_flight", target),
+        kv_cache_usage=min(1.0, running / capacity),
+    )
+
+
+def test_kv_estimate_caps_the_ramp_at_the_capacity() -> None:
+    # 128 of a 200-slot engine run, KV 64 % used: the next step is 200, not 256.
+    d = step(state(128), kv_busy(128, 200), P, now=0)
+    assert (d.target, d.reason) == (200, Reason.INCREASE)
+    # Far below the estimate the ramp still doubles.
+    d = step(state(32), kv_busy(32, 200), P, now=0)
+    assert (d.target, d.reason) == (64, Reason.SLOW_START)
+
+
+def test_kv_full_holds_at_the_capacity_without_probing() -> None:
+    s = state(200)
+    for n in range(30):
+        d = step(s, kv_busy(200, 200, running=197), P, now=12.0 * n)
+        assert (d.target, d.reason, d.publish) == (200, Reason.HOLD_CAPACITY, True)
+        s = d.state
+
+
+def test_too_little_kv_usage_gives_no_estimate() -> None:
+    # 2 of 256 slots: 0.8 % KV, too coarse to extrapolate from; slow start as without KV.
+    d = step(state(4), kv_busy(4, 256, running=2, in_flight=4), P, now=0)
+    assert d.reason is Reason.HOLD_IDLE  # the server runs 2 of 4: not near-full
+    d = step(state(4), kv_busy(4, 256), P, now=0)
+    assert (d.target, d.reason) == (8, Reason.SLOW_START)
+
+
+def test_saturation_remembers_the_capacity() -> None:
+    d = step(state(512), saturated(running=256, in_flight=512, waiting=256), P, now=0)
+    assert d.target == 256 and d.state.capacity == 256
+    # At the remembered capacity, no KV signal: hold, no +25 % probe every third poll.
+    s = d.state
+    reasons = []
+    for n in range(1, P.probe_polls):
+        d = step(s, busy(256), P, now=12.0 * n)
+        reasons.append(d.reason)
+        assert d.target == 256
+        s = d.state
+    assert set(reasons) == {Reason.HOLD_CAPACITY}
+    # After probe_polls clean polls: one small probe above it (+5 %).
+    d = step(s, busy(256), P, now=12.0 * P.probe_polls)
+    assert (d.target, d.reason) == (268, Reason.PROBE)
+    # The probe saturates: back to what the engine ran, the estimate confirmed.
+    d = step(d.state, saturated(running=256, in_flight=268, waiting=12), P, now=12.0 * 11)
+    assert (d.target, d.reason, d.state.capacity) == (256, Reason.DECREASE, 256)
+
+
+def test_clean_probes_grow_faster() -> None:
+    s = state(100, slow_start=False, capacity=100.0, near_full_streak=P.probe_polls)
+    targets = []
+    for n in range(5):
+        d = step(s, busy(s.target), P, now=12.0 * n)
+        assert d.reason is Reason.PROBE
+        targets.append(d.target)
+        s = d.state
+    assert targets == [105, 115, 138, 172, 215]  # +5 %, +10 %, +20 %, then +25 % per poll
+
+
+def test_kv_estimate_follows_a_capacity_change_after_saturation() -> None:
+    # Saturated at 128 with KV full: estimate 128. Capacity doubles: KV halves, estimate 256.
+    obs = Observation(running=128, waiting_capacity=32, in_flight=160, kv_cache_usage=1.0)
+    d = step(state(160, slow_start=False), obs, P, now=0)
+    assert (d.target, d.state.capacity, d.state.kv_capacity) == (128, 128, 128)
+    d = step(d.state, kv_busy(128, 256), P, now=12)
+    assert (d.target, d.reason) == (256, Reason.INCREASE)
+
+
+def test_kv_estimate_scaled_by_what_saturation_showed() -> None:
+    # An engine bound by max_num_seqs, not memory: saturated at 100 running with KV 50 % used.
+    # Later the same KV reading must not read as "room for 200".
+    obs = Observation(running=100, waiting_capacity=10, in_flight=110, kv_cache_usage=0.5)
+    d = step(state(110, slow_start=False), obs, P, now=0)
+    assert (d.target, d.state.capacity, d.state.kv_capacity) == (100, 100, 200)
+    busy_kv = Observation(running=100, waiting_capacity=0, in_flight=100, kv_cache_usage=0.5)
+    d = step(d.state, busy_kv, P, now=12)
+    assert (d.target, d.reason) == (100, Reason.HOLD_CAPACITY)
+
+
+# ------------------------------------------------ the server must run near the target (item 5)
+
+
+def test_client_side_bottleneck_never_increases() -> None:
+    """The fleet holds every permit but the server runs few: the bottleneck is the clients'."""
+    for s in (state(64), state(64, slow_start=False), state(64, capacity=500.0)):
+        for n in range(20):
+            obs = Observation(running=25, waiting_capacity=0, in_flight=64, kv_cache_usage=0.05)
+            d = step(s, obs, P, now=12.0 * n)
+            assert (d.target, d.reason) == (64, Reason.HOLD_IDLE)
+            s = d.state
+
+
+def test_server_busy_with_other_traffic_needs_our_fleet_near_full_too() -> None:
+    d = step(state(64), Observation(running=300, waiting_capacity=0, in_flight=20), P, now=0)
+    assert (d.target, d.reason) == (64, Reason.HOLD_IDLE)
+
+
+def test_old_stored_state_loads() -> None:
+    """A state stored by the previous version (no capacity memory) still resumes."""
+    old = (
+        b'{"target":77,"slow_start":false,"last_decrease":1.7e9,"drained":false,'
+        b'"recovering":true,"near_full_streak":1,"unknown_streak":0}'
+    )
+    s = load_state(old, P)
+    assert (s.target, s.slow_start, s.capacity, s.kv_capacity) == (77, False, None, None)
+
+
+# ------------------------------------------- refinements from the ramp benchmark (same issue)
+
+
+def test_kv_estimate_at_the_target_means_no_probe_even_when_fewer_run() -> None:
+    """Measured: under client-side jitter running dips (226 of 256), KV usage reads 0.88, yet
+    running / usage still says 256. The estimate, not the usage, decides: no probe."""
+    s = state(256)
+    for n in range(3 * P.probe_polls):
+        running = 226 if n % 3 else 250
+        obs = Observation(
+            running=running, waiting_capacity=0, in_flight=256, kv_cache_usage=running / 256
+        )
+        d = step(s, obs, P, now=12.0 * n)
+        assert (d.target, d.reason) == (256, Reason.HOLD_CAPACITY)
+        s = d.state
+
+
+def test_a_probe_counts_as_clean_only_when_the_server_ran_above_the_estimate() -> None:
+    s = state(268, slow_start=False, capacity=256.0, near_full_streak=20, probes=1)
+    # The probe's extra permits have not reached the engine: no proof of room, no next probe.
+    d = step(s, busy(268, running=240), P, now=0)
+    assert (d.target, d.reason, d.state.probes) == (268, Reason.HOLD_CAPACITY, 1)
+    # The engine ran more than the remembered capacity without queueing: the capacity grew.
+    d = step(d.state, busy(268, running=262), P, now=12)
+    assert (d.target, d.reason) == (268 + 26, Reason.PROBE)
+
+
+def test_saturated_engine_running_below_a_fresh_cut_cuts_again_at_once() -> None:
+    """Capacity halved: the first poll sees the engine still draining (running 135 > 128); the
+    next one sees it run 128 < the cut while still queueing: that is the capacity, cut to it
+    without waiting for the drain period (it is a measurement, not a second punishment)."""
+    d = step(state(256, slow_start=False), saturated(135, 256, 116), P, now=0)
+    assert d.target == 135
+    d = step(d.state, saturated(128, 172, 44), P, now=12)
+    assert (d.target, d.reason) == (128, Reason.DECREASE)
+    # Running at the cut (not below it): the drain period holds as before.
+    d2 = step(state(256, slow_start=False), saturated(135, 256, 116), P, now=0)
+    d2 = step(d2.state, saturated(135, 172, 37), P, now=12)
+    assert d2.reason is Reason.HOLD_COOLDOWN

@@ -84,7 +84,9 @@ async def limit_of(r: aredis.Redis, keys: GateKeys) -> int:
 async def test_targets_rise_fall_and_decay_to_floor(
     rut: RedisUnderTest, async_redis: aredis.Redis
 ) -> None:
-    values = StubValues(running=0, waiting_capacity=0)
+    # The engine runs what the 40 workers send (the controller increases only when the server
+    # runs near the target, not on permits the fleet holds alone).
+    values = StubValues(running=40, waiting_capacity=0)
     keys = GateKeys.of(rut.prefix, "llm")
     with serve_in_thread(metrics_stub(values)) as served:
         cfg = config(rut, f"{served.url}/metrics")
