@@ -348,7 +348,8 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
     default_ceiling = DEFAULT_CEILING
     if env.get("MODEL_MAX_CONCURRENCY"):
         text = env["MODEL_MAX_CONCURRENCY"].strip()
-        if not text.isdigit() or int(text) < 1:
+        # isascii: str.isdigit() is also true of '²' and other digits int() refuses.
+        if not (text.isascii() and text.isdigit()) or int(text) < 1:
             raise ConfigError(f"MODEL_MAX_CONCURRENCY: expected an int >= 1, got {text!r}")
         default_ceiling = int(text)
     gates = data.get("gates")

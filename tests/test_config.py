@@ -302,6 +302,8 @@ def test_model_max_concurrency_is_the_default_ceiling() -> None:
         ({"KG_ADAPTIVE_CONCURRENCY": "2"}, "KG_ADAPTIVE_CONCURRENCY: expected 0/1"),
         ({"MODEL_MAX_CONCURRENCY": "0"}, "MODEL_MAX_CONCURRENCY: expected an int >= 1, got '0'"),
         ({"MODEL_MAX_CONCURRENCY": "lots"}, "MODEL_MAX_CONCURRENCY: expected an int >= 1"),
+        # '²'.isdigit() is true, int('²') raises ValueError: found by the env fuzz test
+        ({"MODEL_MAX_CONCURRENCY": "²"}, "MODEL_MAX_CONCURRENCY: expected an int >= 1, got '²'"),
     ],
 )
 def test_bad_env_names_the_variable(env: dict[str, str], expected: str) -> None:
