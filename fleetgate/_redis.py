@@ -1,6 +1,7 @@
 """Creating redis-py asyncio clients from a URL, the one place connection options are chosen, and
 :class:`RedisMode`, the one object that knows whether a client talks to a standalone Redis or a
-Redis Cluster (callers never ask)."""
+Redis Cluster (callers never ask). A Sentinel URL gives a client of the current master, which
+behaves as a standalone one; redis-py's Sentinel pool finds the master again after a failover."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 import redis.asyncio as aredis
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterDownError,
@@ -29,6 +31,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from fleetgate import _sentinel
 from fleetgate.errors import ConfigError
 
 __all__ = [
@@ -125,7 +128,7 @@ class RedisMode:
     concurrent use (:meth:`prepare`), commands that go to every primary (:meth:`each_primary`),
     dropping idle connections (:meth:`disconnect_idle`) and batches of gate commands
     (:meth:`batch`: one pipeline, or concurrent calls because Cluster refuses scripts in
-    pipelines). Sentinel joins here.
+    pipelines). A Sentinel URL gives a client of the current master: standalone here.
     """
 
     __slots__ = ("client", "cluster")
@@ -243,6 +246,9 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
     }
+    if _sentinel.is_sentinel_url(url):
+        options.update(overrides)
+        return _connect_sentinel(_sentinel.parse(url), options, dedicated)
     if urlsplit(url).scheme == "rediss":
         options["ssl_check_hostname"] = True  # a query parameter in the URL wins over this
     options.update(overrides)
@@ -266,6 +272,54 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
         raise ConfigError(
             f"Redis URL {redact(url)} rejected by redis-py: {scrub(str(exc), url)}"
         ) from None
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, aredis.BlockingConnectionPool):
+    """redis-py's Sentinel pool (master looked up per new connection, dropped after a failover)
+    with the blocking pool's wait for a free connection, like the standalone pool; closing it
+    also closes the clients of the sentinels it asks."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # the owner closes the client (idle drops pass False)
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.aclose()
+
+
+def _connect_sentinel(
+    target: _sentinel.SentinelTarget, options: dict[str, Any], dedicated: bool
+) -> Any:
+    """A client of ``target``'s current master (a dedicated one holds one connection)."""
+    scheme = "rediss" if target.tls else "redis"
+    # redis-py's own URL parser types the query options (socket_timeout=0.5 -> float, ...).
+    parsed: dict[str, Any] = dict(
+        parse_url(f"{scheme}://localhost/{target.db}?{urlencode(target.options)}")
+    )
+    for key in ("host", "port", "connection_class"):
+        parsed.pop(key, None)
+    master: dict[str, Any] = {**options, **parsed}
+    if target.username is not None:
+        master["username"] = target.username
+    if target.password is not None:
+        master["password"] = target.password
+    timeouts = {k: v for k, v in master.items() if k.startswith("socket_")}
+    to_sentinels: dict[str, Any] = {**timeouts, "decode_responses": True}
+    if target.tls:
+        master["ssl"] = True
+        to_sentinels.update({k: v for k, v in master.items() if k.startswith("ssl")})
+    if target.sentinel_username is not None:
+        to_sentinels["username"] = target.sentinel_username
+    if target.sentinel_password is not None:
+        to_sentinels["password"] = target.sentinel_password
+    manager = Sentinel(list(target.sentinels), sentinel_kwargs=to_sentinels)  # type: ignore[no-untyped-call]
+    master.setdefault("max_connections", 1 if dedicated else MAX_CONNECTIONS)
+    master.setdefault("timeout", POOL_TIMEOUT)
+    pool = _BlockingSentinelPool(  # type: ignore[no-untyped-call]
+        target.service, manager, is_master=True, **master
+    )
+    client = aredis.Redis(connection_pool=pool, single_connection_client=dedicated)
+    client.auto_close_connection_pool = True  # closing the client closes its pool
+    return client
 
 
 # ------------------------------------------------------------------------------ URL checking
@@ -348,6 +402,8 @@ def validate_redis_url(url: object, *, check_files: bool = False) -> str:
     shown = redact(url)
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
         raise ConfigError(f"Redis URL {shown!r} contains whitespace or control characters")
+    if _sentinel.is_sentinel_url(url):
+        return _validate_sentinel_url(url, shown, check_files)
     scheme, query = _split_url(url, shown)
     cluster_flags = [v for k, v in query if k == "cluster"]
     cluster = bool(cluster_flags) and cluster_flags[-1].lower() in _TRUE
@@ -360,6 +416,19 @@ def validate_redis_url(url: object, *, check_files: bool = False) -> str:
         parse_url(url if not cluster_flags else split_cluster_flag(url)[0])
     except ValueError as exc:  # e.g. "Invalid value for 'db' in connection URL."
         raise ConfigError(f"Redis URL {shown!r}: {scrub(str(exc), url)}") from None
+    _check_tls_options(dict(query), shown, check_files)
+    return url
+
+
+def _validate_sentinel_url(url: str, shown: str, check_files: bool) -> str:
+    try:
+        target = _sentinel.parse(url)
+    except ValueError as exc:
+        raise ConfigError(f"Redis URL {shown!r}: {scrub(str(exc), url)}") from None
+    query = [*target.options]
+    if any(k == "cluster" for k, _ in query):
+        raise ConfigError(f"Redis URL {shown!r}: cluster= does not apply to a Sentinel URL")
+    _check_query_keys(query, "rediss" if target.tls else "redis", False, shown)
     _check_tls_options(dict(query), shown, check_files)
     return url
 
@@ -379,7 +448,8 @@ def _split_url(url: str, shown: str) -> tuple[str, list[tuple[str, str]]]:
     scheme = parts.scheme.lower()
     if scheme not in ("redis", "rediss", "unix"):
         raise ConfigError(
-            f"expected a redis://, rediss:// or unix:// URL, got scheme {parts.scheme!r}"
+            "expected a redis://, rediss://, unix:// or redis+sentinel:// URL, got scheme "
+            f"{parts.scheme!r}"
         )
     if scheme == "unix" and not parts.path:
         raise ConfigError(f"Redis URL {shown!r} has no socket path")
