@@ -18,8 +18,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from ._fleet import Fleet, GateUtilization
+from ._fleet import Fleet
 from ._gate import Gate, Lease
+from ._utilization import GateUtilization
 
 __all__ = ["SyncFleet", "SyncGate"]
 
@@ -223,12 +224,16 @@ class SyncGate:
 
         The deadline bounds the queue wait; a thread cannot be interrupted mid-call, so the block
         itself runs to completion (use :meth:`map` for a deadline that abandons running calls).
+        If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
+        :class:`LeaseLost`, unless the block raised an exception of its own.
         """
         lease = self.acquire(deadline)
         try:
             yield lease
         finally:
             self.release(lease)
+        if lease.is_lost:
+            raise lease.lost_error()
 
     def acquire(self, deadline: float | None = 30.0) -> Lease:
         """Acquire a permit; release it with :meth:`release`."""

@@ -95,7 +95,7 @@ class Worker:
                 leases=len(gate.leases),
                 local_leases=len(gate.local_leases),
                 waiters=len(gate.waiters),
-                bg_tasks=len(fleet._tasks),
+                bg_tasks=len(fleet.runtime.tasks),
             )
         return out
 
@@ -407,7 +407,7 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
     if running:
         await asyncio.wait(list(running))
     # Drain the fleet's background work (cancels and releases spawned by the cancellations).
-    while fleet._tasks:
+    while fleet.runtime.tasks:
         await asyncio.sleep(0.01)
     for key in list(phase):
         if phase[key] == "done":
@@ -625,7 +625,7 @@ async def cancel_ends(w: Worker) -> None:
     mon.cancel()
     # Drain the fleet's background work (cancels and releases spawned by the cancellations).
     drain_until = loop.time() + 15.0
-    while fleet._tasks and loop.time() < drain_until:
+    while fleet.runtime.tasks and loop.time() < drain_until:
         await asyncio.sleep(0.01)
     ends = sorted(
         i.ended_at - i.cancel_at
@@ -651,7 +651,7 @@ async def cancel_ends(w: Worker) -> None:
         leases_left=len(gate.leases),
         waiters_left=len(gate.waiters),
         local_left=len(gate.local_leases),
-        bg_left=len(fleet._tasks),
+        bg_left=len(fleet.runtime.tasks),
     )
     w.state = "done"
     await w.ctl.hset(w.k_status, mapping=w.snapshot())
