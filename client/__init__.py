@@ -20,10 +20,11 @@ from fleetgate.errors import (
     RedisUnavailable,
 )
 
-from ._fleet import Fleet, GateUtilization
+from ._fleet import Fleet
 from ._gate import Gate, Lease
 from ._map import DEFAULT_RETRY, FleetgateWarning, is_transient
 from ._sync import SyncFleet, SyncGate
+from ._utilization import GateUtilization
 from .compat import (
     get_utilization,
     map_concurrent,

@@ -1,4 +1,11 @@
-"""One gate as seen from one process: acquiring, parking, releasing and the local fallback."""
+"""One gate as seen from one process: acquiring, parking, releasing and the local fallback.
+
+A :class:`Gate` is given what it needs from its process -- a :class:`~._runtime.Runtime`
+(scripts, ids, metrics, background tasks, fleet or fallback mode) and the process's
+:class:`~._wakes.WakeListeners` -- and knows nothing of the :class:`~._fleet.Fleet`, the
+heartbeat or the fallback that drive it. Those call in through the methods under "driven by the
+heartbeat" and "driven by the fallback" below.
+"""
 
 from __future__ import annotations
 
@@ -10,35 +17,26 @@ import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from fleetgate._redis import REDIS_ERRORS as _REDIS_ERRORS
-from fleetgate.errors import Overloaded
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from fleetgate.errors import FleetgateError, LeaseLost, Overloaded
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import GRANTED, REJECTED, GateDefaults, HeartbeatReply, Snapshot
 
 from ._deadline import Deadline, cancel_requests, raise_if_cancel_lost
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
-
-if TYPE_CHECKING:
-    from ._fleet import Fleet
-    from ._metrics import ClientMetrics
+from ._metrics import ClientMetrics
+from ._runtime import OUTAGE_ERRORS, Runtime
+from ._wakes import WakeListeners
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-__all__ = ["Gate", "Lease"]
+__all__ = ["Gate", "Lease", "Renewal"]
 
 log = logging.getLogger("fleetgate.client")
-
-# "Redis unreachable right now" as the client sees it: fleetgate._redis.REDIS_ERRORS plus an
-# AttributeError "'NoneType' object has no attribute 'writelines'" from redis-py 8.1's cluster
-# client: on a connection error it disconnects a node's free connections from a snapshot while
-# another task may already be writing on one of them (a race in redis-py, not a fleetgate bug;
-# tests/chaos/test_cluster_faults.py::test_master_failover_under_load[kill]). These except
-# clauses wrap only the script calls, so anything else raising AttributeError there would also
-# read as an outage: it is logged with its message when the fallback starts.
-REDIS_ERRORS: tuple[type[BaseException], ...] = (*_REDIS_ERRORS, AttributeError)
 
 # Park "forever" when the caller gives no deadline; the waiter heartbeat still bounds how long a
 # dead process' entry survives.
@@ -58,7 +56,8 @@ class Lease:
 
     ``token`` is a fencing token, monotonic per gate in grant order. ``lost`` is set when the
     lease could not be renewed and Redis no longer counts it; ``is_lost`` reads the same from any
-    thread.
+    thread. Leaving a ``permit()`` block whose lease was lost raises :class:`LeaseLost` (unless
+    the block raised already).
     """
 
     def __init__(
@@ -84,14 +83,22 @@ class Lease:
         self._lost_flag.set()
         self.lost.set()
 
+    def lost_error(self) -> LeaseLost:
+        """The error for leaving a permit block whose lease was lost."""
+        return LeaseLost(
+            f"gate {self.gate.name!r}: lease {self.id} (token {self.token}) was lost while its "
+            "block ran: it was not renewed in time, so Redis stopped counting it and the fleet "
+            "may have run over its limit"
+        )
+
     async def release(self) -> None:
         """Give the permit back (idempotent). Never raises for an unreachable Redis."""
         if self._released:
             return
         self._released = True
-        # Spawned on the fleet (which waits for it on close) and shielded: a cancelled caller
-        # still gives the permit back.
-        await asyncio.shield(self.gate.fleet.spawn(self.gate._release(self)))
+        # Spawned (the fleet waits for background tasks on close) and shielded: a cancelled
+        # caller still gives the permit back.
+        await asyncio.shield(self.gate.runtime.spawn(self.gate._release(self)))
 
     def __repr__(self) -> str:
         kind = "local" if self.local else "fleet"
@@ -115,14 +122,27 @@ class _Waiter:
         return NO_DEADLINE_WAIT_MS if left is None else max(1, int(left * 1000))
 
 
+@dataclass(frozen=True)
+class Renewal:
+    """What one heartbeat of a gate renews: its leases (id, expiry last seen) and its parked
+    waiters (id, ms left of the caller's deadline), and the highest token it holds."""
+
+    leases: list[tuple[str, int]]
+    waiters: list[tuple[str, int]]
+    max_token: int
+
+
 class Gate:
     """A named fleet-wide limit. Obtain one with :meth:`Fleet.gate`."""
 
-    def __init__(self, fleet: Fleet, name: str, defaults: GateDefaults) -> None:
-        self.fleet = fleet
+    def __init__(
+        self, name: str, defaults: GateDefaults, runtime: Runtime, wakes: WakeListeners
+    ) -> None:
         self.name = name
-        self.keys = GateKeys.of(fleet.prefix, name)
         self.defaults = defaults
+        self.runtime = runtime
+        self.wakes = wakes
+        self.keys = GateKeys.of(runtime.prefix, name)
         self.leases: dict[str, Lease] = {}
         self.waiters: dict[str, _Waiter] = {}
         self.last_limit = defaults.floor
@@ -135,13 +155,13 @@ class Gate:
         # every acquire and heartbeat reply; the heartbeat is paced by them.
         self.ttl_ms = min(defaults.lease_ms, defaults.waiter_ms)
         # When (loop time) this gate's leases and waiters were last renewed (or, for a gate
-        # that just got its first work, granted): the heartbeat's pacing (Fleet).
-        self.last_beat = 0.0
+        # that just got its first work, granted): the heartbeat paces the next renewal by it.
+        self.renewed_at = 0.0
         # Permits granted locally while Redis was unreachable (the fair-share fallback).
         self.local_leases: dict[str, Lease] = {}
-        self.registered = False  # in the fleet's gate registry (for `fleetgate status`)
+        # Listed in the fleet's gate registry (`fg:gates`, for `fleetgate status`).
+        self.in_registry = False
         self._local_cond = asyncio.Condition()
-        self._labels = fleet.metrics, name
 
     # -- public API --------------------------------------------------------------------------
 
@@ -153,25 +173,29 @@ class Gate:
         When it fires while parked the caller leaves the wait list (no permit consumed); when it
         fires inside the block, the block is cancelled and the lease released. Either way
         :class:`DeadlineExceeded` is raised. A full wait list raises :class:`Overloaded` at once.
+        If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
+        :class:`LeaseLost`, unless the block raised an exception of its own.
         """
-        async with self.deadline(deadline, "permit") as dl:
+        async with self._total_deadline(deadline, "permit") as dl:
             lease = await self._acquire(dl)
             try:
                 yield lease
             finally:
                 await lease.release()
+            if lease.is_lost:
+                raise lease.lost_error()
 
     async def acquire(self, deadline: float | None = 30.0) -> Lease:
         """Acquire a permit and return its lease; the caller must ``await lease.release()``.
 
         ``deadline`` bounds the wait only. Prefer :meth:`permit`, which releases for you.
         """
-        async with self.deadline(deadline, "queue wait") as dl:
+        async with self._total_deadline(deadline, "queue wait") as dl:
             return await self._acquire(dl)
 
     async def map(
         self,
-        fn: Fn[T, R],
+        fn: Fn[T],
         items: Iterable[T] | AsyncIterable[T],
         *,
         max_in_flight: int | None = 8,
@@ -195,6 +219,7 @@ class Gate:
         * ``call_timeout``: a per-attempt timeout (a timeout counts as transient).
 
         ``fn`` may be async or sync (run in a thread); ``items`` may be an async iterable.
+        A lease lost under a call is counted and logged, not raised: the call's result stands.
         """
         return await run_map(
             self,
@@ -209,7 +234,7 @@ class Gate:
 
     async def map_batches(
         self,
-        fn: Fn[Sequence[T], Any],
+        fn: Fn[Sequence[T]],
         items: Sequence[T],
         *,
         batch_size: int,
@@ -237,18 +262,13 @@ class Gate:
             flat.extend(values)
         return flat
 
-    def deadline(self, seconds: float | None, where: str) -> Deadline:
-        """A total deadline for this gate, counted in the deadline-exceeded metric."""
-        counter = self.fleet.metrics.deadline_exceeded.labels(self.name)
-        return Deadline(self.name, seconds, where=where, on_expire=counter.inc)
-
     async def acquire_for(self, dl: Deadline) -> Lease:
         """Acquire under an enclosing deadline (used by :meth:`map`)."""
         return await self._acquire(dl)
 
     @property
     def metrics(self) -> ClientMetrics:
-        return self.fleet.metrics
+        return self.runtime.metrics
 
     async def capacity(self) -> int:
         """The gate's current fleet-wide limit (live target, else floor)."""
@@ -256,43 +276,50 @@ class Gate:
 
     async def snapshot(self) -> Snapshot:
         """A consistent view of the gate in Redis (holders, waiters, limit, config, stats)."""
-        return await self.fleet.scripts.inspect(self.keys, defaults=self.defaults)
+        return await self.runtime.scripts.inspect(self.keys, defaults=self.defaults)
+
+    def _total_deadline(self, seconds: float | None, where: str) -> Deadline:
+        """A total deadline for this gate, counted in the deadline-exceeded metric."""
+        counter = self.metrics.deadline_exceeded.labels(self.name)
+        return Deadline(self.name, seconds, where=where, on_expire=counter.inc)
 
     # -- acquiring ---------------------------------------------------------------------------
 
     async def _acquire(self, dl: Deadline) -> Lease:
-        fleet = self.fleet
-        metrics = fleet.metrics
+        rt = self.runtime
         while True:
-            if fleet.fallback_active:
+            if rt.fallback_active:
                 lease = await self._acquire_local()
                 if lease is not None:
                     return lease
                 continue
-            lease_id = fleet.next_id()
+            lease_id = rt.next_id()
             waiter = _Waiter(lease_id, asyncio.get_running_loop().create_future(), dl)
-            if not self.leases and not self.waiters:
-                fleet.work_started(self)  # paces the first renewal from now
+            if not self.busy:
+                # The first lease or waiter: renew it a renewal period from now (the grant is
+                # as fresh as a renewal), whatever the heartbeat was sleeping on before.
+                self.renewed_at = asyncio.get_running_loop().time()
+                rt.replan.set()
             # Registered before the call: a hand-off can be popped by the wake listener
             # before this coroutine sees the script's reply.
             self.waiters[lease_id] = waiter
             pending = cancel_requests()
             try:
-                reply = await fleet.scripts.acquire(
+                reply = await rt.scripts.acquire(
                     self.keys, lease_id, waiter.remaining_ms(), self.defaults
                 )
                 # A cancellation redis-py swallowed (Python 3.11): raised here, so the except
                 # below gives back what the script did (tests/chaos/test_cancel_ends.py).
                 raise_if_cancel_lost(pending)
-            except REDIS_ERRORS as exc:
+            except OUTAGE_ERRORS as exc:
                 self.waiters.pop(lease_id, None)
-                fleet.forget_later(self, lease_id)
-                fleet.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
+                self._forget_later(lease_id)
+                rt.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
                 raise_if_cancel_lost(pending)
                 continue
             except BaseException:
                 self.waiters.pop(lease_id, None)
-                fleet.forget_later(self, lease_id)
+                self._forget_later(lease_id)
                 raise
             self.last_limit = reply.limit
             self.note_ttls(reply.lease_ms, reply.waiter_ms)
@@ -301,7 +328,7 @@ class Gate:
                 return self._granted(lease_id, reply.token, reply.expires_at)
             if reply.status == REJECTED:
                 self.waiters.pop(lease_id, None)
-                metrics.rejected.labels(self.name).inc()
+                self.metrics.rejected.labels(self.name).inc()
                 raise Overloaded(self.name, reply.n)
             lease = await self._park(waiter, reply.token)
             if lease is not None:
@@ -310,9 +337,10 @@ class Gate:
     async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
         """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""
         waiter.parked = True
-        depth = self.fleet.metrics.queue_depth.labels(self.name)
+        depth = self.metrics.queue_depth.labels(self.name)
         depth.inc()
-        self.fleet.ensure_listener(self)
+        # Looked up on every wake (not bound now), so a hook on on_granted sees every grant.
+        self.wakes.ensure(self.name, self.keys.wake(self.runtime.pod_key), self._woken)
         try:
             await waiter.future
         except _Requeue:
@@ -321,37 +349,58 @@ class Gate:
         except _GoLocal:
             # Leave the fleet queue if Redis still answers; else the entry expires by TTL.
             self.waiters.pop(waiter.id, None)
-            self.fleet.spawn(self._cancel(waiter.id))
+            self.runtime.spawn(self._cancel(waiter.id))
             return None
         except BaseException:
             # Cancelled or deadline while parked: leave the queue; a grant that raced in is
             # released by the same script.
             self.waiters.pop(waiter.id, None)
-            await asyncio.shield(self.fleet.spawn(self._cancel(waiter.id)))
+            await asyncio.shield(self.runtime.spawn(self._cancel(waiter.id)))
             raise
         finally:
             depth.dec()
         self.waiters.pop(waiter.id, None)
-        self.fleet.metrics.wait_seconds.labels(self.name).observe(
-            time.monotonic() - waiter.parked_at
-        )
+        self.metrics.wait_seconds.labels(self.name).observe(time.monotonic() - waiter.parked_at)
         return self._granted(waiter.id, token, waiter.expires_at)
 
     def _granted(self, lease_id: str, token: int, expires_at: int = 0) -> Lease:
         lease = Lease(self, lease_id, token, expires_at=expires_at)
         self.leases[lease_id] = lease
-        self.fleet.metrics.granted.labels(self.name).inc()
-        self.fleet.metrics.in_flight.labels(self.name).inc()
+        self.metrics.granted.labels(self.name).inc()
+        self.metrics.in_flight.labels(self.name).inc()
         return lease
 
     async def _cancel(self, waiter_id: str) -> None:
         try:
-            await self.fleet.scripts.cancel(self.keys, waiter_id)
-        except REDIS_ERRORS as exc:
+            await self.runtime.scripts.cancel(self.keys, waiter_id)
+        except OUTAGE_ERRORS as exc:
             # Retried until Redis answers (see _release): a parked entry left behind is handed
             # a slot that nobody uses until its TTL.
             log.debug("gate %s: cancel of %s failed (%s); retrying", self.name, waiter_id, exc)
-            self.fleet.forget_later(self, waiter_id)
+            self._forget_later(waiter_id)
+
+    def _forget_later(self, lease_id: str) -> None:
+        """An acquire whose outcome is unknown (connection lost mid-call), or a release or
+        cancel that failed: cancel the id once Redis answers (retried at least every second, so
+        a slot is freed within about a second of recovery); if that never happens, the entry
+        expires by TTL."""
+
+        async def forget() -> None:
+            try:
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception_type(OUTAGE_ERRORS),
+                    wait=wait_exponential(multiplier=0.1, max=1.0),
+                    stop=stop_after_delay(self.defaults.lease_ms / 1000),
+                    reraise=True,
+                ):
+                    with attempt:
+                        await self.runtime.scripts.cancel(self.keys, lease_id)
+            except OUTAGE_ERRORS:
+                pass  # never answered: the entry expires by TTL
+            except Exception as exc:  # e.g. WRONGTYPE: logged, never an unretrieved task error
+                log.warning("gate %s: could not cancel %s: %s", self.name, lease_id, exc)
+
+        self.runtime.spawn(forget())
 
     # -- releasing ---------------------------------------------------------------------------
 
@@ -360,66 +409,82 @@ class Gate:
             async with self._local_cond:
                 self.local_leases.pop(lease.id, None)
                 self._local_cond.notify_all()
-            self.fleet.metrics.in_flight.labels(self.name).dec()
+            self.metrics.in_flight.labels(self.name).dec()
             return
         if self.leases.pop(lease.id, None) is not None:
-            self.fleet.metrics.in_flight.labels(self.name).dec()
-        if self.fleet.fallback_active:
+            self.metrics.in_flight.labels(self.name).dec()
+        if self.runtime.fallback_active:
             async with self._local_cond:
                 self._local_cond.notify_all()
         try:
-            await self.fleet.scripts.release(self.keys, lease.id)
-        except REDIS_ERRORS as exc:
+            await self.runtime.scripts.release(self.keys, lease.id)
+        except OUTAGE_ERRORS as exc:
             # Retried (as a cancel, which releases a held id) until Redis answers, else it
             # expires by TTL. Without the retry, permits released while Redis was unreachable
             # but not lost (a cut link, a slot migration, a failover) kept their slots after
             # recovery until their lease TTL: the gate stood still with every slot held by
             # nobody (tests/chaos/test_cluster_faults.py::test_slot_migration_under_load).
             log.debug("gate %s: release of %s failed (%s); retrying", self.name, lease.id, exc)
-            self.fleet.forget_later(self, lease.id)
+            self._forget_later(lease.id)
 
-    # -- events from the wake listener and the heartbeat ---------------------------------------
+    def shut_down(self, reason: FleetgateError) -> None:
+        """The fleet closes: parked callers fail with ``reason``, held leases are released in
+        the background (the fleet waits for them)."""
+        self.fail_waiters(reason)
+        for lease in list(self.leases.values()):
+            self.runtime.spawn(lease.release())
 
-    def on_granted(self, lease_id: str, expires_at: int = 0) -> None:
+    # -- hand-offs (from the wake listener and the heartbeat) ----------------------------------
+
+    def _woken(self, lease_id: str) -> None:
+        self.on_granted(lease_id)
+
+    def on_granted(self, lease_id: str) -> None:
         """A hand-off for ``lease_id`` arrived (wake list or heartbeat)."""
         waiter = self.waiters.get(lease_id)
         if waiter is not None:
-            waiter.expires_at = max(waiter.expires_at, expires_at)
             if not waiter.future.done():
                 waiter.future.set_result(None)
             return
         if lease_id not in self.leases:
             # Nobody waits for it any more (cancelled meanwhile): give it back.
-            self.fleet.spawn(self._cancel(lease_id))
+            self.runtime.spawn(self._cancel(lease_id))
+
+    # -- driven by the heartbeat ---------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether this process holds leases or waiters of the gate (they need renewing)."""
+        return bool(self.leases or self.waiters)
+
+    def renewal(self) -> Renewal:
+        """What the next heartbeat of this gate renews."""
+        held = list(self.leases.values())
+        return Renewal(
+            leases=[(lease.id, lease.expires_at) for lease in held],
+            waiters=[
+                (w.id, w.remaining_ms())
+                for w in self.waiters.values()
+                if w.parked and not w.future.done()
+            ],
+            max_token=max((lease.token for lease in held), default=0),
+        )
 
     def note_ttls(self, lease_ms: int, waiter_ms: int) -> None:
         """The TTLs in force in Redis; a shorter one re-paces the heartbeat at once."""
         ttl = min(lease_ms, waiter_ms)
         if ttl != self.ttl_ms:
             self.ttl_ms = ttl
-            self.fleet.poke_heartbeat()
+            self.runtime.poke_heartbeat()
 
-    def on_heartbeat(self, reply: HeartbeatReply, sent_at: float, renewed: list[str]) -> None:
-        """Apply a heartbeat reply; ``sent_at`` is when (loop time) it was sent, ``renewed`` the
-        lease ids it carried."""
+    def on_heartbeat(self, reply: HeartbeatReply, sent: Renewal, sent_at: float) -> None:
+        """Apply the reply to the heartbeat that carried ``sent``, sent at ``sent_at`` (loop
+        time)."""
         self.last_limit = reply.limit
         self.note_ttls(reply.lease_ms, reply.waiter_ms)
-        # The live-pod count is trusted only from a heartbeat sent a full registration period
-        # after this pod's entry was created: by then every live pod of the gate that started
-        # about when this one did has registered too. Until then the fair share is 1, never
-        # the whole limit (4 pods x limit 4 ran 16 at once before; tests/test_fault_holes.py).
-        if reply.pod_new:
-            if self.registered_at is not None:
-                self.registered = False  # created anew: a wiped Redis? register the gate again
-            self.registered_at = sent_at
-            self.last_live_pods = 0
-        elif (
-            self.registered_at is not None
-            and sent_at - self.registered_at >= self.fleet.register_period
-        ):
-            self.last_live_pods = reply.live_pods
+        self._count_live_pods(reply, sent_at)
         lost = set(reply.lost_leases)
-        for lease_id in renewed:
+        for lease_id, _ in sent.leases:
             lease = self.leases.get(lease_id)
             if lease is not None and lease_id not in lost:
                 lease.expires_at = reply.expires_at
@@ -427,24 +492,15 @@ class Gate:
             lease = self.leases.pop(lease_id, None)
             if lease is not None:
                 log.warning("gate %s: lease %s lost (not renewed in time)", self.name, lease_id)
-                self.fleet.metrics.lease_lost.labels(self.name).inc()
-                self.fleet.metrics.in_flight.labels(self.name).dec()
+                self.metrics.lease_lost.labels(self.name).inc()
+                self.metrics.in_flight.labels(self.name).dec()
                 lease._mark_lost()
-        running = [lid for lid in reply.adopted if lid in self.leases]
-        if running:
-            log.warning(
-                "gate %s: Redis had lost %d running leases of this pod before they could expire "
-                "(a restart or failover?); they count against the limit again",
-                self.name,
-                len(running),
-            )
-        for lease_id in reply.adopted:
-            if lease_id not in self.leases:
-                # Released while this heartbeat was in flight (its release ran first and the
-                # heartbeat counted it again): give it back again.
-                self.fleet.spawn(self._cancel(lease_id))
+        self._readopted(reply.adopted)
         for lease_id in reply.granted_waiters:
-            self.on_granted(lease_id, reply.expires_at)
+            waiter = self.waiters.get(lease_id)
+            if waiter is not None:
+                waiter.expires_at = max(waiter.expires_at, reply.expires_at)
+            self.on_granted(lease_id)
         for lease_id in reply.lost_waiters:
             waiter = self.waiters.get(lease_id)
             if waiter is not None and not waiter.future.done():
@@ -452,16 +508,56 @@ class Gate:
                 waiter.future.set_exception(_Requeue())
                 waiter.future.exception()  # seen, even if its acquire call is still in flight
 
-    def fail_waiters(self, exc: BaseException | None) -> None:
-        """Redis is gone: parked callers continue locally (exc None) or fail with ``exc``."""
+    def _count_live_pods(self, reply: HeartbeatReply, sent_at: float) -> None:
+        # The live-pod count is trusted only from a heartbeat sent a full registration period
+        # after this pod's entry was created: by then every live pod of the gate that started
+        # about when this one did has registered too. Until then the fair share is 1, never
+        # the whole limit (4 pods x limit 4 ran 16 at once before; tests/test_fault_holes.py).
+        if reply.pod_new:
+            if self.registered_at is not None:
+                self.in_registry = False  # created anew: a wiped Redis? register the gate again
+            self.registered_at = sent_at
+            self.last_live_pods = 0
+        elif (
+            self.registered_at is not None
+            and sent_at - self.registered_at >= self.runtime.register_period
+        ):
+            self.last_live_pods = reply.live_pods
+
+    def _readopted(self, adopted: list[str]) -> None:
+        """Leases of this pod that the heartbeat found missing and counted again."""
+        running = [lid for lid in adopted if lid in self.leases]
+        if running:
+            log.warning(
+                "gate %s: Redis had lost %d running leases of this pod before they could expire "
+                "(a restart or failover?); they count against the limit again",
+                self.name,
+                len(running),
+            )
+        for lease_id in adopted:
+            if lease_id not in self.leases:
+                # Released while this heartbeat was in flight (its release ran first and the
+                # heartbeat counted it again): give it back again.
+                self.runtime.spawn(self._cancel(lease_id))
+
+    def fail_waiters(self, exc: BaseException) -> None:
+        """Parked callers fail with ``exc`` (the fleet closes, or Redis is gone in "fail"
+        mode)."""
+        self._end_parking(exc)
+
+    # -- driven by the fallback ----------------------------------------------------------------
+
+    def send_waiters_local(self) -> None:
+        """Redis is gone: parked callers continue under the local fair-share bound."""
+        self._end_parking(None)
+
+    def _end_parking(self, exc: BaseException | None) -> None:
         for waiter in list(self.waiters.values()):
             if not waiter.future.done():
                 waiter.future.set_exception(exc if exc is not None else _GoLocal())
                 # A caller whose acquire call is still in flight never awaits this future
                 # (its own call fails too): mark the exception as seen.
                 waiter.future.exception()
-
-    # -- fallback ----------------------------------------------------------------------------
 
     def fair_share(self) -> int:
         """Local bound while Redis is unreachable: ceil(last limit / live pods), with the live
@@ -473,24 +569,24 @@ class Gate:
 
     async def _acquire_local(self) -> Lease | None:
         """A permit under the local bound, or None if fleet mode came back meanwhile."""
-        fleet = self.fleet
+        rt = self.runtime
         async with self._local_cond:
             await self._local_cond.wait_for(
                 lambda: (
-                    not fleet.fallback_active
+                    not rt.fallback_active
                     or (
                         # Not while Redis is back and running work is being adopted: a permit
                         # started now would be uncounted when another pod resumes fleet mode.
-                        not fleet.recovering
+                        not rt.recovering
                         and len(self.local_leases) + len(self.leases) < self.fair_share()
                     )
                 )
             )
-            if not fleet.fallback_active:
+            if not rt.fallback_active:
                 return None
-            lease = Lease(self, fleet.next_id(), 0, local=True)
+            lease = Lease(self, rt.next_id(), 0, local=True)
             self.local_leases[lease.id] = lease
-        fleet.metrics.in_flight.labels(self.name).inc()
+        self.metrics.in_flight.labels(self.name).inc()
         return lease
 
     async def adopt_running(self) -> None:
@@ -506,18 +602,20 @@ class Gate:
         if not ids:
             return
         max_token = max((lease.token for lease in held), default=0)
-        _, expires_at = await self.fleet.scripts.adopt(self.keys, ids, max_token)
+        scripts = self.runtime.scripts
+        _, expires_at = await scripts.adopt(self.keys, ids, max_token)
         for lease in (*held, *local):
             lease.expires_at = expires_at
         for lease in local:
             if self.local_leases.pop(lease.id, None) is None:
                 # Released while the adoption was in flight: give the fresh lease back.
-                self.fleet.spawn(self.fleet.scripts.release(self.keys, lease.id))
+                self.runtime.spawn(scripts.release(self.keys, lease.id))
                 continue
             lease.local = False
             self.leases[lease.id] = lease
 
     async def wake_local(self) -> None:
+        """Let callers waiting for a local permit look again (the mode changed)."""
         async with self._local_cond:
             self._local_cond.notify_all()
 

@@ -59,8 +59,11 @@ class _Releasable(Protocol):
 class PermitSource(Protocol):
     """Where ``run_map`` gets its permits: a :class:`Gate`, or a proxy to one on another loop."""
 
-    name: str
-    metrics: ClientMetrics
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def metrics(self) -> ClientMetrics: ...
 
     async def acquire_for(self, dl: Deadline) -> _Releasable: ...
 
@@ -88,12 +91,16 @@ def is_transient(exc: BaseException) -> bool:
 
 
 class _StopAtDeadline(stop_base):
-    """Stop retrying when the next back-off would outlive the total deadline."""
+    """Stop retrying when ``base`` says so, or when the next back-off would outlive the total
+    deadline."""
 
-    def __init__(self, dl: Deadline) -> None:
+    def __init__(self, dl: Deadline, base: Callable[[RetryCallState], bool]) -> None:
         self.dl = dl
+        self.base = base
 
     def __call__(self, retry_state: RetryCallState) -> bool:
+        if self.base(retry_state):
+            return True
         left = self.dl.remaining()
         return left is not None and left <= (retry_state.upcoming_sleep or 0.0)
 
@@ -106,33 +113,35 @@ DEFAULT_RETRY = AsyncRetrying(
 )
 
 
-def _policy(retry: RetryPolicy, dl: Deadline, on_retry: Callable[[RetryCallState], None]) -> Any:
-    base = {None: DEFAULT_RETRY, True: DEFAULT_RETRY}.get(retry, retry)  # type: ignore[call-overload]
-    if base is False:
+def _policy(
+    retry: RetryPolicy, dl: Deadline, on_retry: Callable[[RetryCallState], None]
+) -> AsyncRetrying:
+    if retry is False:
         return AsyncRetrying(stop=stop_after_attempt(1), reraise=True)
+    base = DEFAULT_RETRY if retry is None or retry is True else retry
     assert isinstance(base, AsyncRetrying), "retry must be a tenacity AsyncRetrying, bool or None"
     # Whatever the caller's policy: never retry fleetgate's errors, never past the deadline.
     return base.copy(
         retry=base.retry & retry_if_exception(lambda e: not isinstance(e, FleetgateError)),
-        stop=base.stop | _StopAtDeadline(dl),
+        stop=_StopAtDeadline(dl, base.stop),
         before_sleep=on_retry,
         reraise=True,
     )
 
 
-def _as_async(fn: Fn[T, R]) -> Callable[[T], Awaitable[R]]:
+def _as_async(fn: Fn[T]) -> Callable[[T], Awaitable[Any]]:
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - async callables
     ):
-        return fn  # type: ignore[return-value]
+        return fn  # an async callable: its calls are awaitables already
 
-    async def in_thread(item: T) -> R:
+    async def in_thread(item: T) -> Any:
         # A thread cannot be interrupted: on cancellation the permit is released and the
         # result abandoned while the thread finishes on its own.
         result = await asyncio.to_thread(fn, item)
         if inspect.isawaitable(result):
-            return await result  # type: ignore[no-any-return]
-        return result  # type: ignore[return-value]
+            return await result
+        return result
 
     return in_thread
 
@@ -148,7 +157,7 @@ async def _aiter(items: Iterable[T] | AsyncIterable[T]) -> Any:
 
 async def run_map(
     source: PermitSource,
-    fn: Fn[T, R],
+    fn: Fn[T],
     items: Iterable[T] | AsyncIterable[T],
     *,
     max_in_flight: int | None = 8,
@@ -158,77 +167,110 @@ async def run_map(
     call_timeout: float | None = None,
 ) -> list[Any]:
     """The body of :meth:`Gate.map` (see there)."""
-    deadline = check_deadline(deadline)
+    seconds = _check_map_options(source.name, deadline, max_in_flight, call_timeout)
+    metrics, name = source.metrics, source.name
+    run = _MapRun(source, _as_async(fn), max_in_flight, call_timeout)
+    counter = metrics.deadline_exceeded.labels(name)
+    async with Deadline(name, seconds, where="map", on_expire=counter.inc) as dl:
+        policy = _policy(retry, dl, run.count_retry)
+        try:
+            return await run.all(items, dl, policy, return_exceptions)
+        finally:
+            metrics.calls_per_request.labels(name).observe(run.calls)
+
+
+def _check_map_options(
+    gate: str, deadline: float | None, max_in_flight: int | None, call_timeout: float | None
+) -> float | None:
+    """The total deadline in seconds (None: none); ConfigError for a bad option."""
+    seconds = check_deadline(deadline)
     if max_in_flight is not None and (isinstance(max_in_flight, bool) or max_in_flight < 1):
         raise ConfigError(f"max_in_flight: expected int >= 1 or None, got {max_in_flight!r}")
     if call_timeout is not None and call_timeout <= 0:
         raise ConfigError(f"call_timeout: expected > 0 seconds or None, got {call_timeout!r}")
-    if deadline is not None and call_timeout is not None and deadline < call_timeout:
+    if seconds is not None and call_timeout is not None and seconds < call_timeout:
         warnings.warn(
-            f"gate {source.name!r}: total deadline {deadline}s is shorter than the per-call "
+            f"gate {gate!r}: total deadline {seconds}s is shorter than the per-call "
             f"timeout {call_timeout}s: the deadline fires first and no retry can happen",
             FleetgateWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of Gate.map (via run_map)
         )
-    metrics, name = source.metrics, source.name
-    call = _as_async(fn)
-    calls = 0
+    return seconds
 
-    def on_retry(_: RetryCallState) -> None:
-        metrics.retries.labels(name).inc()
 
-    counter = metrics.deadline_exceeded.labels(name)
-    async with Deadline(name, deadline, where="map", on_expire=counter.inc) as dl:
-        policy = _policy(retry, dl, on_retry)
-        fan = asyncio.Semaphore(max_in_flight) if max_in_flight else None
-        results: dict[int, Any] = {}
+class _MapRun:
+    """One ``gate.map`` request: its calls, each in a permit, at most ``max_in_flight`` at once."""
 
-        async def attempt(item: T) -> R:
-            nonlocal calls
-            calls += 1
-            if call_timeout is None:
-                return await call(item)
-            return await within(call(item), call_timeout)
+    def __init__(
+        self,
+        source: PermitSource,
+        call: Callable[[Any], Awaitable[Any]],
+        max_in_flight: int | None,
+        call_timeout: float | None,
+    ) -> None:
+        self.source = source
+        self.call = call
+        self.call_timeout = call_timeout
+        self.fan = asyncio.Semaphore(max_in_flight) if max_in_flight else None
+        self.results: dict[int, Any] = {}
+        #: attempts made (first calls and retries), for the calls-per-request histogram
+        self.calls = 0
 
-        async def one(index: int, item: T) -> None:
-            lease = await source.acquire_for(dl)
-            try:
-                results[index] = await policy(attempt, item)
-            finally:
-                await lease.release()
+    def count_retry(self, _: RetryCallState) -> None:
+        self.source.metrics.retries.labels(self.source.name).inc()
 
-        async def capped(index: int, item: T) -> None:
-            if fan is None:
-                return await one(index, item)
-            async with fan:
-                return await one(index, item)
+    async def all(
+        self,
+        items: Iterable[Any] | AsyncIterable[Any],
+        dl: Deadline,
+        policy: AsyncRetrying,
+        return_exceptions: bool,
+    ) -> list[Any]:
+        """Run one call per item; results (or, with ``return_exceptions``, outcomes) in order.
 
+        Fail fast otherwise: on the first failure parked siblings leave the queue, running ones
+        are cancelled and permits are released -- all before the error reaches the caller.
+        """
         tasks: list[asyncio.Task[None]] = []
         try:
-            n = 0
             async for item in _aiter(items):
-                tasks.append(asyncio.create_task(capped(n, item)))
-                n += 1
+                tasks.append(asyncio.create_task(self._capped(len(tasks), item, dl, policy)))
             if return_exceptions:
                 outcomes = await asyncio.gather(*tasks, return_exceptions=True)
                 for i, outcome in enumerate(outcomes):
                     if isinstance(outcome, BaseException):
-                        results[i] = outcome
+                        self.results[i] = outcome
             elif tasks:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                failed = [t for t in tasks if t in done and t.exception() is not None]
-                if failed:
-                    raise failed[0].exception()  # type: ignore[misc]
+                for t in tasks:
+                    exc = t.exception() if t in done else None
+                    if exc is not None:
+                        raise exc
         except BaseException:
-            # Fail fast: parked siblings leave the queue, running ones are cancelled, permits
-            # are released -- all before the error reaches the caller.
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        return [self.results[i] for i in range(len(tasks))]
+
+    async def _capped(self, index: int, item: Any, dl: Deadline, policy: AsyncRetrying) -> None:
+        if self.fan is None:
+            return await self._one(index, item, dl, policy)
+        async with self.fan:
+            return await self._one(index, item, dl, policy)
+
+    async def _one(self, index: int, item: Any, dl: Deadline, policy: AsyncRetrying) -> None:
+        lease = await self.source.acquire_for(dl)
+        try:
+            self.results[index] = await policy(self._attempt, item)
         finally:
-            metrics.calls_per_request.labels(name).observe(calls)
-    return [results[i] for i in range(len(tasks))]
+            await lease.release()
+
+    async def _attempt(self, item: Any) -> Any:
+        self.calls += 1
+        if self.call_timeout is None:
+            return await self.call(item)
+        return await within(self.call(item), self.call_timeout)
 
 
 def batched(items: Sequence[T], size: int) -> list[Sequence[T]]:

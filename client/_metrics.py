@@ -7,6 +7,7 @@ a fresh ``CollectorRegistry``) never raise "Duplicated timeseries".
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -32,14 +33,19 @@ class ClientMetrics:
 
 
 _lock = threading.Lock()
-_by_registry: dict[int, ClientMetrics] = {}
+# Keyed by the registry itself, held weakly: keyed by id(), a registry collected after one test
+# gave its id to the next test's registry, which then got metrics registered in the dead one
+# (tests/test_testing.py::test_overloaded_when_queue_full read no rejected count).
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ClientMetrics] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def client_metrics(registry: CollectorRegistry | None = None) -> ClientMetrics:
     """The client metrics registered in ``registry`` (the default registry if None)."""
     reg = REGISTRY if registry is None else registry
     with _lock:
-        found = _by_registry.get(id(reg))
+        found = _by_registry.get(reg)
         if found is not None:
             return found
         g = ("gate",)
@@ -94,5 +100,5 @@ def client_metrics(registry: CollectorRegistry | None = None) -> ClientMetrics:
                 registry=reg,
             ),
         )
-        _by_registry[id(reg)] = m
+        _by_registry[reg] = m
         return m

@@ -18,8 +18,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from ._fleet import Fleet, GateUtilization
+from ._fleet import Fleet
 from ._gate import Gate, Lease
+from ._utilization import GateUtilization
 
 __all__ = ["SyncFleet", "SyncGate"]
 
@@ -213,7 +214,8 @@ class SyncGate:
     """Blocking twin of :class:`Gate`; obtain it with :meth:`SyncFleet.gate`."""
 
     def __init__(self, portal: _Portal, gate: Gate) -> None:
-        self._portal = portal
+        #: the fleet's loop thread, where every call of this gate runs
+        self.portal = portal
         self.gate = gate
         self.name = gate.name
 
@@ -223,31 +225,35 @@ class SyncGate:
 
         The deadline bounds the queue wait; a thread cannot be interrupted mid-call, so the block
         itself runs to completion (use :meth:`map` for a deadline that abandons running calls).
+        If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
+        :class:`LeaseLost`, unless the block raised an exception of its own.
         """
         lease = self.acquire(deadline)
         try:
             yield lease
         finally:
             self.release(lease)
+        if lease.is_lost:
+            raise lease.lost_error()
 
     def acquire(self, deadline: float | None = 30.0) -> Lease:
         """Acquire a permit; release it with :meth:`release`."""
-        return self._portal.call(self.gate.acquire(deadline), undo=release_lease)
+        return self.portal.call(self.gate.acquire(deadline), undo=release_lease)
 
     def release(self, lease: Lease) -> None:
-        self._portal.call(lease.release(), shielded=True)
+        self.portal.call(lease.release(), shielded=True)
 
     def map(self, fn: Any, items: Iterable[Any], **options: Any) -> list[Any]:
         """Blocking :meth:`Gate.map`: same options; a sync ``fn`` runs in worker threads."""
-        return self._portal.call(self.gate.map(fn, items, **options))
+        return self.portal.call(self.gate.map(fn, items, **options))
 
     def map_batches(self, fn: Any, items: Sequence[Any], **options: Any) -> list[Any]:
         """Blocking :meth:`Gate.map_batches`."""
-        return self._portal.call(self.gate.map_batches(fn, items, **options))
+        return self.portal.call(self.gate.map_batches(fn, items, **options))
 
     def capacity(self) -> int:
         """The gate's current fleet-wide limit."""
-        return self._portal.call(self.gate.capacity())
+        return self.portal.call(self.gate.capacity())
 
 
 class SyncFleet:

@@ -104,7 +104,7 @@ class _RemoteGate:
 
     def __init__(self, gate: SyncGate) -> None:
         self.gate = gate.gate
-        self.portal = gate._portal
+        self.portal = gate.portal
         self.name = gate.name
         self.metrics: ClientMetrics = gate.gate.metrics
 

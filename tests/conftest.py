@@ -115,7 +115,7 @@ def no_gc_during_test() -> Iterator[None]:
     fail. If the garbage collector finalises such a task while Python 3.11.7 is inside
     ``ast.parse`` (traceback printing calls it), CPython can raise "SystemError: AST constructor
     recursion depth mismatch" and pytest dies with INTERNALERROR. The client now logs those
-    failures (``Fleet.forget_later``); this keeps the runs deterministic all the same.
+    failures (``Gate._forget_later``); this keeps the runs deterministic all the same.
     """
     gc.disable()
     try:

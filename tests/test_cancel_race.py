@@ -78,7 +78,7 @@ async def test_cancel_during_acquire_round_trip_is_never_lost(
             assert sent == [True]
     if held is not None:
         await held.release()
-    while fleet._tasks:  # background cancels and releases
+    while fleet.runtime.tasks:  # background cancels and releases
         await asyncio.sleep(0.01)
     assert outcomes == {"cancelled": 13 * ROUNDS}, outcomes
     assert gate.leases == {} and gate.waiters == {}

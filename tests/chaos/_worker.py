@@ -24,6 +24,7 @@ Every call carries the lease id as the query text, so the simulator can attribut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import logging
@@ -40,7 +41,7 @@ import httpx
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
-from fleetgate.client import Fleet, Gate, Lease
+from fleetgate.client import Fleet, Gate, Lease, LeaseLost
 from fleetgate.scripts import GRANTED, PARKED
 
 log = logging.getLogger("chaos.worker")
@@ -95,7 +96,7 @@ class Worker:
                 leases=len(gate.leases),
                 local_leases=len(gate.local_leases),
                 waiters=len(gate.waiters),
-                bg_tasks=len(fleet._tasks),
+                bg_tasks=len(fleet.runtime.tasks),
             )
         return out
 
@@ -139,25 +140,26 @@ class Worker:
         while not self.stopping.is_set():
             t0 = time.monotonic()
             try:
-                async with gate.permit(deadline=spec.get("deadline", 30.0)) as lease:
-                    t_granted, wall_granted = time.monotonic(), time.time()
-                    self.stats["local_grants" if lease.local else "fleet_grants"] += 1
-                    self.in_permit += 1
-                    try:
-                        for _ in range(spec.get("calls_per_permit", 1)):
-                            if lease.is_lost:
-                                self.stats["lost_stop"] += 1
-                                break
-                            await self.call(http, lease, spec.get("passages", 4))
-                    finally:
-                        self.in_permit -= 1
-                        if self.trace is not None:
-                            self.trace.append(
-                                (lease.id, wall_granted, t_granted - t0,
-                                 time.monotonic() - t_granted, int(lease.local))
-                            )  # fmt: skip
-                    if lease.is_lost:
-                        self.stats["lost"] += 1
+                try:
+                    async with gate.permit(deadline=spec.get("deadline", 30.0)) as lease:
+                        t_granted, wall_granted = time.monotonic(), time.time()
+                        self.stats["local_grants" if lease.local else "fleet_grants"] += 1
+                        self.in_permit += 1
+                        try:
+                            for _ in range(spec.get("calls_per_permit", 1)):
+                                if lease.is_lost:
+                                    self.stats["lost_stop"] += 1
+                                    break
+                                await self.call(http, lease, spec.get("passages", 4))
+                        finally:
+                            self.in_permit -= 1
+                            if self.trace is not None:
+                                self.trace.append(
+                                    (lease.id, wall_granted, t_granted - t0,
+                                     time.monotonic() - t_granted, int(lease.local))
+                                )  # fmt: skip
+                except LeaseLost:  # the calls ran to their end; their lease was lost meanwhile
+                    self.stats["lost"] += 1
                 self.stats["ok"] += 1
                 self.max_attempt = max(self.max_attempt, time.monotonic() - t0)
             except Exception as exc:
@@ -179,20 +181,22 @@ class Worker:
         """One permit around one long call; then wait for ``lease.lost`` before leaving it."""
         gate, spec = self.gate, self.spec
         assert gate is not None
-        async with gate.permit(deadline=None) as lease:
-            self.extra.update(lease_id=lease.id, token=lease.token)
-            await self.event("acquired", lease=lease.id)
-            await self.call(http, lease, spec["long_passages"])
-            returned = time.time()
-            lost_at_return = lease.is_lost
-            try:
-                await asyncio.wait_for(lease.lost.wait(), spec.get("lost_wait", 10.0))
-                lost_at: float | None = time.time()
-            except asyncio.TimeoutError:
-                lost_at = None
-            await self.event(
-                "call_returned", at=returned, lost_at_return=lost_at_return, lost_at=lost_at
-            )
+        # Waits for the loss inside the block, so leaving it raises LeaseLost: expected here.
+        with contextlib.suppress(LeaseLost):
+            async with gate.permit(deadline=None) as lease:
+                self.extra.update(lease_id=lease.id, token=lease.token)
+                await self.event("acquired", lease=lease.id)
+                await self.call(http, lease, spec["long_passages"])
+                returned = time.time()
+                lost_at_return = lease.is_lost
+                try:
+                    await asyncio.wait_for(lease.lost.wait(), spec.get("lost_wait", 10.0))
+                    lost_at: float | None = time.time()
+                except asyncio.TimeoutError:
+                    lost_at = None
+                await self.event(
+                    "call_returned", at=returned, lost_at_return=lost_at_return, lost_at=lost_at
+                )
         await self.event("released", lost=lease.is_lost)
         self.extra.update(lost=int(lease.is_lost), released_at=time.time())
         await self.stopping.wait()
@@ -407,7 +411,7 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
     if running:
         await asyncio.wait(list(running))
     # Drain the fleet's background work (cancels and releases spawned by the cancellations).
-    while fleet._tasks:
+    while fleet.runtime.tasks:
         await asyncio.sleep(0.01)
     for key in list(phase):
         if phase[key] == "done":
@@ -625,7 +629,7 @@ async def cancel_ends(w: Worker) -> None:
     mon.cancel()
     # Drain the fleet's background work (cancels and releases spawned by the cancellations).
     drain_until = loop.time() + 15.0
-    while fleet._tasks and loop.time() < drain_until:
+    while fleet.runtime.tasks and loop.time() < drain_until:
         await asyncio.sleep(0.01)
     ends = sorted(
         i.ended_at - i.cancel_at
@@ -651,7 +655,7 @@ async def cancel_ends(w: Worker) -> None:
         leases_left=len(gate.leases),
         waiters_left=len(gate.waiters),
         local_left=len(gate.local_leases),
-        bg_left=len(fleet._tasks),
+        bg_left=len(fleet.runtime.tasks),
     )
     w.state = "done"
     await w.ctl.hset(w.k_status, mapping=w.snapshot())

@@ -1,0 +1,194 @@
+"""What every gate of one process is given: the per-process machinery.
+
+A :class:`Runtime` holds the connection to Redis (the pool and the scripts), the pod's identity
+and its lease ids, the metrics, the background tasks, and whether the fleet is in fleet mode or
+in the fair-share fallback. Gates, the heartbeat, the fallback and the wake listeners are given
+one; it knows none of them. The two things it must hand on -- "the heartbeat should re-plan" and
+"Redis is unreachable" -- go to whoever the :class:`~fleetgate.client.Fleet` put in charge
+(:attr:`Runtime.replan` is an event the heartbeat waits on; :attr:`Runtime.on_outage` a
+callback the fallback installs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal
+
+import redis.asyncio as aredis
+
+from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact
+from fleetgate.errors import FleetgateError, RedisUnavailable
+from fleetgate.scripts import GateScripts
+
+from ._metrics import ClientMetrics
+
+__all__ = ["OUTAGE_ERRORS", "OnRedisError", "Runtime"]
+
+log = logging.getLogger("fleetgate.client")
+
+OnRedisError = Literal["fair_share", "fail"]
+
+# "Redis unreachable right now" as the client sees it: fleetgate._redis.REDIS_ERRORS plus an
+# AttributeError "'NoneType' object has no attribute 'writelines'" from redis-py 8.1's cluster
+# client: on a connection error it disconnects a node's free connections from a snapshot while
+# another task may already be writing on one of them (a race in redis-py, not a fleetgate bug;
+# tests/chaos/test_cluster_faults.py::test_master_failover_under_load[kill]). These except
+# clauses wrap only the script calls, so anything else raising AttributeError there would also
+# read as an outage: it is logged with its message when the fallback starts.
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (*REDIS_ERRORS, AttributeError)
+
+
+class Runtime:
+    """The per-process machinery shared by every gate of one :class:`Fleet`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str,
+        pod_key: str,
+        on_redis_error: OnRedisError,
+        heartbeat_interval: float,
+        metrics: ClientMetrics,
+        redis_options: dict[str, Any],
+    ) -> None:
+        self.url = url
+        self.prefix = prefix
+        #: what lease ids, wake lists and the live-pod registry carry (see Fleet.pod_key)
+        self.pod_key = pod_key
+        self.on_redis_error = on_redis_error
+        self.heartbeat_interval = heartbeat_interval
+        # Every pod registers itself as live on each gate it uses at least this often (an idle
+        # gate's heartbeat); a live-pod count is trusted one such period after registering.
+        self.register_period = 3 * heartbeat_interval
+        self.metrics = metrics
+        self.redis_options = redis_options
+        #: set while Redis is unreachable and gates serve under their local fair share
+        self.fallback_active = False
+        #: Redis answers again after an outage: running work is being adopted, no new local
+        #: permit starts until fleet mode resumes (see _fallback.Fallback)
+        self.recovering = False
+        self.closing = False
+        #: set to make the heartbeat re-plan now (see poke_heartbeat)
+        self.replan = asyncio.Event()
+        #: called (in fair_share mode) when Redis is found unreachable; the fallback sets it
+        self.on_outage: Callable[[BaseException], None] = lambda exc: None
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._redis: aredis.Redis | None = None
+        self._scripts: GateScripts | None = None
+
+    # -- the connection ----------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Open the connection pool (Redis need not be up yet)."""
+        self._loop = asyncio.get_running_loop()
+        self._redis = connect(self.url, **self.redis_options)
+        await prepare(self._redis)
+        self._scripts = GateScripts(self._redis)
+
+    @property
+    def started(self) -> bool:
+        return self._redis is not None
+
+    async def disconnect(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+        self._redis = None
+
+    @property
+    def redis(self) -> aredis.Redis:
+        if self._redis is None:
+            raise FleetgateError("the fleet is not started: use `async with Fleet(...)`")
+        return self._redis
+
+    @property
+    def scripts(self) -> GateScripts:
+        if self._scripts is None:
+            raise FleetgateError("the fleet is not started: use `async with Fleet(...)`")
+        return self._scripts
+
+    async def dedicated_connection(self, socket_timeout: float) -> Any:
+        """A prepared connection of its own (for a blocking command); the caller closes it."""
+        conn = connect(
+            self.url, dedicated=True, **{**self.redis_options, "socket_timeout": socket_timeout}
+        )
+        await prepare(conn)
+        return conn
+
+    async def refresh_connections(self) -> None:
+        """After an outage: drop the pool's idle connections and prepare the client again.
+
+        Connections that were mid-command when Redis went away go back to redis-py's pool (8.1)
+        in a state its connection check misses: their next command fails with "Connection
+        closed by server.", which read as a second outage right after recovery (every pod fell
+        back again within 2 ms of resuming fleet mode in
+        tests/chaos/test_redis_restart.py::test_redis_restart_fair_share). New connections are
+        opened on demand.
+        """
+        client: Any = self.redis
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:
+            await pool.disconnect(inuse_connections=False)
+        else:  # a cluster client: every node's pool
+            for node in client.get_nodes():
+                await node.disconnect_free_connections()
+        await prepare(client)
+
+    def unreachable(self, exc: BaseException) -> RedisUnavailable:
+        return RedisUnavailable(f"Redis at {redact(self.url)} is unreachable: {exc}")
+
+    def redis_failed(self, exc: BaseException) -> None:
+        """Redis could not be reached: raise (``fail``) or hand over to the fallback."""
+        if self.on_redis_error == "fail":
+            raise self.unreachable(exc) from exc
+        self.on_outage(exc)
+
+    # -- ids, tasks, errors ------------------------------------------------------------------
+
+    def next_id(self) -> str:
+        """A fresh waiter/lease id: ``<pod_key>:<n>``."""
+        return f"{self.pod_key}:{next(self._ids)}"
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background, keeping a reference until it ends."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) for the background tasks, including ones they spawn."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.tasks:
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            await asyncio.wait(list(self.tasks), timeout=left)
+
+    def background_error(self, task: str, exc: BaseException, gate: str = "") -> None:
+        """A background task met an unexpected error: logged and counted; the task goes on."""
+        self.metrics.background_errors.labels(task).inc()
+        where = f"gate {gate}: " if gate else ""
+        log.warning("%s%s failed: %s: %s (retrying)", where, task, type(exc).__name__, exc)
+
+    def poke_heartbeat(self) -> None:
+        """Make the heartbeat re-plan now (a gate appeared, got work, or its TTLs changed).
+
+        Safe from any thread (``SyncFleet.gate`` runs in the caller's thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # not started: the heartbeat plans every gate when it starts
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self.replan.set()
+        else:
+            loop.call_soon_threadsafe(self.replan.set)
