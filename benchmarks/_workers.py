@@ -98,7 +98,7 @@ async def _watchdog(at_ns: int, fleet: Fleet) -> None:
         tasks = asyncio.all_tasks()
         log(
             f"worker {os.getpid()} overdue: fallback={fleet.fallback_active} {gates}; "
-            f"{len(tasks)} tasks; listeners {[t.done() for t in fleet._listeners.values()]}"
+            f"{len(tasks)} tasks; listeners {[t.done() for t in fleet._wakes.tasks.values()]}"
         )
         for t in list(tasks)[:3]:
             t.print_stack(limit=4, file=sys.stderr)

@@ -28,10 +28,10 @@ from fleetgate._redis import redact
 from fleetgate.errors import ConfigError, FleetgateError
 from fleetgate.keys import GateKeys, validate_gate_name, validate_prefix
 from fleetgate.scripts import GateScripts
+from fleetgate.settings import GateSettings
 
 from ._fallback import Fallback
 from ._gate import Gate
-from ._gate_settings import gate_defaults
 from ._heartbeat import Heartbeat
 from ._metrics import client_metrics
 from ._runtime import OnRedisError, Runtime
@@ -171,7 +171,7 @@ class Fleet:
         found = self._gates.get(name)
         if found is not None:
             return found
-        defaults = gate_defaults(
+        defaults = GateSettings.for_gate(
             name,
             floor=floor,
             ceiling=ceiling,
@@ -188,7 +188,7 @@ class Fleet:
         """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view."""
         gate = self._gates.get(name)
         defaults = gate.defaults if gate is not None else None
-        snap = await self.scripts.inspect(GateKeys.of(self.prefix, name), defaults=defaults)
+        snap = await self.scripts.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
         return utilization_of(name, snap)
 
     # -- state, for tools and tests ------------------------------------------------------------

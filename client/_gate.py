@@ -23,7 +23,8 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from fleetgate.errors import FleetgateError, LeaseLost, Overloaded
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GRANTED, REJECTED, GateDefaults, HeartbeatReply, Snapshot
+from fleetgate.scripts import GRANTED, REJECTED, HeartbeatReply, Snapshot
+from fleetgate.settings import GateSettings
 
 from ._deadline import Deadline, cancel_requests, raise_if_cancel_lost
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
@@ -136,7 +137,7 @@ class Gate:
     """A named fleet-wide limit. Obtain one with :meth:`Fleet.gate`."""
 
     def __init__(
-        self, name: str, defaults: GateDefaults, runtime: Runtime, wakes: WakeListeners
+        self, name: str, defaults: GateSettings, runtime: Runtime, wakes: WakeListeners
     ) -> None:
         self.name = name
         self.defaults = defaults
@@ -276,7 +277,7 @@ class Gate:
 
     async def snapshot(self) -> Snapshot:
         """A consistent view of the gate in Redis (holders, waiters, limit, config, stats)."""
-        return await self.runtime.scripts.inspect(self.keys, defaults=self.defaults)
+        return await self.runtime.scripts.snapshot(self.keys, defaults=self.defaults)
 
     def _total_deadline(self, seconds: float | None, where: str) -> Deadline:
         """A total deadline for this gate, counted in the deadline-exceeded metric."""
@@ -329,7 +330,7 @@ class Gate:
             if reply.status == REJECTED:
                 self.waiters.pop(lease_id, None)
                 self.metrics.rejected.labels(self.name).inc()
-                raise Overloaded(self.name, reply.n)
+                raise Overloaded(self.name, reply.max_queued)
             lease = await self._park(waiter, reply.token)
             if lease is not None:
                 return lease

@@ -123,21 +123,12 @@ class Runtime:
     async def refresh_connections(self) -> None:
         """After an outage: drop the pool's idle connections and prepare the client again.
 
-        Connections that were mid-command when Redis went away go back to redis-py's pool (8.1)
-        in a state its connection check misses: their next command fails with "Connection
-        closed by server.", which read as a second outage right after recovery (every pod fell
-        back again within 2 ms of resuming fleet mode in
-        tests/chaos/test_redis_restart.py::test_redis_restart_fair_share). New connections are
-        opened on demand.
+        Why: :meth:`fleetgate._redis.RedisMode.disconnect_idle`. New connections are opened on
+        demand.
         """
-        client: Any = self.redis
-        pool = getattr(client, "connection_pool", None)
-        if pool is not None:
-            await pool.disconnect(inuse_connections=False)
-        else:  # a cluster client: every node's pool
-            for node in client.get_nodes():
-                await node.disconnect_free_connections()
-        await prepare(client)
+        mode = self.scripts.redis
+        await mode.disconnect_idle()
+        await mode.prepare()
 
     def unreachable(self, exc: BaseException) -> RedisUnavailable:
         return RedisUnavailable(f"Redis at {redact(self.url)} is unreachable: {exc}")

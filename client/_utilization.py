@@ -39,45 +39,24 @@ class GateUtilization(msgspec.Struct, kw_only=True):
 
 
 def utilization_of(name: str, snap: Snapshot) -> GateUtilization:
-    """The utilisation of gate ``name`` from its ``inspect`` snapshot."""
-    util, target = snap.util, snap.target
+    """The utilisation of gate ``name`` from its snapshot (parsed by :class:`Snapshot`)."""
+    util = snap.utilization()
     return GateUtilization(
         name=name,
         limit=snap.limit,
         current_target=snap.limit,
-        target=_live_target(target, snap.now),
+        target=snap.live_target,
         in_flight=snap.holders,
         queued=snap.queued,
         floor=snap.floor,
         ceiling=snap.ceiling,
         max_queued=snap.max_queued,
-        epoch=_int(target.get("epoch")),
+        epoch=snap.epoch,
         live_pods=snap.live_pods,
-        running=_float(util.get("running")),
-        waiting_capacity=_float(util.get("waiting_capacity")),
-        metrics_ok=util.get("metrics_ok") == "1",
-        saturated=util.get("saturated") == "1",
-        last_poll=_float(util.get("last_poll")),
-        metrics_url=util.get("metrics_url") or None,
+        running=util.running,
+        waiting_capacity=util.waiting_capacity,
+        metrics_ok=util.metrics_ok,
+        saturated=util.saturated,
+        last_poll=util.last_poll,
+        metrics_url=util.metrics_url,
     )
-
-
-def _live_target(target: dict[str, str], now_ms: int) -> int | None:
-    expires = _int(target.get("expires_at"))
-    if expires is None or expires <= now_ms:
-        return None
-    return _int(target.get("value"))
-
-
-def _int(v: str | None) -> int | None:
-    try:
-        return int(float(v)) if v is not None else None
-    except ValueError:
-        return None
-
-
-def _float(v: str | None) -> float | None:
-    try:
-        return float(v) if v not in (None, "") else None
-    except ValueError:
-        return None

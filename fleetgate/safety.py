@@ -37,7 +37,6 @@ __all__ = [
     "Finding",
     "check_redis",
     "find_bad_keys",
-    "inspect_redis",
     "is_wrongtype",
     "redis_version",
     "server_findings",
@@ -158,9 +157,6 @@ async def server_findings(client: aredis.Redis | aredis.RedisCluster) -> list[Fi
     findings += await _replication_findings(client)
     return findings
 
-
-# Deprecated name of server_findings: fleetgate/cli.py calls it until it switches; then remove.
-inspect_redis = server_findings
 
 
 async def _version_findings(client: Any) -> list[Finding]:

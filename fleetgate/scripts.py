@@ -24,7 +24,6 @@ from fleetgate.settings import GateSettings
 __all__ = [
     "SCRIPT_NAMES",
     "AcquireReply",
-    "GateDefaults",
     "GateScripts",
     "HeartbeatReply",
     "LeaderScripts",
@@ -67,9 +66,6 @@ def script_source(name: str) -> str:
     return f"{lib}\n{body}"
 
 
-# The client's name for GateSettings until client/ switches to fleetgate.settings (the same class).
-GateDefaults = GateSettings
-
 
 @dataclass(frozen=True)
 class AcquireReply:
@@ -100,12 +96,6 @@ class AcquireReply:
             waiter_ms=waiter_ms,
             expires_at=expires_at,
         )
-
-    @property
-    def n(self) -> int:
-        """Deprecated: the script's overloaded count. client/_gate.py reads it until the
-        integrator switches it to ``max_queued``; then remove."""
-        return self.holders or self.position or self.max_queued
 
 
 @dataclass(frozen=True)
@@ -445,13 +435,6 @@ class GateScripts:
         without configuration."""
         args: list[Any] = [listed, *(defaults.argv() if defaults else [])]
         return await self._run(self._call("inspect", keys, args, _snapshot))
-
-    async def inspect(
-        self, keys: GateKeys, n: int = 10, defaults: GateSettings | None = None
-    ) -> Snapshot:
-        """Deprecated name of :meth:`snapshot` (client/ and fleetgate/cli.py call it until the
-        integrator switches them); then remove."""
-        return await self.snapshot(keys, n, defaults)
 
 
 class LeaderScripts:

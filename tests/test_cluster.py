@@ -14,7 +14,8 @@ from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GRANTED, PARKED, GateDefaults, GateScripts
+from fleetgate.scripts import GRANTED, PARKED, GateScripts
+from fleetgate.settings import GateSettings
 from fleetgate.status import gather_status
 from fleetgate.tools.redisproc import RedisClusterProcess
 
@@ -40,7 +41,7 @@ async def test_scripts_on_every_node(
     assert await spread(redis_cluster, cluster_rut.prefix) >= 2
     client = connect(cluster_rut.url)
     scripts = GateScripts(client)
-    d = GateDefaults(floor=1, ceiling=4)
+    d = GateSettings(floor=1, ceiling=4)
     for g in GATES:
         keys = GateKeys.of(cluster_rut.prefix, g)
         assert (await scripts.acquire(keys, "p:1", 5000, d)).status == GRANTED

@@ -15,7 +15,8 @@ from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GateDefaults, GateScripts
+from fleetgate.scripts import GateScripts
+from fleetgate.settings import GateSettings
 from fleetgate.tools.sim import serve_in_thread
 
 from ._stub import StubValues, metrics_stub
@@ -152,7 +153,7 @@ async def test_reaper_reclaims_crashed_holder_without_clients(
 ) -> None:
     keys = GateKeys.of(rut.prefix, "rerank")
     scripts = GateScripts(async_redis)
-    d = GateDefaults(floor=1, ceiling=1, lease_ms=300)
+    d = GateSettings(floor=1, ceiling=1, lease_ms=300)
     await async_redis.sadd(f"{rut.prefix}:gates", "rerank")
     assert (await scripts.acquire(keys, "dead:1", 10_000, d)).status == 1
     assert (await scripts.acquire(keys, "alive:1", 10_000, d)).status == 2

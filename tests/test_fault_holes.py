@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 from fleetgate._redis import ServerUnavailable, unavailable_reply
 from fleetgate.client import Fleet, GateStateError
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import PARKED, GateDefaults, GateScripts
+from fleetgate.scripts import PARKED, GateScripts
+from fleetgate.settings import GateSettings
 from fleetgate.tools.redisproc import RedisProcess
 
 from . import _workers
@@ -183,7 +184,7 @@ async def test_heartbeat_adopts_leases_the_gate_lost_before_they_expired(
 ) -> None:
     scripts = GateScripts(r)
     keys = GateKeys.of("fg", "wiped")
-    d = GateDefaults(floor=2, ceiling=2, lease_ms=5000)
+    d = GateSettings(floor=2, ceiling=2, lease_ms=5000)
     a = await scripts.acquire(keys, "p:1", 1000, d)
     b = await scripts.acquire(keys, "p:2", 1000, d)
     await r.flushall()  # a restart without persistence
@@ -274,7 +275,7 @@ async def test_handoff_skips_waiters_that_died_beyond_one_reap(r: aredis.Redis) 
     """
     scripts = GateScripts(r)
     keys = GateKeys.of("fg", "dead-heads")
-    d = GateDefaults(floor=1, ceiling=1, max_queued=1000)
+    d = GateSettings(floor=1, ceiling=1, max_queued=1000)
     assert (await scripts.acquire(keys, "holder:1", 1000, d)).status == 1
     for i in range(100):
         assert (await scripts.acquire(keys, f"dead:{i}", 100, d)).status == PARKED

@@ -34,13 +34,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Allowance for cycles that exist today and are being removed elsewhere; each entry is one
-# strongly connected set of modules. Only cycles inside fleetgate.client may be listed here.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # removed by the client untangle (issue 10 item 3): Fleet and Gate import each other.
-    frozenset({"fleetgate.client._fleet", "fleetgate.client._gate"}),
-}
-
 # layer -> the layers it must never import
 FORBIDDEN: dict[str, set[str]] = {
     "core": {"client", "coordinator", "demo", "tools", "testing", "cli"},
@@ -225,16 +218,9 @@ def test_layers_import_only_downwards(graph: dict[str, set[str]]) -> None:
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
-    cycles = [c for c in strongly_connected(graph) if c not in KNOWN_CYCLES]
+    cycles = strongly_connected(graph)
     chains = [cycle_chain(graph, c) for c in cycles]
     assert not chains, "import cycles:\n  " + "\n  ".join(chains)
-
-
-def test_known_cycles_are_client_ones_and_still_there(graph: dict[str, set[str]]) -> None:
-    for members in KNOWN_CYCLES:
-        assert all(layer_of(m) == "client" for m in members), sorted(members)
-    gone = KNOWN_CYCLES - set(strongly_connected(graph))
-    assert not gone, f"these cycles are gone (or changed): remove them from KNOWN_CYCLES: {gone}"
 
 
 # The checks themselves must be able to fail: planted violations on synthetic modules.

@@ -27,7 +27,8 @@ from fleetgate.coordinator.config import Config, GateConfig
 from fleetgate.coordinator.controller import ControllerState, Decision, Reason
 from fleetgate.coordinator.publisher import Publication, Publisher
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GateDefaults, GateScripts
+from fleetgate.scripts import GateScripts
+from fleetgate.settings import GateSettings
 
 from ._workers import wait_for
 from .conftest import RedisUnderTest
@@ -119,7 +120,7 @@ async def test_growth_by_config_hands_off_at_once(rut: RedisUnderTest) -> None:
         keys = GateKeys.of(rut.prefix, "fixed")
         scripts = GateScripts(client)
         assert await pub.publish(1, TTL_MS, publications(gates(2, 1), 2, 1.0)) == [True, True]
-        d = GateDefaults(lease_ms=TTL_MS, waiter_ms=TTL_MS)
+        d = GateSettings(lease_ms=TTL_MS, waiter_ms=TTL_MS)
         assert (await scripts.acquire(keys, "a:1", TTL_MS, d)).status == 1
         assert (await scripts.acquire(keys, "b:1", TTL_MS, d)).status == 2
         assert await pub.publish(1, TTL_MS, publications(gates(2, 2), 2, 2.0)) == [True, True]

@@ -24,7 +24,8 @@ from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.coordinator.publisher import Publisher
 from fleetgate.keys import GateKeys
 from fleetgate.safety import find_bad_keys
-from fleetgate.scripts import GRANTED, PARKED, GateDefaults, GateScripts
+from fleetgate.scripts import GRANTED, PARKED, GateScripts
+from fleetgate.settings import GateSettings
 from fleetgate.status import gather_status
 
 from .conftest import RedisUnderTest
@@ -95,7 +96,7 @@ async def test_invalid_registry_names_do_not_stop_the_reaper(
     caplog.set_level(logging.INFO, logger="fleetgate")
     keys = GateKeys.of(rut.prefix, "client-gate")
     scripts = GateScripts(async_redis)
-    d = GateDefaults(floor=1, ceiling=1, lease_ms=100, waiter_ms=LONG)
+    d = GateSettings(floor=1, ceiling=1, lease_ms=100, waiter_ms=LONG)
     assert (await scripts.acquire(keys, "crashed:1", LONG, d)).status == GRANTED
     assert (await scripts.acquire(keys, "parked:1", LONG, d)).status == PARKED
     await async_redis.sadd(registry(rut), "client-gate", *INVALID)
@@ -120,7 +121,7 @@ async def test_status_skips_invalid_registry_names(
     rut: RedisUnderTest, async_redis: aredis.Redis
 ) -> None:
     keys = GateKeys.of(rut.prefix, "good")
-    await GateScripts(async_redis).acquire(keys, "p:1", LONG, GateDefaults(floor=3))
+    await GateScripts(async_redis).acquire(keys, "p:1", LONG, GateSettings(floor=3))
     await async_redis.sadd(registry(rut), "good", *INVALID)
     status = await gather_status(async_redis, rut.prefix)
     assert [(g.name, g.in_flight, g.limit) for g in status.gates] == [("good", 1, 3)]
@@ -146,7 +147,7 @@ async def test_status_skips_invalid_registry_names(
 
 async def _used_then_idle(scripts: GateScripts, keys: GateKeys) -> None:
     """A gate that was used (cfg, seq, stats exist) and is idle now."""
-    assert (await scripts.acquire(keys, "gone:1", LONG, GateDefaults())).status == GRANTED
+    assert (await scripts.acquire(keys, "gone:1", LONG, GateSettings())).status == GRANTED
     assert await scripts.release(keys, "gone:1")
 
 
@@ -156,7 +157,7 @@ async def test_idle_gates_are_pruned_busy_ones_never(
     scripts = GateScripts(async_redis)
     k = {n: GateKeys.of(rut.prefix, n) for n in ("idle", "held", "parked", "beating")}
     await _used_then_idle(scripts, k["idle"])
-    d = GateDefaults(floor=1, ceiling=1, lease_ms=LONG, waiter_ms=LONG)
+    d = GateSettings(floor=1, ceiling=1, lease_ms=LONG, waiter_ms=LONG)
     assert (await scripts.acquire(k["held"], "h:1", LONG, d)).status == GRANTED
     assert (await scripts.acquire(k["parked"], "h:2", LONG, d)).status == GRANTED
     assert (await scripts.acquire(k["parked"], "w:1", LONG, d)).status == PARKED
@@ -242,7 +243,7 @@ async def test_activity_racing_the_prune_registers_the_gate_again(
     srem = async_redis.srem
 
     async def acquire_then_srem(*args: Any) -> Any:
-        await pub.scripts.acquire(keys, "late:1", LONG, GateDefaults())
+        await pub.scripts.acquire(keys, "late:1", LONG, GateSettings())
         return await srem(*args)
 
     monkeypatch.setattr(async_redis, "srem", acquire_then_srem)
@@ -282,7 +283,7 @@ async def test_registry_and_prune_on_cluster(cluster_rut: RedisUnderTest) -> Non
         assert await pub.registered_gates() == names
         assert await prune(pub, 1, names, 1) == []
         await asyncio.sleep(0.05)
-        await pub.scripts.acquire(pub.keys("gate-0"), "p:1", LONG, GateDefaults())  # in use
+        await pub.scripts.acquire(pub.keys("gate-0"), "p:1", LONG, GateSettings())  # in use
         assert await prune(pub, 1, names, 1) == names[1:]
         assert await pub.registered_gates() == ["gate-0"]
         status = await gather_status(client, cluster_rut.prefix)

@@ -8,7 +8,8 @@ import pytest
 import redis.asyncio as aredis
 
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GRANTED, PARKED, REJECTED, GateDefaults, GateScripts
+from fleetgate.scripts import GRANTED, PARKED, REJECTED, GateScripts
+from fleetgate.settings import GateSettings
 
 from .conftest import RedisUnderTest
 
@@ -23,7 +24,7 @@ def scripts(async_redis: aredis.Redis) -> GateScripts:
     return GateScripts(async_redis)
 
 
-D2 = GateDefaults(floor=2, ceiling=8, max_queued=3, lease_ms=10_000, waiter_ms=5_000)
+D2 = GateSettings(floor=2, ceiling=8, max_queued=3, lease_ms=10_000, waiter_ms=5_000)
 
 
 async def test_grant_park_reject_and_fifo_handoff(
@@ -55,7 +56,7 @@ async def test_grant_park_reject_and_fifo_handoff(
 async def test_no_barging_when_someone_is_parked(
     scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
 ) -> None:
-    d = GateDefaults(floor=1, ceiling=1)
+    d = GateSettings(floor=1, ceiling=1)
     assert (await scripts.acquire(keys, "a:1", 1000, d)).status == GRANTED
     assert (await scripts.acquire(keys, "b:1", 1000, d)).status == PARKED
     # Make a slot free without hand-off by deleting the holder behind the scripts' back.
@@ -67,7 +68,7 @@ async def test_no_barging_when_someone_is_parked(
 
 
 async def test_max_queued_zero_fails_fast_when_full(scripts: GateScripts, keys: GateKeys) -> None:
-    d = GateDefaults(floor=1, ceiling=1, max_queued=0)
+    d = GateSettings(floor=1, ceiling=1, max_queued=0)
     assert (await scripts.acquire(keys, "a:1", 1000, d)).status == GRANTED
     assert (await scripts.acquire(keys, "a:2", 1000, d)).status == REJECTED
 
@@ -75,7 +76,7 @@ async def test_max_queued_zero_fails_fast_when_full(scripts: GateScripts, keys: 
 async def test_cancel_leaves_queue_or_releases_raced_grant(
     scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
 ) -> None:
-    d = GateDefaults(floor=1, ceiling=1)
+    d = GateSettings(floor=1, ceiling=1)
     await scripts.acquire(keys, "a:1", 1000, d)
     await scripts.acquire(keys, "b:1", 1000, d)
     await scripts.acquire(keys, "c:1", 1000, d)
@@ -90,7 +91,7 @@ async def test_cancel_leaves_queue_or_releases_raced_grant(
 async def test_expired_lease_is_reaped_and_late_release_frees_nothing(
     scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
 ) -> None:
-    d = GateDefaults(floor=1, ceiling=1, lease_ms=100, waiter_ms=5000)
+    d = GateSettings(floor=1, ceiling=1, lease_ms=100, waiter_ms=5000)
     await scripts.acquire(keys, "a:1", 1000, d)
     assert (await scripts.acquire(keys, "b:1", 5000, d)).status == PARKED
     await asyncio.sleep(0.2)
@@ -106,7 +107,7 @@ async def test_expired_lease_is_reaped_and_late_release_frees_nothing(
 async def test_heartbeat_reports_granted_waiters_and_renews(
     scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
 ) -> None:
-    d = GateDefaults(floor=1, ceiling=1, waiter_ms=300)
+    d = GateSettings(floor=1, ceiling=1, waiter_ms=300)
     await scripts.acquire(keys, "a:1", 1000, d)
     await scripts.acquire(keys, "b:1", 10_000, d)
     before = await async_redis.zscore(keys.waiters, "b:1")
@@ -123,7 +124,7 @@ async def test_heartbeat_reports_granted_waiters_and_renews(
 async def test_set_target_epoch_fencing_growth_and_expiry(
     scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
 ) -> None:
-    d = GateDefaults(floor=1, ceiling=4)
+    d = GateSettings(floor=1, ceiling=4)
     await scripts.acquire(keys, "a:1", 1000, d)
     for i in range(3):
         assert (await scripts.acquire(keys, f"w:{i}", 5000, d)).status == PARKED
@@ -141,7 +142,7 @@ async def test_set_target_epoch_fencing_growth_and_expiry(
 async def test_inspect_snapshot(scripts: GateScripts, keys: GateKeys) -> None:
     snap = await scripts.snapshot(keys)
     assert snap.holders == 0 and snap.head == [] and snap.leases == []
-    d = GateDefaults(floor=1, ceiling=1)
+    d = GateSettings(floor=1, ceiling=1)
     await scripts.acquire(keys, "a:1", 1000, d)
     await scripts.acquire(keys, "b:1", 1000, d)
     snap = await scripts.snapshot(keys)

@@ -72,8 +72,7 @@ async def test_acquire_registers_and_applies_the_struct(
     assert _effective(await scripts.snapshot(keys, 0)) == s.as_cfg()
 
 
-def test_gate_defaults_is_gate_settings() -> None:
-    assert scripts_module.GateDefaults is GateSettings
+def test_script_arguments_follow_the_field_order() -> None:
     assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000]
 
 
