@@ -84,7 +84,8 @@ class Impl:
     fair: str  # fairness note
     client_commands: frozenset[str]  # commands its clients send (the rest ran inside scripts)
     skipped: str | None = None
-    result: dict[str, Any] = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)  # mean over rounds
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
 
 IMPLS = (
@@ -385,6 +386,20 @@ def figures(m: Measured, client_commands: frozenset[str]) -> dict[str, Any]:
     }
 
 
+def _mean(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of each numeric figure over rounds (nested dicts too); others from the first."""
+    out: dict[str, Any] = {}
+    for k, v in rounds[0].items():
+        vals = [r.get(k) for r in rounds]
+        if isinstance(v, dict):
+            out[k] = _mean(vals)
+        elif isinstance(v, (int, float)) and all(isinstance(x, (int, float)) for x in vals):
+            out[k] = float(np.mean(vals))
+        else:
+            out[k] = v
+    return out
+
+
 ROWS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
     ("grants/s (ideal 1600)", "grants_per_s", lambda r: r["grants_per_s"]),
     ("utilisation", "utilisation", lambda r: r["utilisation"]),
@@ -416,6 +431,7 @@ ROWS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
 
 def run(opts: Options) -> list[Headline]:
     warm, seconds = opts.pick((2.0, 10.0), (1.0, 2.5))
+    rounds = opts.pick(2, 1)
     spec = {
         "tasks": TASKS,
         "limit": LIMIT,
@@ -423,13 +439,20 @@ def run(opts: Options) -> list[Headline]:
         "warm_s": warm,
         "seconds": seconds,
     }
-    impls = {i.key: replace(i, result={}) for i in IMPLS}
+    impls = {i.key: replace(i, result={}, rounds=[]) for i in IMPLS}
     with private_redis() as rp:
         url = rp.url
-        for impl in impls.values():
+        # Full runs measure each implementation twice, in the order A B C C B A, so a drift
+        # of the machine's other load over the run does not favour whoever goes first.
+        order = list(impls.values())
+        order = order + order[::-1] if rounds == 2 else order
+        for impl in order:
+            if impl.skipped:
+                continue
             _reset(url)
+            what = f"{PROCS}x{TASKS} acquirers, {seconds} s after {warm} s"
             if impl.key == "fleetgate":
-                log(f"{NAME}: fleetgate, {PROCS}x{TASKS} acquirers, {seconds} s after {warm} s")
+                log(f"{NAME}: fleetgate, {what}")
                 m = run_fleetgate(url, warm, seconds, opts)
             else:
                 peer = node_peer() if impl.key == "redis_semaphore" else pypi_peer()
@@ -439,7 +462,7 @@ def run(opts: Options) -> list[Headline]:
                     continue
                 cmd, env = peer
                 options = SEMAPHORE_OPTIONS if impl.key == "redis_semaphore" else LIMITERS_OPTIONS
-                log(f"{NAME}: {impl.label}, {PROCS}x{TASKS} acquirers, {seconds} s after {warm} s")
+                log(f"{NAME}: {impl.label}, {what}")
                 try:
                     m = run_processes(
                         cmd,
@@ -453,7 +476,10 @@ def run(opts: Options) -> list[Headline]:
                     impl.skipped = f"run failed: {e}"
                     log(f"{NAME}: SKIPPED {impl.label}: {impl.skipped}")
                     continue
-            impl.result = figures(m, impl.client_commands)
+            impl.rounds.append(figures(m, impl.client_commands))
+        for impl in impls.values():
+            if not impl.skipped:
+                impl.result = _mean(impl.rounds)
         fg = impls["fleetgate"].result
         ran = [i for i in impls.values() if not i.skipped]
         headers = ["figure"]
@@ -470,12 +496,23 @@ def run(opts: Options) -> list[Headline]:
                     row.append(f"{v / base:.2f}×" if base else "-")
             rows.append(row)
         text = table(headers, rows)
+        if rounds > 1:
+            text += "\n\nper round (utilisation, wait p99 ms, client CPU µs/grant):\n" + "\n".join(
+                f"  {i.label}: "
+                + "; ".join(
+                    f"{r['utilisation']:.3f}, {r['wait_ms']['p99']:.0f}, "
+                    f"{r['client_cpu_us_per_grant']:.0f}"
+                    for r in i.rounds
+                )
+                for i in ran
+            )
         text += "\n\nfairness:\n" + "\n".join(f"  {i.label}: {i.fair}" for i in impls.values())
         skipped = [i for i in impls.values() if i.skipped]
         if skipped:
             text += "\n\nskipped:\n" + "\n".join(f"  {i.label}: {i.skipped}" for i in skipped)
         text += (
-            "\n\nOne run, one private redis-server, one after the other on the same machine "
+            f"\n\nMeans of {rounds} round(s) (order A B C C B A when 2); per-round figures in "
+            "the JSON. One private redis-server, one implementation at a time, same machine "
             f"({os.cpu_count()} cores, shared with other jobs: noisy figures)."
         )
         data = {
@@ -486,6 +523,7 @@ def run(opts: Options) -> list[Headline]:
                 "hold_ms": HOLD_S * 1000,
                 "warm_s": warm,
                 "window_s": seconds,
+                "rounds": rounds,
             },
             "options": {
                 "redis_semaphore": SEMAPHORE_OPTIONS,
@@ -497,6 +535,7 @@ def run(opts: Options) -> list[Headline]:
                     "fairness": i.fair,
                     "skipped": i.skipped,
                     **i.result,
+                    "rounds": i.rounds,
                 }
                 for i in impls.values()
             },
