@@ -555,7 +555,9 @@ def run(opts: Options) -> list[Headline]:
             vals = [get(i.result) for i in ran]
             a.bar(labels, vals, color=colors)
             for x, v in enumerate(vals):
-                a.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom")
+                a.annotate(
+                    f"{v:,.0f}" if v >= 100 else f"{v:.3g}", (x, v), ha="center", va="bottom"
+                )
             a.set_title(title, fontsize=10)
             a.tick_params(axis="x", labelsize=8)
         for x, i in enumerate(ran):
