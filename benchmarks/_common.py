@@ -36,6 +36,7 @@ BENCHMARKS = (
     "burst",
     "ramp",
     "coordinator_scale",
+    "peers",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]
