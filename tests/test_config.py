@@ -172,7 +172,8 @@ def test_single_metrics_url() -> None:
         (
             'url = "redis://127.0.0.1:6379/0"',
             'url = "http://:pw@h"',
-            "redis.url: expected a redis://, rediss://, unix:// or redis+sentinel:// URL, got scheme 'http'",
+            "redis.url: expected a redis://, rediss://, unix:// or redis+sentinel:// URL, got "
+            "scheme 'http'",
         ),
         ("[redis]", "[rediss]", "rediss: unknown field (did you mean 'redis'?)"),
     ],
