@@ -296,7 +296,11 @@ def _near_full(obs: Observation, target: int, p: ControllerParams) -> bool:
 def step(
     state: ControllerState, obs: Observation | None, params: ControllerParams, now: float
 ) -> Decision:
-    """Advance one gate's controller by one poll. Pure: same inputs, same decision."""
+    """Advance one gate's controller by one poll. Pure: same inputs, same decision.
+
+    The branches of the rule (module docstring) in order: saturation cuts, an unknown view
+    holds (then resets), a view that is not near full holds, near full grows.
+    """
     p = params
     if not p.adaptive:
         return Decision(ControllerState.initial(p), p.floor, Reason.STATIC, publish=False)
@@ -310,60 +314,81 @@ def step(
 
     if obs is not None and sat:
         # Saturation acts even on a partial (not ok) view: it is proven, and a cut is safe.
-        if not _may_decrease(state, obs, p, now):
-            new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=0, probes=0)
-            return _out(new, Reason.HOLD_COOLDOWN, obs.ok, sat, clamped)
-        estimate = _sustainable(obs)
-        if estimate is None or estimate >= target:
-            cut = math.floor(target * p.decrease + _EPS)
-        else:
-            cut = max(math.floor(target * p.deepest_cut + _EPS), math.floor(estimate + _EPS))
-        new_target = _clamp(min(cut, target - 1), p)
-        # Remember where the engine saturated: the level chosen now, and the KV-cache estimate
-        # beside it, so a later KV reading says how far the capacity has moved since.
-        memory = {
-            "capacity": float(new_target),
-            "kv_capacity": _kv_estimate(obs, p),
-            "slow_start": False,
-            "near_full_streak": 0,
-            "unknown_streak": 0,
-            "probes": 0,
-        }
-        if new_target >= target:  # already at the floor
-            new = msgspec.structs.replace(state, **memory)
-            return Decision(new, target, Reason.CLAMP, publish=True, saturated=sat)
-        new = msgspec.structs.replace(
-            state,
-            target=new_target,
-            last_decrease=now,
-            drained=False,
-            recovering=True,
-            **memory,
-        )
-        return Decision(new, new_target, Reason.DECREASE, publish=True, saturated=sat)
-
+        return _saturated(state, obs, p, now, clamped)
     if obs is None or not obs.ok or sat is None:
-        streak = state.unknown_streak + 1
-        if streak >= p.unknown_reset_polls:
-            # The last published lease has run out by now: the fleet is at the floor, so the
-            # controller restarts from there rather than jumping back to a stale target. The
-            # capacity memory stays: the next ramp stops at it instead of overshooting.
-            new = ControllerState(
-                target=p.floor,
-                unknown_streak=streak,
-                capacity=state.capacity,
-                kv_capacity=state.kv_capacity,
-            )
-            reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
-            return Decision(new, p.floor, reason, publish=False, saturated=sat)
-        new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=streak, probes=0)
-        return Decision(new, target, Reason.HOLD_UNKNOWN, publish=False, saturated=sat)
-
+        return _unknown(state, p, sat)
     state = msgspec.structs.replace(state, drained=True, unknown_streak=0)
     if not _near_full(obs, target, p):
         new = msgspec.structs.replace(state, near_full_streak=0, probes=0)
         return _out(new, Reason.HOLD_IDLE, True, sat, clamped)
+    return _grow(state, obs, p, bool(sat), clamped)
 
+
+def _saturated(
+    state: ControllerState, obs: Observation, p: ControllerParams, now: float, clamped: bool
+) -> Decision:
+    """The server queues: cut toward what it sustains (once per drain period), and remember
+    where it saturated."""
+    target = state.target
+    if not _may_decrease(state, obs, p, now):
+        new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=0, probes=0)
+        return _out(new, Reason.HOLD_COOLDOWN, obs.ok, True, clamped)
+    estimate = _sustainable(obs)
+    if estimate is None or estimate >= target:
+        cut = math.floor(target * p.decrease + _EPS)
+    else:
+        cut = max(math.floor(target * p.deepest_cut + _EPS), math.floor(estimate + _EPS))
+    new_target = _clamp(min(cut, target - 1), p)
+    # Remember where the engine saturated: the level chosen now, and the KV-cache estimate
+    # beside it, so a later KV reading says how far the capacity has moved since.
+    memory = {
+        "capacity": float(new_target),
+        "kv_capacity": _kv_estimate(obs, p),
+        "slow_start": False,
+        "near_full_streak": 0,
+        "unknown_streak": 0,
+        "probes": 0,
+    }
+    if new_target >= target:  # already at the floor
+        new = msgspec.structs.replace(state, **memory)
+        return Decision(new, target, Reason.CLAMP, publish=True, saturated=True)
+    new = msgspec.structs.replace(
+        state,
+        target=new_target,
+        last_decrease=now,
+        drained=False,
+        recovering=True,
+        **memory,
+    )
+    return Decision(new, new_target, Reason.DECREASE, publish=True, saturated=True)
+
+
+def _unknown(state: ControllerState, p: ControllerParams, sat: bool | None) -> Decision:
+    """No usable view of the server: hold (not re-published, so the lease decays); after
+    ``unknown_reset_polls`` such polls restart from the floor."""
+    streak = state.unknown_streak + 1
+    if streak >= p.unknown_reset_polls:
+        # The last published lease has run out by now: the fleet is at the floor, so the
+        # controller restarts from there rather than jumping back to a stale target. The
+        # capacity memory stays: the next ramp stops at it instead of overshooting.
+        new = ControllerState(
+            target=p.floor,
+            unknown_streak=streak,
+            capacity=state.capacity,
+            kv_capacity=state.kv_capacity,
+        )
+        reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
+        return Decision(new, p.floor, reason, publish=False, saturated=sat)
+    new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=streak, probes=0)
+    return Decision(new, state.target, Reason.HOLD_UNKNOWN, publish=False, saturated=sat)
+
+
+def _grow(
+    state: ControllerState, obs: Observation, p: ControllerParams, sat: bool, clamped: bool
+) -> Decision:
+    """Near full and not queueing: ramp toward the remembered capacity, probe above it (only
+    without a KV estimate), or grow as classic AIMD before any capacity is known."""
+    target = state.target
     streak = state.near_full_streak + 1
     kv_estimate = _kv_estimate(obs, p)
     capacity = _capacity(state, kv_estimate)
