@@ -36,6 +36,7 @@ BENCHMARKS = (
     "burst",
     "ramp",
     "coordinator_scale",
+    "pod_cost",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]
