@@ -37,15 +37,11 @@ POD_NAME = "fgb-measured"
 PEER_NAME = "fgb-peer"
 
 
-async def _script_calls(r: aredis.Redis) -> float:
+async def _script_calls(r: aredis.Redis) -> tuple[float, float]:
+    """Script calls and their server µs so far (INFO commandstats: EVAL + EVALSHA)."""
     stats = await r.info("commandstats")
-    return float(
-        sum(
-            v["calls"]
-            for k, v in stats.items()
-            if k.removeprefix("cmdstat_") in ("eval", "evalsha")
-        )
-    )
+    scripts = [v for k, v in stats.items() if k.removeprefix("cmdstat_") in ("eval", "evalsha")]
+    return float(sum(v["calls"] for v in scripts)), float(sum(v["usec"] for v in scripts))
 
 
 async def _connections(r: aredis.Redis, name: str) -> int:
@@ -109,11 +105,12 @@ async def _handoffs(
     return lat, cms, conns
 
 
-async def _rate(r: aredis.Redis, seconds: float) -> float:
-    c0, t0 = await _script_calls(r), time.monotonic()
+async def _rate(r: aredis.Redis, seconds: float) -> tuple[float, float]:
+    """Script calls/s and server µs of scripts per second over ``seconds``."""
+    (c0, u0), t0 = await _script_calls(r), time.monotonic()
     await asyncio.sleep(seconds)
-    c1, t1 = await _script_calls(r), time.monotonic()
-    return (c1 - c0) / (t1 - t0)
+    (c1, u1), t1 = await _script_calls(r), time.monotonic()
+    return (c1 - c0) / (t1 - t0), (u1 - u0) / (t1 - t0)
 
 
 async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]:
@@ -140,11 +137,11 @@ async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]
         lat += got
     await peer.close()
     await asyncio.sleep(1.0)  # let the first renewals after the hand-offs settle
-    held_rate = await _rate(r, window)
+    held_rate, held_usec = await _rate(r, window)
     for cm in held:
         await cm.__aexit__(None, None, None)
     await asyncio.sleep(1.0)
-    idle_rate = await _rate(r, window)
+    idle_rate, idle_usec = await _rate(r, window)
     await pod.close()
     await r.aclose()
     p = percentiles(lat, (50, 99))
@@ -155,7 +152,9 @@ async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]
         "handoff_p99_ms": p["p99"],
         "handoffs": len(lat),
         "held_calls_per_s": held_rate,
+        "held_script_usec_per_s": held_usec,
         "idle_calls_per_s": idle_rate,
+        "idle_script_usec_per_s": idle_usec,
     }
 
 
@@ -169,7 +168,16 @@ def run(opts: Options) -> list[Headline]:
             log(f"{NAME}: {n} gates")
             rows.append(opts.flavor.run(_one(url, opts, n, window)))
         text = table(
-            ("gates", "connections", "handoff p50 ms", "p99 ms", "held calls/s", "idle calls/s"),
+            (
+                "gates",
+                "connections",
+                "handoff p50 ms",
+                "p99 ms",
+                "held calls/s",
+                "held µs/s",
+                "idle calls/s",
+                "idle µs/s",
+            ),
             [
                 (
                     x["gates"],
@@ -177,7 +185,9 @@ def run(opts: Options) -> list[Headline]:
                     round(x["handoff_p50_ms"], 3),
                     round(x["handoff_p99_ms"], 3),
                     round(x["held_calls_per_s"], 1),
+                    round(x["held_script_usec_per_s"]),
                     round(x["idle_calls_per_s"], 2),
+                    round(x["idle_script_usec_per_s"]),
                 )
                 for x in rows
             ],

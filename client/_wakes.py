@@ -3,7 +3,7 @@
 A script that hands a slot to a parked caller pushes the caller's id onto the owner pod's wake
 list of that gate (``fg:{G}:wake:<pod_key>``). Each process pops all its wake lists that one
 blocking command can cover together -- every one of them on a standalone Redis (or Sentinel), the
-ones of one slot on Cluster (:meth:`fleetgate._redis.RedisMode.pop_group`) -- with ONE blocking
+ones of one slot on Cluster (:meth:`fleetgate._redis.RedisMode.slot_group`) -- with ONE blocking
 ``BLPOP`` per group on a connection of its own, and hands each id to the callback of its list.
 So a standalone pod has one wake connection whatever the number of gates.
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+
+from fleetgate._redis import prepare
 
 from ._runtime import OUTAGE_ERRORS, Runtime
 
@@ -62,7 +64,7 @@ class WakeListeners:
         ``on_wake``. ``rearm_key`` is the re-arm list in ``key``'s slot, used if ``key`` starts
         a new group."""
         rt = self.runtime
-        group_id = rt.scripts.redis.pop_group(key)
+        group_id = rt.scripts.redis.slot_group(key)
         group = self.groups.get(group_id)
         if group is None:
             group = self.groups[group_id] = _Group(rearm_key)
@@ -104,9 +106,10 @@ class WakeListeners:
         # on exit. Lost wake-ups (connection killed, Redis restarted) are recovered by the
         # heartbeat, which reports granted waiters.
         rt = self.runtime
-        conn = await rt.dedicated_connection(socket_timeout=self.block + 3.0)
+        conn = rt.dedicated_client(socket_timeout=self.block + 3.0)
         turn = 0
         try:
+            await prepare(conn)
             while not rt.closing:
                 keys = list(group.keys)
                 # BLPOP serves the first non-empty key: start at a different one each time so

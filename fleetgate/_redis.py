@@ -170,8 +170,9 @@ class RedisMode:
             out.append((f"{node.host}:{node.port} ", await command(target_nodes=node)))
         return out
 
-    def pop_group(self, key: str) -> int:
-        """Keys of one group can be popped by one blocking command (``BLPOP k1 k2 ...``).
+    def slot_group(self, key: str) -> int:
+        """Keys of one group may go into one command or script call (``BLPOP k1 k2 ...``, one
+        ``heartbeat_many.lua`` for several gates).
 
         Standalone (and Sentinel): every key, one group. Cluster: the key's slot, since a
         command's keys must share one slot there (each gate's keys carry its own hash tag, so in
@@ -211,12 +212,14 @@ class RedisMode:
                     return_exceptions=not raise_on_error,
                 )
             )
-        pipe = self.client.pipeline(transaction=False)
-        for call in calls:
-            queued = call(pipe)
-            if isawaitable(queued):
-                await queued  # a script on a pipeline: awaiting only queues its EVALSHA
-        return list(await pipe.execute(raise_on_error=raise_on_error))
+        # As a context manager: a connection error while redis-py loads the scripts (before
+        # execute's own reset) would otherwise leave the pipeline holding its connection.
+        async with self.client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                queued = call(pipe)
+                if isawaitable(queued):
+                    await queued  # a script on a pipeline: awaiting only queues its EVALSHA
+            return list(await pipe.execute(raise_on_error=raise_on_error))
 
 
 async def _awaited(value: Any) -> Any:

@@ -98,3 +98,100 @@ async def test_a_busy_gate_does_not_starve_another_gates_wake(rut: RedisUnderTes
         await lease.release()
         stop.set()
         await asyncio.gather(*churners)
+
+
+# -- renewals: heartbeat_many.lua and the batched heartbeat ---------------------------------
+
+
+async def test_heartbeat_many_equals_one_heartbeat_per_gate(rut: RedisUnderTest) -> None:
+    """heartbeat_many.lua is heartbeat.lua per gate: same renewals, grants, lost ids, pods."""
+    from fleetgate._redis import connect
+    from fleetgate.keys import GateKeys
+    from fleetgate.scripts import GRANTED, PARKED, GateScripts, HeartbeatRequest
+    from fleetgate.settings import GateSettings
+
+    client = connect(rut.url)
+    scripts = GateScripts(client)
+    d = GateSettings(floor=1, ceiling=1)
+    reqs = []
+    for i in range(7):
+        keys = GateKeys.of(rut.prefix, f"hm{i}")
+        assert (await scripts.acquire(keys, "p:1", 5000, d)).status == GRANTED
+        assert (await scripts.acquire(keys, "p:2", 5000, d)).status == PARKED
+        if i % 2:  # a hand-off the pod did not hear of: the heartbeat reports it granted
+            assert await scripts.release(keys, "p:1")
+        # an unknown lease (never granted, renewal time passed): lost
+        reqs.append(HeartbeatRequest(keys, "p", 10_000, [("p:1", 0), ("p:9", 0)], [("p:2", 3000)]))
+    for per_call in (1, 3, 50):  # one gate per call, chunks, all in one call
+        calls0 = await _evalsha_calls(client)
+        replies = await scripts.heartbeats(reqs, per_call=per_call)
+        assert await _evalsha_calls(client) - calls0 == -(-len(reqs) // per_call)
+        for i, r in enumerate(replies):
+            assert not isinstance(r, Exception)
+            assert r.live_pods == 1 and r.limit == 1 and r.holders == 1
+            assert r.queued == (0 if i % 2 else 1)
+            if i % 2:
+                assert r.lost_leases == ["p:1", "p:9"] and r.granted_waiters == ["p:2"]
+            else:
+                assert r.lost_leases == ["p:9"] and r.granted_waiters == []
+    await client.aclose()
+
+
+async def test_a_broken_gate_does_not_stop_the_other_gates_renewals(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    from fleetgate._redis import connect
+    from fleetgate.errors import GateStateError
+    from fleetgate.keys import GateKeys
+    from fleetgate.scripts import GateScripts, HeartbeatRequest
+    from fleetgate.settings import GateSettings
+
+    client = connect(rut.url)
+    scripts = GateScripts(client)
+    d = GateSettings(floor=2, ceiling=2)
+    keys = [GateKeys.of(rut.prefix, f"br{i}") for i in range(4)]
+    for k in keys:
+        await scripts.acquire(k, "p:1", 5000, d)
+    await async_redis.delete(keys[2].holders)
+    await async_redis.set(keys[2].holders, "not a zset")
+    reqs = [HeartbeatRequest(k, "p", 10_000, [("p:1", 0)], []) for k in keys]
+    replies = await scripts.heartbeats(reqs)
+    assert isinstance(replies[2], GateStateError)
+    for i in (0, 1, 3):
+        r = replies[i]
+        assert not isinstance(r, Exception) and r.lost_leases == [] and r.holders == 1
+    await client.aclose()
+
+
+async def _evalsha_calls(r: aredis.Redis) -> int:
+    stats = await r.info("commandstats")
+    return sum(
+        int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval")
+    )
+
+
+async def test_many_held_and_idle_gates_cost_few_calls(
+    rut: RedisUnderTest, own_redis: object
+) -> None:
+    """100 gates, a lease held on each: <= 10 script calls/s; then idle: <= 2 calls/s (the
+    fleet alone on a private server, heartbeat at its default 1 s)."""
+    url = own_redis.url  # type: ignore[attr-defined]
+    r = aredis.Redis.from_url(url, decode_responses=True)
+    async with Fleet(url, prefix="pc", registry=CollectorRegistry()) as fleet:
+        leases = await asyncio.gather(
+            *(fleet.gate(f"g{i}", floor=1, ceiling=1).acquire() for i in range(100))
+        )
+        await asyncio.sleep(1.5)  # the schedules fall into step
+        c0, t0 = await _evalsha_calls(r), time.monotonic()
+        await asyncio.sleep(3.0)
+        held = (await _evalsha_calls(r) - c0) / (time.monotonic() - t0)
+        for lease in leases:
+            assert not lease.lost.is_set()
+            await lease.release()
+        await asyncio.sleep(1.5)
+        c0, t0 = await _evalsha_calls(r), time.monotonic()
+        await asyncio.sleep(6.0)
+        idle = (await _evalsha_calls(r) - c0) / (time.monotonic() - t0)
+    await r.aclose()
+    assert held <= 10, held
+    assert idle <= 2, idle
