@@ -195,3 +195,18 @@ async def test_many_held_and_idle_gates_cost_few_calls(
     await r.aclose()
     assert held <= 10, held
     assert idle <= 2, idle
+
+
+def test_cap_holds_across_processes_over_many_gates(rut: RedisUnderTest) -> None:
+    """3 processes x 90 tasks over 15 gates (floor 2): each process has one wake listener for
+    all 15 gates and renews them in batched heartbeats; no gate ever runs more than 2."""
+    import multiprocessing as mp
+
+    from . import _workers
+
+    gates = [f"mg{i}" for i in range(15)]
+    probe = f"{rut.prefix}:probe"
+    with mp.get_context("spawn").Pool(3) as pool:
+        peaks = pool.starmap(_workers.hammer_gates, [(rut.url, rut.prefix, gates, 90, probe)] * 3)
+    assert max(peaks) <= 2
+    assert max(peaks) == 2  # the gates were contended
