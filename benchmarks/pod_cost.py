@@ -105,12 +105,20 @@ async def _handoffs(
     return lat, cms, conns
 
 
-async def _rate(r: aredis.Redis, seconds: float) -> tuple[float, float]:
-    """Script calls/s and server µs of scripts per second over ``seconds``."""
-    (c0, u0), t0 = await _script_calls(r), time.monotonic()
+async def _redis_cpu(r: aredis.Redis) -> float:
+    """redis-server's CPU seconds so far (user + sys, all of it: network, parsing, scripts)."""
+    cpu = await r.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+async def _rate(r: aredis.Redis, seconds: float) -> tuple[float, float, float]:
+    """Script calls/s, server µs of scripts per second, and redis-server CPU µs per second
+    over ``seconds``."""
+    (c0, u0), p0, t0 = await _script_calls(r), await _redis_cpu(r), time.monotonic()
     await asyncio.sleep(seconds)
-    (c1, u1), t1 = await _script_calls(r), time.monotonic()
-    return (c1 - c0) / (t1 - t0), (u1 - u0) / (t1 - t0)
+    (c1, u1), p1, t1 = await _script_calls(r), await _redis_cpu(r), time.monotonic()
+    dt = t1 - t0
+    return (c1 - c0) / dt, (u1 - u0) / dt, (p1 - p0) * 1e6 / dt
 
 
 async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]:
@@ -137,11 +145,11 @@ async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]
         lat += got
     await peer.close()
     await asyncio.sleep(1.0)  # let the first renewals after the hand-offs settle
-    held_rate, held_usec = await _rate(r, window)
+    held_rate, held_usec, held_cpu = await _rate(r, window)
     for cm in held:
         await cm.__aexit__(None, None, None)
     await asyncio.sleep(1.0)
-    idle_rate, idle_usec = await _rate(r, window)
+    idle_rate, idle_usec, idle_cpu = await _rate(r, window)
     await pod.close()
     await r.aclose()
     p = percentiles(lat, (50, 99))
@@ -153,8 +161,10 @@ async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]
         "handoffs": len(lat),
         "held_calls_per_s": held_rate,
         "held_script_usec_per_s": held_usec,
+        "held_redis_cpu_usec_per_s": held_cpu,
         "idle_calls_per_s": idle_rate,
         "idle_script_usec_per_s": idle_usec,
+        "idle_redis_cpu_usec_per_s": idle_cpu,
     }
 
 

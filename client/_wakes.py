@@ -133,5 +133,8 @@ class WakeListeners:
                 on_wake = group.keys.get(key)
                 if on_wake is not None:
                     on_wake(value)
+                    # Let the woken caller run before the pop over every list is sent again
+                    # (encoding n keys is on no caller's path then).
+                    await asyncio.sleep(0)
         finally:
             await conn.aclose()

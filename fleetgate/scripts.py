@@ -48,9 +48,12 @@ SCRIPT_NAMES = (
 )
 # Scripts that also get heartbeat_lib.lua (the heartbeat transition of one gate).
 _HEARTBEAT_SCRIPTS = ("heartbeat", "heartbeat_many")
-# Gates per heartbeat_many call: one call stays well under a millisecond of server time (about
-# 15 commands per gate), so other clients' calls never wait long behind a pod's heartbeat.
-HEARTBEATS_PER_CALL = 50
+# What one heartbeat_many call may carry, in units of about 30 µs of server time: an idle gate
+# (nothing to renew: reap, register the pod, count) is 1, a gate with leases or waiters 2 plus
+# one per 4 ids (measured: ~30 µs per idle gate, ~70 µs per gate holding one lease;
+# benchmarks/pod_cost.py). 40 units keep a call near a millisecond, so another client's call
+# (a release, a hand-off) never waits long behind a pod's heartbeat.
+HEARTBEAT_UNITS_PER_CALL = 40
 # Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
@@ -73,7 +76,6 @@ def script_source(name: str) -> str:
     if name in _HEARTBEAT_SCRIPTS:
         lib += "\n" + pkg.joinpath("heartbeat_lib.lua").read_text(encoding="utf-8")
     return f"{lib}\n{body}"
-
 
 
 @dataclass(frozen=True)
@@ -426,12 +428,14 @@ class GateScripts:
         return await self._run(self._call("heartbeat", keys, req.argv(), HeartbeatReply.decode))
 
     async def heartbeats(
-        self, requests: Sequence[HeartbeatRequest], *, per_call: int = HEARTBEATS_PER_CALL
+        self, requests: Sequence[HeartbeatRequest], *, units: int = HEARTBEAT_UNITS_PER_CALL
     ) -> list[HeartbeatReply | Exception]:
         """The heartbeats of several gates, in few script calls: the gates are grouped by slot
         (:meth:`RedisMode.slot_group`: all of them on a standalone Redis), each group sent as
-        ``heartbeat_many.lua`` calls of at most ``per_call`` gates (a group of one as a plain
-        ``heartbeat.lua``), all calls as one :meth:`RedisMode.batch`.
+        ``heartbeat_many.lua`` calls of at most ``units`` (:data:`HEARTBEAT_UNITS_PER_CALL`;
+        a group of one as a plain ``heartbeat.lua``). The single-gate calls go as one
+        :meth:`RedisMode.batch`; the multi-gate calls one after the other, so Redis serves other
+        clients between them (a pipeline of them would run back to back).
 
         Returns one reply per request, in order: the decoded reply, or the exception of that
         gate's call (a gate error such as WRONGTYPE as :meth:`translate` gives it; a failed
@@ -441,18 +445,31 @@ class GateScripts:
         groups: dict[int, list[int]] = {}
         for i, req in enumerate(requests):
             groups.setdefault(self.redis.slot_group(req.keys.base), []).append(i)
-        chunks = [
-            members[k : k + max(1, per_call)]
-            for members in groups.values()
-            for k in range(0, len(members), max(1, per_call))
-        ]
-        calls: list[BatchCall] = [
-            self._call("heartbeat", requests[c[0]].keys, requests[c[0]].argv(), _identity)
-            if len(c) == 1
-            else _ManyHeartbeats(self._scripts["heartbeat_many"], [requests[i] for i in c])
-            for c in chunks
-        ]
-        raw = await self._batch_raw(calls)
+        chunks: list[list[int]] = []
+        for members in groups.values():
+            chunk: list[int] = []
+            load = 0
+            for i in members:
+                cost = _heartbeat_units(requests[i])
+                if chunk and load + cost > units:
+                    chunks.append(chunk)
+                    chunk, load = [], 0
+                chunk.append(i)
+                load += cost
+            chunks.append(chunk)
+        singles = [c for c in chunks if len(c) == 1]
+        many = [c for c in chunks if len(c) > 1]
+        chunks = singles + many
+        raw = await self._batch_raw(
+            [
+                self._call("heartbeat", requests[c[0]].keys, requests[c[0]].argv(), _identity)
+                for c in singles
+            ]
+        )
+        for c in many:
+            raw += await self._batch_raw(
+                [_ManyHeartbeats(self._scripts["heartbeat_many"], [requests[i] for i in c])]
+            )
         out: list[HeartbeatReply | Exception | None] = [None] * len(requests)
         retry: list[int] = []
         for chunk, reply in zip(chunks, raw, strict=True):
@@ -467,11 +484,11 @@ class GateScripts:
                 for i, r in zip(chunk, reply, strict=True):
                     out[i] = HeartbeatReply.decode(r)
         if retry:
-            singles: list[BatchCall] = [
+            one_by_one: list[BatchCall] = [
                 self._call("heartbeat", requests[i].keys, requests[i].argv(), _identity)
                 for i in retry
             ]
-            for i, reply in zip(retry, await self._batch_raw(singles), strict=True):
+            for i, reply in zip(retry, await self._batch_raw(one_by_one), strict=True):
                 out[i] = (
                     await self._gate_error(reply, requests[i].keys)
                     if isinstance(reply, Exception)
@@ -564,6 +581,12 @@ class LeaderScripts:
     async def release(self, leader_key: str, owner: str) -> None:
         """Delete the lease if ``owner`` holds it."""
         await self._release(keys=[leader_key], args=[owner])
+
+
+def _heartbeat_units(req: HeartbeatRequest) -> int:
+    """A gate's share of one heartbeat_many call (see HEARTBEAT_UNITS_PER_CALL)."""
+    ids = len(req.leases) + len(req.waiters)
+    return 1 if ids == 0 else 2 + ids // 4
 
 
 def _identity(r: Any) -> Any:

@@ -122,9 +122,10 @@ async def test_heartbeat_many_equals_one_heartbeat_per_gate(rut: RedisUnderTest)
             assert await scripts.release(keys, "p:1")
         # an unknown lease (never granted, renewal time passed): lost
         reqs.append(HeartbeatRequest(keys, "p", 10_000, [("p:1", 0), ("p:9", 0)], [("p:2", 3000)]))
-    for per_call in (1, 3, 50):  # one gate per call, chunks, all in one call
+    # each gate is 2 units (3 ids): one gate per call, 3 per call, all in one call
+    for units, per_call in ((2, 1), (6, 3), (40, 7)):
         calls0 = await _evalsha_calls(client)
-        replies = await scripts.heartbeats(reqs, per_call=per_call)
+        replies = await scripts.heartbeats(reqs, units=units)
         assert await _evalsha_calls(client) - calls0 == -(-len(reqs) // per_call)
         for i, r in enumerate(replies):
             assert not isinstance(r, Exception)
