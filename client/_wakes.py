@@ -30,6 +30,11 @@ log = logging.getLogger("fleetgate.client")
 
 # The re-arm list outlives a dead pod by this much at most (a live pod pops it at once).
 REARM_TTL_MS = 60_000
+# Wake lists per blocking pop: a pop is sent again after every wake, and costs O(lists) in the
+# client (encoding) and the server (blocking on each key). 1,000 lists in one pop put ~4 ms on
+# every hand-off (benchmarks/pod_cost.py, 1,000 gates); 64 keep it small, at one connection per
+# 64 gates in use.
+KEYS_PER_POP = 64
 
 
 class _Group:
@@ -50,12 +55,12 @@ class WakeListeners:
         self.runtime = runtime
         #: seconds one blocking pop waits before it is sent again
         self.block = block
-        self.groups: dict[int, _Group] = {}
+        self.groups: dict[tuple[int, int], _Group] = {}
         #: gate -> the wake list it listens on (what ensure() was asked for)
         self.gates: dict[str, str] = {}
 
     @property
-    def tasks(self) -> dict[int, asyncio.Task[None]]:
+    def tasks(self) -> dict[tuple[int, int], asyncio.Task[None]]:
         """The running listener tasks, by pop group."""
         return {k: g.task for k, g in self.groups.items() if g.task is not None}
 
@@ -64,7 +69,7 @@ class WakeListeners:
         ``on_wake``. ``rearm_key`` is the re-arm list in ``key``'s slot, used if ``key`` starts
         a new group."""
         rt = self.runtime
-        group_id = rt.scripts.redis.slot_group(key)
+        group_id = self._group_of(key)
         group = self.groups.get(group_id)
         if group is None:
             group = self.groups[group_id] = _Group(rearm_key)
@@ -72,9 +77,22 @@ class WakeListeners:
         group.keys[key] = on_wake
         self.gates[gate] = key
         if group.task is None or group.task.done():
-            group.task = asyncio.create_task(self._listen(group), name=f"fleetgate-wake-{group_id}")
+            group.task = asyncio.create_task(
+                self._listen(group), name=f"fleetgate-wake-{group_id[0]}-{group_id[1]}"
+            )
         elif added:
             rt.spawn(self._rearm(group))
+
+    def _group_of(self, key: str) -> tuple[int, int]:
+        """The pop group of ``key``: its slot group, then a listener of at most
+        :data:`KEYS_PER_POP` lists (the one it is in, else the first with room)."""
+        slot = self.runtime.scripts.redis.slot_group(key)
+        n = 0
+        while True:
+            group = self.groups.get((slot, n))
+            if group is None or key in group.keys or len(group.keys) < KEYS_PER_POP:
+                return (slot, n)
+            n += 1
 
     def cancel_all(self) -> list[asyncio.Task[None]]:
         """Cancel every listener; returns the tasks to wait for."""
