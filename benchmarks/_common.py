@@ -37,6 +37,7 @@ BENCHMARKS = (
     "ramp",
     "coordinator_scale",
     "peers",
+    "pod_cost",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]

@@ -341,7 +341,8 @@ class Gate:
         depth = self.metrics.queue_depth.labels(self.name)
         depth.inc()
         # Looked up on every wake (not bound now), so a hook on on_granted sees every grant.
-        self.wakes.ensure(self.name, self.keys.wake(self.runtime.pod_key), self._woken)
+        pod = self.runtime.pod_key
+        self.wakes.ensure(self.name, self.keys.wake(pod), self._woken, self.keys.rearm(pod))
         try:
             await waiter.future
         except _Requeue:

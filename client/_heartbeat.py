@@ -7,6 +7,13 @@ grant -- and an idle gate every ``register_period`` (to stay a counted live pod)
 gate is one script call (``heartbeat.lua``): it renews what the gate hands it
 (:meth:`Gate.renewal`) and the gate applies the reply (:meth:`Gate.on_heartbeat`): lost leases,
 grants whose wake-up was lost, expired waiters, the limit and the live-pod count.
+
+The beats of one round go out together (:meth:`GateScripts.heartbeats`: on a standalone Redis
+one ``heartbeat_many.lua`` call per 50 gates, one round trip; on Cluster one call per slot), and
+a round takes every gate that would be due within half its period anyway: renewing early is
+always safe, and the gates' schedules fall into step, so a pod with many gates sends a few calls
+per heartbeat period instead of one per gate (issue 11 item 2). A gate's renewal is never later
+than its own schedule.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 from collections.abc import Mapping
 
 from fleetgate.keys import fleet_keys
+from fleetgate.scripts import HeartbeatRequest
 
 from ._gate import Gate
 from ._runtime import OUTAGE_ERRORS, Runtime
@@ -39,23 +47,27 @@ class Heartbeat:
             try:
                 now = loop.time()
                 gates = list(self.gates.values())
-                due = [g for g in gates if now >= self._next_beat(g)]
-                if rt.fallback_active or not due:
+                if rt.fallback_active or not any(now >= self._next_beat(g) for g in gates):
                     nxt = min((self._next_beat(g) for g in gates), default=now + 3600)
                     wait = rt.heartbeat_interval if rt.fallback_active else nxt - now
                     await self._nap(max(0.001, wait))
                     continue
+                # Due now, or within half its period: beat together.
+                due = [g for g in gates if now >= self._next_beat(g) - self._period(g) / 2]
                 for g in due:
                     g.renewed_at = now
-                await asyncio.gather(*(self._beat(g) for g in due))
+                await self._beat(due)
             except Exception as exc:  # never ends: the next round retries
                 rt.background_error("heartbeat", exc)
                 await asyncio.sleep(min(1.0, rt.heartbeat_interval))
 
-    def _next_beat(self, gate: Gate) -> float:
+    def _period(self, gate: Gate) -> float:
         if gate.busy:
-            return gate.renewed_at + min(self.runtime.heartbeat_interval, gate.ttl_ms / 3000)
-        return gate.renewed_at + self.runtime.register_period
+            return min(self.runtime.heartbeat_interval, gate.ttl_ms / 3000)
+        return self.runtime.register_period
+
+    def _next_beat(self, gate: Gate) -> float:
+        return gate.renewed_at + self._period(gate)
 
     async def _nap(self, seconds: float) -> None:
         """Sleep ``seconds`` or until the runtime's ``replan`` is set (no asyncio.wait_for:
@@ -68,44 +80,54 @@ class Heartbeat:
             handle.cancel()
             replan.clear()
 
-    async def _beat(self, gate: Gate) -> None:
+    async def _beat(self, gates: list[Gate]) -> None:
         rt = self.runtime
         sent_at = asyncio.get_running_loop().time()
-        renewal = gate.renewal()
         pod_ttl_ms = int(max(10.0, 10 * rt.heartbeat_interval) * 1000)
-        if not gate.in_registry:
-            await self._list_in_registry(gate)
-        try:
-            reply = await rt.scripts.heartbeat(
-                gate.keys,
+        renewals = [g.renewal() for g in gates]
+        unlisted = [g for g in gates if not g.in_registry]
+        if unlisted:
+            await self._list_in_registry(unlisted)
+        requests = [
+            HeartbeatRequest(
+                g.keys,
                 rt.pod_key,
                 pod_ttl_ms,
-                renewal.leases,
-                renewal.waiters,
-                max_token=renewal.max_token,
-                defaults=gate.defaults,
+                r.leases,
+                r.waiters,
+                max_token=r.max_token,
+                defaults=g.defaults,
             )
+            for g, r in zip(gates, renewals, strict=True)
+        ]
+        try:
+            replies = await rt.scripts.heartbeats(requests)
         except OUTAGE_ERRORS as exc:
             if rt.on_redis_error == "fail":
-                gate.fail_waiters(rt.unreachable(exc))
-                log.warning("gate %s: heartbeat failed: %s", gate.name, exc)
+                for g in gates:
+                    g.fail_waiters(rt.unreachable(exc))
+                log.warning("heartbeat of %d gate(s) failed: %s", len(gates), exc)
             else:
                 rt.on_outage(exc)
             return
-        except Exception as exc:
-            rt.background_error("heartbeat", exc, gate.name)
-            return
-        gate.on_heartbeat(reply, renewal, sent_at)
+        for g, renewal, reply in zip(gates, renewals, replies, strict=True):
+            if isinstance(reply, Exception):
+                rt.background_error("heartbeat", reply, g.name)
+            else:
+                g.on_heartbeat(reply, renewal, sent_at)
 
-    async def _list_in_registry(self, gate: Gate) -> None:
-        # The registry lives outside the gate's slot: a separate command, once. A broken
-        # registry (say a key of the wrong type) must never stop the lease renewal.
+    async def _list_in_registry(self, gates: list[Gate]) -> None:
+        # The registry lives outside the gates' slots: a separate command (one for all), once
+        # per gate. A broken registry (say a key of the wrong type) must never stop the lease
+        # renewal.
         rt = self.runtime
         try:
-            await rt.redis.sadd(fleet_keys(rt.prefix).gates, gate.name)
-            gate.in_registry = True
+            await rt.redis.sadd(fleet_keys(rt.prefix).gates, *(g.name for g in gates))
+            for g in gates:
+                g.in_registry = True
         except OUTAGE_ERRORS:
             pass  # the heartbeat meets the same outage and handles it
         except Exception as exc:
-            rt.background_error("registry", exc, gate.name)
-            gate.in_registry = True  # do not retry every beat
+            rt.background_error("registry", exc, gates[0].name)
+            for g in gates:
+                g.in_registry = True  # do not retry every beat

@@ -114,11 +114,17 @@ class Runtime:
 
     async def dedicated_connection(self, socket_timeout: float) -> Any:
         """A prepared connection of its own (for a blocking command); the caller closes it."""
-        conn = connect(
-            self.url, dedicated=True, **{**self.redis_options, "socket_timeout": socket_timeout}
-        )
+        conn = self.dedicated_client(socket_timeout)
         await prepare(conn)
         return conn
+
+    def dedicated_client(self, socket_timeout: float) -> Any:
+        """A client bound to a connection of its own (for a blocking command), not prepared
+        yet (:func:`fleetgate._redis.prepare`): the caller closes it, also when cancelled while
+        preparing."""
+        return connect(
+            self.url, dedicated=True, **{**self.redis_options, "socket_timeout": socket_timeout}
+        )
 
     async def refresh_connections(self) -> None:
         """After an outage: drop the pool's idle connections and prepare the client again.

@@ -20,6 +20,7 @@ from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
@@ -169,6 +170,16 @@ class RedisMode:
             out.append((f"{node.host}:{node.port} ", await command(target_nodes=node)))
         return out
 
+    def slot_group(self, key: str) -> int:
+        """Keys of one group may go into one command or script call (``BLPOP k1 k2 ...``, one
+        ``heartbeat_many.lua`` for several gates).
+
+        Standalone (and Sentinel): every key, one group. Cluster: the key's slot, since a
+        command's keys must share one slot there (each gate's keys carry its own hash tag, so in
+        practice one group per gate on Cluster).
+        """
+        return key_slot(key.encode()) if self.cluster else 0
+
     async def disconnect_idle(self) -> None:
         """Close the idle pooled connections (of every node, for a cluster client).
 
@@ -201,12 +212,14 @@ class RedisMode:
                     return_exceptions=not raise_on_error,
                 )
             )
-        pipe = self.client.pipeline(transaction=False)
-        for call in calls:
-            queued = call(pipe)
-            if isawaitable(queued):
-                await queued  # a script on a pipeline: awaiting only queues its EVALSHA
-        return list(await pipe.execute(raise_on_error=raise_on_error))
+        # As a context manager: a connection error while redis-py loads the scripts (before
+        # execute's own reset) would otherwise leave the pipeline holding its connection.
+        async with self.client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                queued = call(pipe)
+                if isawaitable(queued):
+                    await queued  # a script on a pipeline: awaiting only queues its EVALSHA
+            return list(await pipe.execute(raise_on_error=raise_on_error))
 
 
 async def _awaited(value: Any) -> Any:
@@ -218,9 +231,17 @@ async def prepare(client: Any) -> None:
     await RedisMode(client).prepare()
 
 
-# Connections of one process' pool. Calls beyond it wait for a free connection (a blocking
-# pool) instead of failing with "Too many connections", which would read as an outage.
-MAX_CONNECTIONS = 64
+# Connections of one process' pool (per node on Cluster), whatever its number of gates or
+# concurrent calls. Calls beyond it wait for a free connection (a blocking pool) instead of
+# failing with "Too many connections", which would read as an outage. Redis runs commands one at
+# a time, so more connections buy little throughput (a call is one round trip of ~0.1 ms), and
+# 200 pods x 64 would approach Redis' default maxclients (10,000). A URL's max_connections or
+# redis_options={"max_connections": n} override it.
+MAX_CONNECTIONS = 8
+# redis-py's asyncio RedisCluster has no blocking pool: a call beyond a node's max_connections
+# fails ("Too many connections"), which would read as an outage, so Cluster keeps the larger
+# bound per node (tests/test_cluster.py::test_cap_holds_across_processes_on_cluster, 60 tasks).
+CLUSTER_MAX_CONNECTIONS = 64
 POOL_TIMEOUT = 10.0
 
 
@@ -258,7 +279,7 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
             # One pool per node, owned by the cluster client; a dedicated client is simply
             # another cluster client whose connections nobody else uses.
             options.pop("health_check_interval", None)
-            options.setdefault("max_connections", MAX_CONNECTIONS)
+            options.setdefault("max_connections", CLUSTER_MAX_CONNECTIONS)
             return aredis.RedisCluster.from_url(url, **options)
         if dedicated:
             return aredis.Redis.from_url(url, single_connection_client=True, **options)

@@ -14,6 +14,8 @@ keys are outside any gate's slot and are written by separate commands.
     {prefix}:{G}:pods      zset    pod id -> liveness expiry (for the fair-share fallback)
     {prefix}:{G}:util      hash    the coordinator's last utilisation snapshot
     {prefix}:{G}:wake:<pod> list   ids granted by hand-off, popped by the owner pod
+    {prefix}:{G}:rearm:<pod> list  a token the pod pushes to re-arm its blocking pop over
+                                   several wake lists when it adds one (short TTL)
     {prefix}:gates         set     registry of gate names
     {prefix}:leader        string  coordinator leadership lease
     {prefix}:epoch         string  coordinator epoch counter
@@ -119,6 +121,10 @@ class GateKeys:
 
     def wake(self, pod_id: str) -> str:
         return f"{self.wake_prefix}{pod_id}"
+
+    def rearm(self, pod_id: str) -> str:
+        """The pod's re-arm list in this gate's slot (see client/_wakes.py)."""
+        return f"{self.base}:rearm:{pod_id}"
 
     def script_keys(self) -> list[str]:
         """KEYS passed to every gate script, in the order the Lua library expects."""

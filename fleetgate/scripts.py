@@ -26,6 +26,7 @@ __all__ = [
     "AcquireReply",
     "GateScripts",
     "HeartbeatReply",
+    "HeartbeatRequest",
     "LeaderScripts",
     "ScriptCall",
     "Snapshot",
@@ -38,12 +39,21 @@ SCRIPT_NAMES = (
     "release",
     "cancel",
     "heartbeat",
+    "heartbeat_many",
     "set_target",
     "inspect",
     "adopt",
     "prune",
     "publish",
 )
+# Scripts that also get heartbeat_lib.lua (the heartbeat transition of one gate).
+_HEARTBEAT_SCRIPTS = ("heartbeat", "heartbeat_many")
+# What one heartbeat_many call may carry, in units of about 30 µs of server time: an idle gate
+# (nothing to renew: reap, register the pod, count) is 1, a gate with leases or waiters 2 plus
+# one per 4 ids (measured: ~30 µs per idle gate, ~70 µs per gate holding one lease;
+# benchmarks/pod_cost.py). 40 units keep a call near a millisecond, so another client's call
+# (a release, a hand-off) never waits long behind a pod's heartbeat.
+HEARTBEAT_UNITS_PER_CALL = 40
 # Scripts on the fleet keys (not a gate's): self-contained, without lib.lua.
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
@@ -63,8 +73,9 @@ def script_source(name: str) -> str:
     if name in LEADER_SCRIPT_NAMES:
         return body
     lib = pkg.joinpath("lib.lua").read_text(encoding="utf-8")
+    if name in _HEARTBEAT_SCRIPTS:
+        lib += "\n" + pkg.joinpath("heartbeat_lib.lua").read_text(encoding="utf-8")
     return f"{lib}\n{body}"
-
 
 
 @dataclass(frozen=True)
@@ -242,6 +253,51 @@ def _empty_tables_as_lists(raw: bytes | str) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class HeartbeatRequest:
+    """One gate's heartbeat, as :meth:`GateScripts.heartbeat` takes it (for
+    :meth:`GateScripts.heartbeats`)."""
+
+    keys: GateKeys
+    pod_id: str
+    pod_ttl_ms: int
+    leases: list[tuple[str, int]]
+    waiters: list[tuple[str, int]]
+    max_token: int = 0
+    defaults: GateSettings | None = None
+
+    def argv(self) -> list[Any]:
+        """heartbeat.lua's ARGV."""
+        args: list[Any] = [self.pod_id, self.pod_ttl_ms, len(self.leases)]
+        for lid, expires_at in self.leases:
+            args += [lid, expires_at]
+        args.append(len(self.waiters))
+        for wid, remaining_ms in self.waiters:
+            args += [wid, max(1, remaining_ms)]
+        args.append(self.max_token)
+        if self.defaults is not None:
+            args += self.defaults.argv()
+        return args
+
+
+class _ManyHeartbeats:
+    """One heartbeat_many.lua call for several gates of one slot (a :data:`BatchCall`)."""
+
+    __slots__ = ("args", "keys", "script")
+
+    def __init__(self, script: Any, requests: Sequence[HeartbeatRequest]) -> None:
+        self.script = script
+        self.keys: list[str] = []
+        self.args: list[Any] = [len(requests)]
+        for req in requests:
+            self.keys += req.keys.script_keys()
+            argv = req.argv()
+            self.args += [len(argv), *argv]
+
+    def __call__(self, client: Any) -> Any:
+        return self.script(keys=self.keys, args=self.args, client=client)
+
+
 class ScriptCall(Generic[_R]):
     """One script call with its arguments encoded and its reply decoder: awaited alone by
     :class:`GateScripts`, or batched with others by :meth:`GateScripts.batch`."""
@@ -368,16 +424,90 @@ class GateScripts:
     ) -> HeartbeatReply:
         """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((id, remaining
         deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate."""
-        args: list[Any] = [pod_id, pod_ttl_ms, len(leases)]
-        for lid, expires_at in leases:
-            args += [lid, expires_at]
-        args.append(len(waiters))
-        for wid, remaining_ms in waiters:
-            args += [wid, max(1, remaining_ms)]
-        args.append(max_token)
-        if defaults is not None:
-            args += defaults.argv()
-        return await self._run(self._call("heartbeat", keys, args, HeartbeatReply.decode))
+        req = HeartbeatRequest(keys, pod_id, pod_ttl_ms, leases, waiters, max_token, defaults)
+        return await self._run(self._call("heartbeat", keys, req.argv(), HeartbeatReply.decode))
+
+    async def heartbeats(
+        self, requests: Sequence[HeartbeatRequest], *, units: int = HEARTBEAT_UNITS_PER_CALL
+    ) -> list[HeartbeatReply | Exception]:
+        """The heartbeats of several gates, in few script calls: the gates are grouped by slot
+        (:meth:`RedisMode.slot_group`: all of them on a standalone Redis), each group sent as
+        ``heartbeat_many.lua`` calls of at most ``units`` (:data:`HEARTBEAT_UNITS_PER_CALL`;
+        a group of one as a plain ``heartbeat.lua``). The single-gate calls go as one
+        :meth:`RedisMode.batch`; the multi-gate calls one after the other, so Redis serves other
+        clients between them (a pipeline of them would run back to back).
+
+        Returns one reply per request, in order: the decoded reply, or the exception of that
+        gate's call (a gate error such as WRONGTYPE as :meth:`translate` gives it; a failed
+        multi-gate call is sent again gate by gate, so one broken gate never stops the others'
+        renewals). An outage (connection error, an OOM/READONLY/... reply) raises.
+        """
+        groups: dict[int, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(self.redis.slot_group(req.keys.base), []).append(i)
+        chunks: list[list[int]] = []
+        for members in groups.values():
+            chunk: list[int] = []
+            load = 0
+            for i in members:
+                cost = _heartbeat_units(requests[i])
+                if chunk and load + cost > units:
+                    chunks.append(chunk)
+                    chunk, load = [], 0
+                chunk.append(i)
+                load += cost
+            chunks.append(chunk)
+        singles = [c for c in chunks if len(c) == 1]
+        many = [c for c in chunks if len(c) > 1]
+        chunks = singles + many
+        raw = await self._batch_raw(
+            [
+                self._call("heartbeat", requests[c[0]].keys, requests[c[0]].argv(), _identity)
+                for c in singles
+            ]
+        )
+        for c in many:
+            raw += await self._batch_raw(
+                [_ManyHeartbeats(self._scripts["heartbeat_many"], [requests[i] for i in c])]
+            )
+        out: list[HeartbeatReply | Exception | None] = [None] * len(requests)
+        retry: list[int] = []
+        for chunk, reply in zip(chunks, raw, strict=True):
+            if isinstance(reply, Exception):
+                if len(chunk) > 1:
+                    retry += chunk
+                else:
+                    out[chunk[0]] = await self._gate_error(reply, requests[chunk[0]].keys)
+            elif len(chunk) == 1:
+                out[chunk[0]] = HeartbeatReply.decode(reply)
+            else:
+                for i, r in zip(chunk, reply, strict=True):
+                    out[i] = HeartbeatReply.decode(r)
+        if retry:
+            one_by_one: list[BatchCall] = [
+                self._call("heartbeat", requests[i].keys, requests[i].argv(), _identity)
+                for i in retry
+            ]
+            for i, reply in zip(retry, await self._batch_raw(one_by_one), strict=True):
+                out[i] = (
+                    await self._gate_error(reply, requests[i].keys)
+                    if isinstance(reply, Exception)
+                    else HeartbeatReply.decode(reply)
+                )
+        return [r if r is not None else RuntimeError("no reply") for r in out]
+
+    async def _batch_raw(self, calls: Sequence[BatchCall]) -> list[Any]:
+        """``calls`` as one batch; a failed call's exception is its reply; an outage raises."""
+        raw = await self.redis.batch(calls, raise_on_error=False)
+        for r in raw:
+            if isinstance(r, ResponseError) and unavailable_reply(r):
+                raise ServerUnavailable(str(r)) from r
+            if isinstance(r, BaseException) and not isinstance(r, ResponseError):
+                raise r  # Cluster: a connection error of one concurrent call
+        return raw
+
+    async def _gate_error(self, exc: Exception, keys: GateKeys) -> Exception:
+        return await self.translate(exc, keys) if isinstance(exc, ResponseError) else exc
 
     def sweep_call(self, keys: GateKeys) -> ScriptCall[Any]:
         """A heartbeat without a pod: renews nothing, only reaps and hands off (the reaper)."""
@@ -451,6 +581,16 @@ class LeaderScripts:
     async def release(self, leader_key: str, owner: str) -> None:
         """Delete the lease if ``owner`` holds it."""
         await self._release(keys=[leader_key], args=[owner])
+
+
+def _heartbeat_units(req: HeartbeatRequest) -> int:
+    """A gate's share of one heartbeat_many call (see HEARTBEAT_UNITS_PER_CALL)."""
+    ids = len(req.leases) + len(req.waiters)
+    return 1 if ids == 0 else 2 + ids // 4
+
+
+def _identity(r: Any) -> Any:
+    return r
 
 
 def _first(r: Any) -> int:

@@ -1,0 +1,73 @@
+-- The heartbeat transition of one gate, shared by heartbeat.lua (one gate per call) and
+-- heartbeat_many.lua (several gates of one pod, one slot, per call); fleetgate.scripts prepends
+-- it, after lib.lua, to those two scripts only. A = the gate's ARGV (heartbeat.lua's ARGV);
+-- the gate's keys are lib.lua's K_* (heartbeat_many.lua points them at each gate in turn).
+-- Returns heartbeat.lua's reply (see there).
+--
+-- A lease missing from the holders (or left with an older expiry) although the pod saw it
+-- renewed to a time still ahead did not expire: the gate lost it (a restart, a lossy failover,
+-- a deleted key) while the work still runs. It is counted again ("adopted"), so the fleet cap
+-- accounts for it; a lease whose renewal time has passed is reported lost and never revived.
+local function heartbeat_gate(A)
+  local pod, pod_ttl = A[1], tonumber(A[2])
+  local n_leases = tonumber(A[3])
+  local i_waiters = 4 + 2 * n_leases
+  local n_waiters = tonumber(A[i_waiters])
+  local i_tail = i_waiters + 1 + 2 * n_waiters
+  local max_token = num(A[i_tail], 0)
+  local now = now_ms()
+  local cfg = load_cfg({A[i_tail + 1], A[i_tail + 2], A[i_tail + 3], A[i_tail + 4],
+    A[i_tail + 5]})
+  reap(now)
+
+  local lease_expiry = now + cfg.lease_ms
+  local lost, granted, lost_waiters, adopted = {}, {}, {}, {}
+  -- Renew id's lease if it still holds an unexpired one; one that expired is removed, never
+  -- revived, unless the pod knows it was renewed to a time still ahead (known > now).
+  local function renew(id, known)
+    local expiry = tonumber(redis.call('ZSCORE', K_HOLDERS, id))
+    if expiry == nil or expiry <= now then
+      if known > now then
+        adopted[#adopted + 1] = id
+      else
+        if expiry ~= nil then
+          redis.call('ZREM', K_HOLDERS, id)
+          redis.call('HINCRBY', K_STATS, 'expired_leases', 1)
+        end
+        return false
+      end
+    end
+    redis.call('ZADD', K_HOLDERS, lease_expiry, id)
+    return true
+  end
+
+  local i = 4
+  for _ = 1, n_leases do
+    if not renew(A[i], num(A[i + 1], 0)) then lost[#lost + 1] = A[i] end
+    i = i + 2
+  end
+  i = i_waiters + 1
+  for _ = 1, n_waiters do
+    local id, remaining = A[i], tonumber(A[i + 1])
+    i = i + 2
+    if redis.call('ZSCORE', K_QUEUE, id) then
+      redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), id)
+    elseif renew(id, 0) then
+      granted[#granted + 1] = id
+    else
+      lost_waiters[#lost_waiters + 1] = id
+    end
+  end
+  if #adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #adopted) end
+  raise_seq(max_token)
+
+  local pod_new = 0
+  if pod ~= '' then pod_new = redis.call('ZADD', K_PODS, now + pod_ttl, pod) end
+  redis.call('ZREMRANGEBYSCORE', K_PODS, '-inf', now)
+  local live = redis.call('ZCARD', K_PODS)
+  local lim = current_limit(now, cfg)
+  handoff(now, cfg, lim)
+  return {lim, live, lost, granted, lost_waiters,
+    redis.call('ZCARD', K_QUEUE), redis.call('ZCARD', K_HOLDERS), cfg.lease_ms, cfg.waiter_ms,
+    lease_expiry, pod_new, adopted}
+end
