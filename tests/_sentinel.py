@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from fleetgate.tools.redisproc import RedisProcess, RedisServerMissing, free_port
+from fleetgate.tools.redisproc import RedisProcess, RedisServerMissing, free_port, wait_for_ping
 
 __all__ = ["SentinelDeployment"]
 
@@ -59,23 +59,7 @@ class _Sentinel:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        end = time.monotonic() + timeout
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    log = (self.dir / "sentinel.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"sentinel exited with {self.proc.returncode}: {log}")
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > end:
-                    raise TimeoutError(f"sentinel on port {self.port} not ready in {timeout}s")
-                time.sleep(0.02)
-        finally:
-            client.close()
+        wait_for_ping(self.port, self.proc, self.dir / "sentinel.log", timeout, "sentinel")
 
     def master_addr(self) -> tuple[str, int] | None:
         client = redis.Redis(port=self.port, socket_timeout=0.5, decode_responses=True)

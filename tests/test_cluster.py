@@ -103,7 +103,10 @@ scrape_timeout = 0.2
     try:
         for _ in range(100):
             status = await gather_status(client, cluster_rut.prefix)
-            if len(status.gates) == len(GATES) and status.leader:
+            # On Cluster the registry SADD and the gates' publish calls run concurrently, so a
+            # gate may be listed a moment before its first publish lands: wait for both.
+            published = all(g.floor == 3 for g in status.gates)
+            if len(status.gates) == len(GATES) and status.leader and published:
                 break
             await asyncio.sleep(0.05)
         assert status.leader == coord.id

@@ -45,6 +45,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_for_ping(
+    port: int,
+    proc: subprocess.Popen[bytes] | None,
+    logfile: Path,
+    timeout: float,
+    what: str,
+) -> None:
+    """Wait until the server on ``port`` answers PING; if ``proc`` exits first, raise with the
+    tail of its ``logfile``."""
+    end = time.monotonic() + timeout
+    client = redis.Redis(port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                log = logfile.read_text(errors="replace")[-2000:] if logfile.exists() else ""
+                raise RuntimeError(f"{what} exited with {proc.returncode}: {log}")
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > end:
+                raise TimeoutError(f"{what} on port {port} not ready in {timeout}s")
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
 class RedisProcess:
     """One private redis-server process on 127.0.0.1."""
 
@@ -94,23 +122,7 @@ class RedisProcess:
         return self
 
     def wait_ready(self, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
-        try:
-            while True:
-                if self.proc is not None and self.proc.poll() is not None:
-                    log = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                if time.monotonic() > end:
-                    raise TimeoutError(f"redis-server on port {self.port} not ready in {timeout}s")
-                time.sleep(0.02)
-        finally:
-            client.close()
+        wait_for_ping(self.port, self.proc, self.dir / "redis.log", timeout, "redis-server")
 
     def kill(self) -> None:
         """SIGKILL the server (state is lost: nothing is persisted)."""
