@@ -112,12 +112,6 @@ class Runtime:
             raise FleetgateError("the fleet is not started: use `async with Fleet(...)`")
         return self._scripts
 
-    async def dedicated_connection(self, socket_timeout: float) -> Any:
-        """A prepared connection of its own (for a blocking command); the caller closes it."""
-        conn = self.dedicated_client(socket_timeout)
-        await prepare(conn)
-        return conn
-
     def dedicated_client(self, socket_timeout: float) -> Any:
         """A client bound to a connection of its own (for a blocking command), not prepared
         yet (:func:`fleetgate._redis.prepare`): the caller closes it, also when cancelled while

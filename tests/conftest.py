@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import pytest
 import redis
 import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
 
+from fleetgate.client import Fleet
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisClusterProcess, RedisProcess
 
 
@@ -123,3 +125,17 @@ def no_gc_during_test() -> Iterator[None]:
     finally:
         gc.enable()
         gc.collect()
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    """A Prometheus registry of the test's own (metrics never leak between tests)."""
+    return CollectorRegistry()
+
+
+@pytest.fixture
+async def fleet(rut: RedisUnderTest, registry: CollectorRegistry) -> AsyncIterator[Fleet]:
+    """A started Fleet on the Redis under test, heartbeat every 0.2 s. Test files that need
+    other settings define their own ``fleet``."""
+    async with Fleet(rut.url, prefix=rut.prefix, registry=registry, heartbeat_interval=0.2) as f:
+        yield f

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
@@ -20,17 +19,6 @@ from fleetgate.client import (
 )
 
 from .conftest import RedisUnderTest
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
-async def fleet(rut: RedisUnderTest, registry: CollectorRegistry) -> AsyncIterator[Fleet]:
-    async with Fleet(rut.url, prefix=rut.prefix, registry=registry, heartbeat_interval=0.2) as f:
-        yield f
 
 
 def sample(registry: CollectorRegistry, name: str, gate: str) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
@@ -21,17 +20,6 @@ from prometheus_client import CollectorRegistry
 from fleetgate.client import Fleet, Lease, LeaseLost, SyncFleet
 
 from .conftest import RedisUnderTest
-
-
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
-async def fleet(rut: RedisUnderTest, registry: CollectorRegistry) -> AsyncIterator[Fleet]:
-    async with Fleet(rut.url, prefix=rut.prefix, registry=registry, heartbeat_interval=0.2) as f:
-        yield f
 
 
 def lost_total(registry: CollectorRegistry, gate: str) -> float:

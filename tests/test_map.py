@@ -27,17 +27,6 @@ from . import _workers
 from .conftest import RedisUnderTest
 
 
-@pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
-async def fleet(rut: RedisUnderTest, registry: CollectorRegistry) -> AsyncIterator[Fleet]:
-    async with Fleet(rut.url, prefix=rut.prefix, registry=registry, heartbeat_interval=0.2) as f:
-        yield f
-
-
 class Meter:
     """Counts calls and the peak of concurrent calls."""
 
