@@ -23,6 +23,7 @@ keys are outside any gate's slot and are written by separate commands.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -74,8 +75,10 @@ class GateKeys:
     prefix: str
     name: str
 
-    @property
+    @functools.cached_property
     def base(self) -> str:
+        """``<prefix>:{<gate>}``: every key of the gate is this plus a suffix; the scripts get
+        only this name (``KEYS[1]``) and derive the rest (see ``lua/lib.lua``)."""
         return f"{self.prefix}:{{{self.name}}}"
 
     @property
@@ -126,20 +129,18 @@ class GateKeys:
         """The pod's re-arm list in this gate's slot (see client/_wakes.py)."""
         return f"{self.base}:rearm:{pod_id}"
 
+    @functools.cached_property
+    def _script_keys(self) -> list[str]:
+        return [self.base]
+
     def script_keys(self) -> list[str]:
-        """KEYS passed to every gate script, in the order the Lua library expects."""
-        return [
-            self.cfg,
-            self.target,
-            self.holders,
-            self.queue,
-            self.waiters,
-            self.seq,
-            self.stats,
-            self.pods,
-            self.util,
-            self.wake_prefix,
-        ]
+        """KEYS passed to every gate script: the base name alone (``lua/lib.lua`` derives every
+        key from it, with the suffixes of the properties above)."""
+        return self._script_keys
+
+    def data_keys(self) -> list[str]:
+        """Every key of the gate's state (not the per-pod wake and re-arm lists)."""
+        return [key for key, _ in self.expected_types()]
 
     def expected_types(self) -> list[tuple[str, str]]:
         """Each key of the gate with the Redis type its scripts expect (for diagnostics)."""

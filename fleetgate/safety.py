@@ -158,7 +158,6 @@ async def server_findings(client: aredis.Redis | aredis.RedisCluster) -> list[Fi
     return findings
 
 
-
 async def _version_findings(client: Any) -> list[Finding]:
     version = await redis_version(client)
     if version is None:

@@ -22,6 +22,7 @@ from fleetgate.keys import GateKeys
 from fleetgate.settings import GateSettings
 
 __all__ = [
+    "MAX_BATCH",
     "SCRIPT_NAMES",
     "AcquireReply",
     "GateScripts",
@@ -58,6 +59,16 @@ HEARTBEAT_UNITS_PER_CALL = 40
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
 GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
+# Requests per acquire_many / release_many call: the script's variadic commands take 2 values per
+# id, well inside Lua's unpack limit (~8,000), and one call stays short for other clients.
+MAX_BATCH = 256
+
+
+def _check_batch(n: int) -> None:
+    if not 1 <= n <= MAX_BATCH:
+        raise ValueError(f"a batch holds 1 to {MAX_BATCH} requests, not {n}")
+
+
 PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
 
 _R = TypeVar("_R")
@@ -94,19 +105,27 @@ class AcquireReply:
     expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
 
     @classmethod
-    def decode(cls, reply: Any) -> AcquireReply:
-        status, token, limit, n, lease_ms, waiter_ms, expires_at = (int(x) for x in reply[:7])
-        return cls(
-            status=status,
-            token=token,
-            limit=limit,
-            holders=n if status == GRANTED else 0,
-            position=n if status == PARKED else 0,
-            max_queued=n if status == REJECTED else 0,
-            lease_ms=lease_ms,
-            waiter_ms=waiter_ms,
-            expires_at=expires_at,
-        )
+    def decode_many(cls, reply: Any) -> list[AcquireReply]:
+        """acquire.lua's reply: {limit, lease_ms, waiter_ms, then per request: status, token,
+        n, expires_at}."""
+        limit, lease_ms, waiter_ms = int(reply[0]), int(reply[1]), int(reply[2])
+        out = []
+        for i in range(3, len(reply), 4):
+            status, token, n, expires_at = (int(x) for x in reply[i : i + 4])
+            out.append(
+                cls(
+                    status=status,
+                    token=token,
+                    limit=limit,
+                    holders=n if status == GRANTED else 0,
+                    position=n if status == PARKED else 0,
+                    max_queued=n if status == REJECTED else 0,
+                    lease_ms=lease_ms,
+                    waiter_ms=waiter_ms,
+                    expires_at=expires_at,
+                )
+            )
+        return out
 
 
 @dataclass(frozen=True)
@@ -401,11 +420,29 @@ class GateScripts:
     async def acquire(
         self, keys: GateKeys, lease_id: str, wait_ms: int, defaults: GateSettings
     ) -> AcquireReply:
-        args = [lease_id, max(1, wait_ms), *defaults.argv()]
-        return await self._run(self._call("acquire", keys, args, AcquireReply.decode))
+        return (await self.acquire_many(keys, [(lease_id, wait_ms)], defaults))[0]
+
+    async def acquire_many(
+        self, keys: GateKeys, requests: Sequence[tuple[str, int]], defaults: GateSettings
+    ) -> list[AcquireReply]:
+        """One acquire call for several callers of one gate, each ``(lease id, wait_ms)``:
+        granted, parked or rejected in order, as if they had asked one after the other. At
+        most :data:`MAX_BATCH` requests."""
+        _check_batch(len(requests))
+        args: list[Any] = defaults.argv()
+        for lease_id, wait_ms in requests:
+            args += (lease_id, max(1, wait_ms))
+        return await self._run(self._call("acquire", keys, args, AcquireReply.decode_many))
 
     async def release(self, keys: GateKeys, lease_id: str) -> bool:
-        return await self._run(self._call("release", keys, [lease_id], _accepted))
+        """Whether ``lease_id`` held a lease (it is released, its slot handed on)."""
+        return await self.release_many(keys, [lease_id]) == 1
+
+    async def release_many(self, keys: GateKeys, lease_ids: Sequence[str]) -> int:
+        """Release several leases of one gate in one call (at most :data:`MAX_BATCH`); returns
+        how many of them held a lease."""
+        _check_batch(len(lease_ids))
+        return await self._run(self._call("release", keys, list(lease_ids), int))
 
     async def cancel(self, keys: GateKeys, waiter_id: str) -> int:
         """1 = left the wait list, 2 = the grant raced in and was released, 0 = unknown id."""

@@ -2,7 +2,7 @@
 -- local fair-share bound), plus its leases that Redis lost meanwhile (a restart), so the fleet cap
 -- accounts for work that is still running when Redis returns. The limit is not checked: the work
 -- already runs; new grants simply wait until in-flight < limit again.
--- KEYS: the gate keys (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 max_token (the highest fencing token among the pod's leases; the gate's counter is
 --       raised above it so tokens stay monotonic after a restart), then the lease ids.
 -- Returns {added, expires_at}: the number of ids added and the server time they now expire at.

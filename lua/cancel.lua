@@ -1,5 +1,5 @@
 -- cancel: leave the wait list, or give the permit back if a hand-off raced in first.
--- KEYS: the gate keys (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 waiter id
 -- Returns {outcome, limit}: 1 = left the queue (no permit consumed), 2 = had been granted and is
 --   now released, 0 = unknown id (already expired, cancelled or released).

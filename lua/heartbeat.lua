@@ -3,7 +3,7 @@
 -- An empty pod id renews nothing and only sweeps (the coordinator's reaper uses it).
 -- The transition itself is heartbeat_lib.lua's heartbeat_gate (heartbeat_many.lua runs it for
 -- several gates in one call).
--- KEYS: the gate keys (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 pod id  2 pod_ttl_ms  3 n_leases  then n_leases pairs (lease id, expires_at: the
 --       server time (ms) the pod last saw this lease renewed to, 0 if unknown),
 --       then n_waiters, then n_waiters pairs (waiter id, remaining deadline ms),

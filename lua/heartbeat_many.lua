@@ -5,17 +5,14 @@
 -- one slot (the client groups them: every gate on a standalone Redis or Sentinel master; on
 -- Cluster only gates whose hash tags share a slot) and the client caps the gates per call, so
 -- one call stays short.
--- KEYS: 10 per gate, gate j's keys at KEYS[10 (j - 1) + 1 .. 10 j], in lib.lua's order
+-- KEYS: the gates' base names (see lib.lua), gate j's at KEYS[j]
 -- ARGV: 1 n_gates, then per gate: argc, then argc values = heartbeat.lua's ARGV for that gate
 -- Returns {reply of gate 1, ..., reply of gate n}, each heartbeat.lua's reply
 local n = tonumber(ARGV[1])
 local out = {}
 local a = 2
 for j = 1, n do
-  local b = 10 * (j - 1)
-  K_CFG, K_TARGET, K_HOLDERS, K_QUEUE = KEYS[b + 1], KEYS[b + 2], KEYS[b + 3], KEYS[b + 4]
-  K_WAITERS, K_SEQ, K_STATS, K_PODS = KEYS[b + 5], KEYS[b + 6], KEYS[b + 7], KEYS[b + 8]
-  K_UTIL, K_WAKE = KEYS[b + 9], KEYS[b + 10]
+  use_gate(KEYS[j])
   local argc = tonumber(ARGV[a])
   local A = {}
   for k = 1, argc do A[k] = ARGV[a + k] end

@@ -1,20 +1,29 @@
 -- fleetgate shared library: prepended to every gate script when it is loaded (scripts.py), so the
 -- rules for time, limit, reaping and hand-off are written once.
 --
--- KEYS (the same for every gate script, built by fleetgate.keys.GateKeys.script_keys):
---   1 cfg  2 target  3 holders  4 queue  5 waiters  6 seq  7 stats  8 pods  9 util
---   10 wake-list prefix
--- All keys share the gate's hash tag; the wake list of a pod is KEYS[10] .. pod_id, in the same
--- slot, and is the only key a script derives (the owner pod is known only inside the script).
-local K_CFG, K_TARGET, K_HOLDERS, K_QUEUE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_WAITERS, K_SEQ, K_STATS, K_PODS = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_UTIL, K_WAKE = KEYS[9], KEYS[10]
+-- KEYS[1] is the gate's base name, '<prefix>:{<gate>}' (fleetgate.keys.GateKeys.base); every key
+-- of the gate is that base plus a fixed suffix (the same names as GateKeys, checked by
+-- tests/test_scripts.py). Passing one name instead of ten costs the client ~30 µs less per
+-- call to encode (benchmarks/uncontended.py); every derived key shares the base's hash tag, so
+-- it lives in the slot the call is routed to (Redis Cluster allows a script any key of its slot).
+-- The wake list of a pod is K_WAKE .. pod_id.
+local K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL, K_WAKE
+local function use_gate(base)
+  K_CFG, K_TARGET, K_HOLDERS = base .. ':cfg', base .. ':target', base .. ':holders'
+  K_QUEUE, K_WAITERS, K_SEQ = base .. ':queue', base .. ':waiters', base .. ':seq'
+  K_STATS, K_PODS, K_UTIL = base .. ':stats', base .. ':pods', base .. ':util'
+  K_WAKE = base .. ':wake:'
+end
+use_gate(KEYS[1])
 
 -- Expired entries removed per call, per kind. A bound keeps every call O(log n) even after a
 -- mass crash; the coordinator's reaper and every later call sweep the rest.
 local REAP_MAX = 64
 -- Grants handed to head waiters per call; a larger limit jump is finished by the next calls.
 local HANDOFF_MAX = 256
+-- Dead heads (expired waiter entries) a hand-off drops per call: the release that hands off does
+-- not reap first, so this is the reap bound and the drop bound that used to follow it, together.
+local DROP_MAX = 2 * REAP_MAX
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -30,18 +39,11 @@ local function num(v, default)
   return n
 end
 
--- Register the caller's defaults only where the gate has no configuration yet.
-local function ensure_cfg(floor, ceiling, max_queued, lease_ms, waiter_ms)
-  if redis.call('EXISTS', K_CFG) == 0 then
-    redis.call('HSET', K_CFG, 'floor', floor, 'ceiling', ceiling, 'max_queued', max_queued,
-      'lease_ms', lease_ms, 'waiter_ms', waiter_ms)
-  end
-end
-
 -- A gate's settings without configuration or caller defaults, and their lower bounds: the same
 -- as fleetgate.settings.GateSettings (tests/test_settings.py runs this against the struct).
 local DEFAULT = {floor = 1, ceiling = 512, max_queued = 1000, lease_ms = 10000, waiter_ms = 5000}
 local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_ms = 100}
+local CFG_FIELDS = {'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms'}
 
 -- Field i (name) of the stored configuration v, else of the caller's defaults d, else DEFAULT;
 -- raised to LOWEST.
@@ -49,12 +51,24 @@ local function cfg_field(v, d, i, name)
   return math.max(LOWEST[name], math.floor(num(v[i], num(d[i], DEFAULT[name]))))
 end
 
--- Missing fields take the caller's defaults (d, optional: floor, ceiling, max_queued, lease_ms,
--- waiter_ms), then DEFAULT; values below LOWEST are raised to it, and the ceiling to the floor:
--- half-written or garbled configuration never fails a call.
-local function load_cfg(d)
+-- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
+-- floor, ceiling, max_queued, lease_ms, waiter_ms), then DEFAULT; values below LOWEST are raised
+-- to it, and the ceiling to the floor: half-written or garbled configuration never fails a call.
+-- register: a gate with no configuration at all gets the caller's defaults stored (a client may
+-- register defaults only where none exist; the coordinator's publish overwrites them).
+local function load_cfg(d, register)
   d = d or {}
-  local v = redis.call('HMGET', K_CFG, 'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms')
+  local v = redis.call('HMGET', K_CFG, unpack(CFG_FIELDS))
+  if register and not (v[1] or v[2] or v[3] or v[4] or v[5]) then
+    local pairs_ = {}
+    for i, name in ipairs(CFG_FIELDS) do
+      if d[i] ~= nil then
+        pairs_[#pairs_ + 1] = name
+        pairs_[#pairs_ + 1] = d[i]
+      end
+    end
+    if #pairs_ > 0 then redis.call('HSET', K_CFG, unpack(pairs_)) end
+  end
   local cfg = {
     floor = cfg_field(v, d, 1, 'floor'),
     max_queued = cfg_field(v, d, 3, 'max_queued'),
@@ -76,43 +90,76 @@ local function current_limit(now, cfg)
   return lim
 end
 
-local function reap(now)
+-- Remove up to REAP_MAX expired leases; returns how many. Called where they matter: by an
+-- acquire that finds the gate full, and by every heartbeat and sweep (so an expired lease of a
+-- gate below its limit, which blocks nobody, goes within a heartbeat period).
+local function reap_leases(now)
   local leases = redis.call('ZRANGEBYSCORE', K_HOLDERS, '-inf', now, 'LIMIT', 0, REAP_MAX)
   if #leases > 0 then
     redis.call('ZREM', K_HOLDERS, unpack(leases))
     redis.call('HINCRBY', K_STATS, 'expired_leases', #leases)
   end
+  return #leases
+end
+
+-- Remove up to REAP_MAX expired waiters; returns how many. Called by an acquire that finds the
+-- wait list full, and by every heartbeat and sweep; a dead head is also dropped by handoff.
+local function reap_waiters(now)
   local waiters = redis.call('ZRANGEBYSCORE', K_WAITERS, '-inf', now, 'LIMIT', 0, REAP_MAX)
   if #waiters > 0 then
     redis.call('ZREM', K_WAITERS, unpack(waiters))
     redis.call('ZREM', K_QUEUE, unpack(waiters))
     redis.call('HINCRBY', K_STATS, 'abandoned_waiters', #waiters)
   end
-  return #leases + #waiters
+  return #waiters
 end
 
--- Ids are '<pod-id>:<n>'; the pod id is everything before the last colon.
-local function wake(id, cfg)
+local function reap(now)
+  return reap_leases(now) + reap_waiters(now)
+end
+
+-- Wake-ups of one call, grouped by pod: one RPUSH (and PEXPIRE) per pod, not per id. Ids are
+-- '<pod-id>:<n>'; the pod id is everything before the last colon.
+local function new_wakes()
+  return {pods = {}, ids = {}}
+end
+
+local function add_wake(wakes, id)
   local pod = string.match(id, '^(.*):[^:]*$')
   if pod then
+    local ids = wakes.ids[pod]
+    if ids == nil then
+      ids = {}
+      wakes.ids[pod] = ids
+      wakes.pods[#wakes.pods + 1] = pod
+    end
+    ids[#ids + 1] = id
+  end
+end
+
+local function send_wakes(wakes, cfg)
+  for _, pod in ipairs(wakes.pods) do
     local key = K_WAKE .. pod
-    redis.call('RPUSH', key, id)
+    redis.call('RPUSH', key, unpack(wakes.ids[pod]))
     -- A dead pod's list disappears by itself; a live pod pops it long before this.
     redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
   end
 end
 
--- Hand free slots to the head waiters, in FIFO order, and wake their pods. Returns grants made.
--- A head whose waiter entry has expired (its pod died or stopped refreshing it) is dropped, not
--- granted: when more waiters die at once than one reap removes, the freed slots would otherwise
--- sit with dead owners for a lease TTL. Dropped heads are bounded per call like reaping.
-local function handoff(now, cfg, lim)
-  local free = lim - redis.call('ZCARD', K_HOLDERS)
-  if free <= 0 then return 0 end
+-- Hand free slots to the head waiters, in FIFO order, and wake their pods. holders: the
+-- current ZCARD of the holders if the caller knows it. Returns (grants made, heads removed:
+-- granted or dropped). A head whose waiter entry has expired (its pod died or stopped refreshing
+-- it) is dropped, not granted: when more waiters die at once than one reap removes, the freed
+-- slots would otherwise sit with dead owners for a lease TTL. Dropped heads are bounded per call
+-- like reaping.
+local function handoff(now, cfg, lim, holders)
+  local free = lim - (holders or redis.call('ZCARD', K_HOLDERS))
+  if free <= 0 then return 0, 0 end
   if free > HANDOFF_MAX then free = HANDOFF_MAX end
   local expires = now + cfg.lease_ms
   local granted, dropped = 0, 0
-  while granted < free and dropped < REAP_MAX do
+  local members, wakes = {}, new_wakes()
+  while granted < free and dropped < DROP_MAX do
     local heads = redis.call('ZRANGE', K_QUEUE, 0, free - granted - 1)
     if #heads == 0 then break end
     local until_ = redis.call('ZMSCORE', K_WAITERS, unpack(heads))
@@ -121,35 +168,39 @@ local function handoff(now, cfg, lim)
     for i, id in ipairs(heads) do
       local w = tonumber(until_[i])
       if w ~= nil and w > now then
-        redis.call('ZADD', K_HOLDERS, expires, id)
-        wake(id, cfg)
+        members[#members + 1] = expires
+        members[#members + 1] = id
+        add_wake(wakes, id)
         granted = granted + 1
       else
         dropped = dropped + 1
       end
     end
   end
-  if dropped > 0 then redis.call('HINCRBY', K_STATS, 'abandoned_waiters', dropped) end
   if granted > 0 then
+    redis.call('ZADD', K_HOLDERS, unpack(members))
+    send_wakes(wakes, cfg)
     redis.call('HINCRBY', K_STATS, 'granted', granted)
     redis.call('HINCRBY', K_STATS, 'handed_off', granted)
   end
-  return granted
+  if dropped > 0 then redis.call('HINCRBY', K_STATS, 'abandoned_waiters', dropped) end
+  return granted, granted + dropped
 end
 
--- The next fencing token (also the FIFO sequence of a parked caller). Monotonic per gate, also
--- across a Redis restart: a counter that has to start again (INCR made it 1) starts from server
--- time x 1000 instead, above any token issued before unless the gate issued more than 1000 per
--- millisecond on average since its counter was born. Holders raise it above their own tokens
--- (raise_seq) after a rollback that kept the counter.
+-- The first of k new fencing tokens (also the FIFO sequence of a parked caller), k >= 1: the
+-- call's tokens are first .. first + k - 1. Monotonic per gate, also across a Redis restart: a
+-- counter that has to start again (INCRBY made it k) starts from server time x 1000 instead,
+-- above any token issued before unless the gate issued more than 1000 per millisecond on average
+-- since its counter was born. Holders raise it above their own tokens (raise_seq) after a
+-- rollback that kept the counter.
 local SEQ_PER_MS = 1000
-local function next_token(now)
-  local t = redis.call('INCR', K_SEQ)
-  if t == 1 then
-    t = now * SEQ_PER_MS
+local function next_tokens(now, k)
+  local t = redis.call('INCRBY', K_SEQ, k)
+  if t == k then
+    t = now * SEQ_PER_MS + k - 1
     redis.call('SET', K_SEQ, string.format('%.0f', t))
   end
-  return t
+  return t - k + 1
 end
 
 local function raise_seq(token)
@@ -159,7 +210,7 @@ local function raise_seq(token)
   end
 end
 
--- Reap, then move the queue: the prologue of every state transition.
+-- Reap, then move the queue: the prologue of the rare transitions (cancel, target, adoption).
 local function settle(now, cfg)
   reap(now)
   local lim = current_limit(now, cfg)

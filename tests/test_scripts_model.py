@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from typing import Any
 
 import redis
 from hypothesis import HealthCheck, settings
@@ -43,25 +44,69 @@ class GateModel:
             lim = self.target[0]
         return max(FLOOR, min(CEILING, lim))
 
-    def reap(self) -> None:
+    def reap_leases(self) -> None:
         for hid in [h for h, exp in self.holders.items() if exp]:
             del self.holders[hid]
             self.stats["expired_leases"] += 1
+
+    def reap_waiters(self) -> None:
         for wid in [w for w in self.queue if w in self.expired_waiters]:
             self.queue.remove(wid)
             self.stats["abandoned_waiters"] += 1
         self.expired_waiters.clear()
 
     def handoff(self) -> None:
+        """Free slots to the live heads in order; a dead head met on the way is dropped."""
         while self.queue and len(self.holders) < self.limit():
             wid = self.queue.pop(0)
+            if wid in self.expired_waiters:
+                self.expired_waiters.discard(wid)
+                self.stats["abandoned_waiters"] += 1
+                continue
             self.holders[wid] = False
             self.stats["granted"] += 1
             self.woken.append(wid)
 
     def settle(self) -> None:
-        self.reap()
+        self.reap_leases()
+        self.reap_waiters()
         self.handoff()
+
+    def acquire(self, ids: list[str]) -> list[int]:
+        """acquire.lua for a batch: lazy reaping (leases when full, waiters when the list is
+        full), room while others wait goes to them first, then each id in order."""
+        if len(self.holders) >= self.limit():
+            self.reap_leases()
+        if self.queue and len(self.holders) < self.limit():
+            self.handoff()
+        out, waiters_reaped = [], False
+        for lid in ids:
+            if not self.queue and len(self.holders) < self.limit():
+                self.holders[lid] = False
+                self.stats["granted"] += 1
+                out.append(1)
+                continue
+            if len(self.queue) >= MAX_QUEUED and not waiters_reaped:
+                waiters_reaped = True
+                self.reap_waiters()
+            if len(self.queue) >= MAX_QUEUED:
+                self.stats["rejected"] += 1
+                out.append(0)
+            else:
+                self.queue.append(lid)
+                out.append(2)
+        return out
+
+    def release(self, ids: list[str]) -> int:
+        """release.lua for a batch: no reaping; hand-off only when someone waits."""
+        n = 0
+        for lid in set(ids):
+            if self.holders.pop(lid, None) is not None:
+                n += 1
+        self.stats["released"] += n
+        if self.queue:
+            self.handoff()
+        return n
 
 
 class GateMachine(RuleBasedStateMachine):
@@ -74,38 +119,30 @@ class GateMachine(RuleBasedStateMachine):
         self.ids = itertools.count(1)
         self.epoch = 0
 
-    def call(self, name: str, *args: object) -> list[object]:
-        return self.scripts[name](keys=self.keys.script_keys(), args=list(args))  # type: ignore[no-any-return]
+    def call(self, name: str, *args: object) -> Any:
+        return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
 
-    @rule(pod=st.sampled_from(PODS))
-    def acquire(self, pod: str) -> None:
-        lid = f"{pod}:{next(self.ids)}"
-        status = self.call("acquire", lid, LONG_MS, FLOOR, CEILING, MAX_QUEUED, LONG_MS, LONG_MS)[0]
-        m = self.m
-        m.settle()
-        if not m.queue and len(m.holders) < m.limit():
-            m.holders[lid] = False
-            m.stats["granted"] += 1
-            expected = 1
-        elif len(m.queue) >= MAX_QUEUED:
-            m.stats["rejected"] += 1
-            expected = 0
-        else:
-            m.queue.append(lid)
-            expected = 2
-        assert status == expected
+    @rule(pods=st.lists(st.sampled_from(PODS), min_size=1, max_size=3))
+    def acquire(self, pods: list[str]) -> None:
+        ids = [f"{pod}:{next(self.ids)}" for pod in pods]
+        reply = self.call(
+            "acquire",
+            FLOOR,
+            CEILING,
+            MAX_QUEUED,
+            LONG_MS,
+            LONG_MS,
+            *(a for i in ids for a in (i, LONG_MS)),
+        )
+        statuses = [int(x) for x in reply[3::4]]
+        assert statuses == self.m.acquire(ids)
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         choices = [*self.m.holders, "nobody:0"]
-        lid = data.draw(st.sampled_from(choices))
-        released = self.call("release", lid)[0]
-        expected = 1 if lid in self.m.holders else 0
-        if expected:
-            del self.m.holders[lid]
-            self.m.stats["released"] += 1
-        self.m.settle()
-        assert released == expected
+        ids = data.draw(st.lists(st.sampled_from(choices), min_size=1, max_size=3))
+        released = self.call("release", *ids)
+        assert released == self.m.release(ids)
 
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
