@@ -17,28 +17,7 @@ from typing import Any
 
 from fleetgate.errors import ConfigError, DeadlineExceeded
 
-__all__ = ["Deadline", "cancel_requests", "check_deadline", "raise_if_cancel_lost"]
-
-
-def cancel_requests() -> int:
-    """Cancellation requests pending on the current task (``Task.cancelling()``; 0 on 3.10)."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return int(cancelling()) if cancelling is not None else 0
-
-
-def raise_if_cancel_lost(before: int) -> None:
-    """Raise the cancellation an await swallowed: ``before`` is :func:`cancel_requests` taken
-    before it. A request that neither raised nor was withdrawn (``uncancel``) was lost.
-
-    redis-py 8.1 sends every command under ``asyncio.wait_for`` (when a socket timeout is set),
-    which on Python 3.11 returns the result when a cancellation races the send's completion:
-    the command's caller runs on as if never cancelled (in
-    tests/chaos/test_cancel_ends.py 1,642 of 2,974 cancellations aimed at the acquire script's
-    round trip were lost: the cancelled task parked, was granted and entered its permit).
-    """
-    if cancel_requests() > before:
-        raise asyncio.CancelledError()
+__all__ = ["Deadline", "check_deadline"]
 
 
 def check_deadline(seconds: object, name: str = "deadline") -> float | None:

@@ -23,10 +23,18 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from fleetgate.errors import FleetgateError, LeaseLost, Overloaded
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GRANTED, REJECTED, HeartbeatReply, Snapshot
+from fleetgate.scripts import (
+    GRANTED,
+    MAX_BATCH,
+    REJECTED,
+    AcquireReply,
+    HeartbeatReply,
+    Snapshot,
+)
 from fleetgate.settings import GateSettings
 
-from ._deadline import Deadline, cancel_requests, raise_if_cancel_lost
+from ._batch import Batcher
+from ._deadline import Deadline
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
 from ._metrics import ClientMetrics
 from ._runtime import OUTAGE_ERRORS, Runtime
@@ -163,6 +171,17 @@ class Gate:
         # Listed in the fleet's gate registry (`fg:gates`, for `fleetgate status`).
         self.in_registry = False
         self._local_cond = asyncio.Condition()
+        # This process's acquires and releases of the gate, each sent as one script call per
+        # batch (group commit: see _batch.py).
+        self._acquires: Batcher[tuple[str, int], AcquireReply] = Batcher(
+            self._send_acquires,
+            spawn=runtime.spawn,
+            max_batch=MAX_BATCH,
+            on_orphan=self._acquire_orphaned,
+        )
+        self._releases: Batcher[str, None] = Batcher(
+            self._send_releases, spawn=runtime.spawn, max_batch=MAX_BATCH
+        )
 
     # -- public API --------------------------------------------------------------------------
 
@@ -304,20 +323,22 @@ class Gate:
             # Registered before the call: a hand-off can be popped by the wake listener
             # before this coroutine sees the script's reply.
             self.waiters[lease_id] = waiter
-            pending = cancel_requests()
+            request = (lease_id, waiter.remaining_ms())
+            answer = self._acquires.submit(request)
             try:
-                reply = await rt.scripts.acquire(
-                    self.keys, lease_id, waiter.remaining_ms(), self.defaults
-                )
-                # A cancellation redis-py swallowed (Python 3.11): raised here, so the except
-                # below gives back what the script did (tests/chaos/test_cancel_ends.py).
-                raise_if_cancel_lost(pending)
+                reply = await answer
             except OUTAGE_ERRORS as exc:
                 self.waiters.pop(lease_id, None)
                 self._forget_later(lease_id)
                 rt.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
-                raise_if_cancel_lost(pending)
                 continue
+            except asyncio.CancelledError:
+                self.waiters.pop(lease_id, None)
+                if answer.done() and not answer.cancelled():
+                    # Answered, but the cancellation reached this task first: undo the answer
+                    # (a request cancelled before it was answered is the batcher's to undo).
+                    self._acquire_orphaned(request, answer.exception() or answer.result())
+                raise
             except BaseException:
                 self.waiters.pop(lease_id, None)
                 self._forget_later(lease_id)
@@ -334,6 +355,23 @@ class Gate:
             lease = await self._park(waiter, reply.token)
             if lease is not None:
                 return lease
+
+    async def _send_acquires(self, requests: Sequence[tuple[str, int]]) -> list[AcquireReply]:
+        return await self.runtime.scripts.acquire_many(self.keys, requests, self.defaults)
+
+    def _acquire_orphaned(
+        self, request: tuple[str, int], outcome: AcquireReply | BaseException
+    ) -> None:
+        """The caller of an acquire gave up after it was sent: undo what it did."""
+        lease_id = request[0]
+        if isinstance(outcome, BaseException):
+            self._forget_later(lease_id)  # outcome unknown: cancel once Redis answers
+        elif outcome.status != REJECTED:
+            self.runtime.spawn(self._cancel(lease_id))  # granted or parked: give it back
+
+    async def _send_releases(self, lease_ids: Sequence[str]) -> list[None]:
+        await self.runtime.scripts.release_many(self.keys, lease_ids)
+        return [None] * len(lease_ids)
 
     async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
         """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""
@@ -419,7 +457,7 @@ class Gate:
             async with self._local_cond:
                 self._local_cond.notify_all()
         try:
-            await self.runtime.scripts.release(self.keys, lease.id)
+            await self._releases.submit(lease.id)
         except OUTAGE_ERRORS as exc:
             # Retried (as a cancel, which releases a held id) until Redis answers, else it
             # expires by TTL. Without the retry, permits released while Redis was unreachable

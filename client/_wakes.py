@@ -4,7 +4,7 @@ A script that hands a slot to a parked caller pushes the caller's id onto the ow
 list of that gate (``fg:{G}:wake:<pod_key>``). Each process pops all its wake lists that one
 blocking command can cover together -- every one of them on a standalone Redis (or Sentinel), the
 ones of one slot on Cluster (:meth:`fleetgate._redis.RedisMode.slot_group`) -- with ONE blocking
-``BLPOP`` per group on a connection of its own, and hands each id to the callback of its list.
+``BLMPOP`` per group on a connection of its own, and hands each id to the callback of its list.
 So a standalone pod has one wake connection whatever the number of gates.
 
 A list added while the pop is blocked is covered from the next pop on: :meth:`ensure` pushes a
@@ -35,6 +35,8 @@ REARM_TTL_MS = 60_000
 # every hand-off (benchmarks/pod_cost.py, 1,000 gates); 64 keep it small, at one connection per
 # 64 gates in use.
 KEYS_PER_POP = 64
+# Ids one pop takes from a wake list at most (a hand-off wakes at most 256 at once).
+WAKES_PER_POP = 256
 
 
 class _Group:
@@ -130,12 +132,16 @@ class WakeListeners:
             await prepare(conn)
             while not rt.closing:
                 keys = list(group.keys)
-                # BLPOP serves the first non-empty key: start at a different one each time so
+                # The pop serves the first non-empty key: start at a different one each time so
                 # a busy gate cannot starve the others' wake-ups.
                 turn = (turn + 1) % len(keys)
                 order = keys[turn:] + keys[:turn] + [group.rearm_key]
                 try:
-                    item = await conn.blpop(order, timeout=self.block)
+                    # BLMPOP (Redis >= 7.0): every id waiting in the first non-empty list, in one
+                    # reply, so a hand-off of several of this pod's waiters wakes them together.
+                    item = await conn.blmpop(
+                        self.block, len(order), *order, direction="LEFT", count=WAKES_PER_POP
+                    )
                 except Exception as exc:  # never ends: the heartbeat covers the gap
                     if rt.closing:
                         break
@@ -147,10 +153,11 @@ class WakeListeners:
                     continue
                 if item is None:
                     continue
-                key, value = str(item[0]), str(item[1])
+                key, values = str(item[0]), item[1]
                 on_wake = group.keys.get(key)
                 if on_wake is not None:
-                    on_wake(value)
+                    for value in values:
+                        on_wake(str(value))
                     # Let the woken caller run before the pop over every list is sent again
                     # (encoding n keys is on no caller's path then).
                     await asyncio.sleep(0)
