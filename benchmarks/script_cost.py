@@ -65,11 +65,11 @@ class Bench:
         self.queue: deque[str] = deque()
         self.holder = "holder:0"
         self.seq = 0
-        assert self.s["acquire"](keys=self.keys, args=self.acq_args(self.holder))[0] == 1
+        assert self.s["acquire"](keys=self.keys, args=self.acq_args(self.holder))[4] == 1
 
     @staticmethod
     def acq_args(wid: str) -> list[Any]:
-        return [wid, HOUR_MS, 1, 1, 10**7, HOUR_MS, HOUR_MS]
+        return [1, 1, 10**7, HOUR_MS, HOUR_MS, 0, wid, HOUR_MS]
 
     def new_id(self) -> str:
         self.seq += 1

@@ -42,6 +42,8 @@ class Batcher(Generic[Q, A]):
         self._on_orphan = on_orphan
         self._pending: list[tuple[Q, asyncio.Future[A]]] = []
         self._running = False
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def submit(self, request: Q) -> asyncio.Future[A]:
         """Queue ``request``; the future gets its answer, or the batch's exception."""
@@ -49,8 +51,13 @@ class Batcher(Generic[Q, A]):
         self._pending.append((request, future))
         if not self._running:
             self._running = True
+            self._idle.clear()
             self._spawn(self._drain())
         return future
+
+    async def flush(self) -> None:
+        """Wait until every request submitted so far has been answered (or failed)."""
+        await self._idle.wait()
 
     async def _drain(self) -> None:
         try:
@@ -61,6 +68,7 @@ class Batcher(Generic[Q, A]):
                     await self._send_batch(live)
         finally:
             self._running = False
+            self._idle.set()
             if self._pending:  # only if _send_batch raised BaseException (closing)
                 for _, f in self._pending:
                     f.cancel()

@@ -184,10 +184,20 @@ class Fleet:
         self.runtime.poke_heartbeat()  # register as a live pod of the gate now, not a period later
         return gate
 
+    async def flush(self) -> None:
+        """Wait until the releases this process made so far have reached Redis (a permit is
+        released without waiting for Redis; see :meth:`Lease.release`). For tests and tools
+        that read Redis right after a permit block."""
+        for gate in list(self._gates.values()):
+            await gate.flush()
+
     async def utilization(self, name: str) -> GateUtilization:
-        """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view."""
+        """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view
+        (after this process's own releases so far: :meth:`flush`)."""
         gate = self._gates.get(name)
         defaults = gate.defaults if gate is not None else None
+        if gate is not None:
+            await gate.flush()  # this process's own releases are in what it reads
         snap = await self.scripts.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
         return utilization_of(name, snap)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -60,6 +61,10 @@ class _GoLocal(Exception):
     """Redis became unreachable while parked: continue under the local fair-share bound."""
 
 
+# One call of a gate's batch: (lease id, wait ms) acquires, (lease id, None) releases.
+_Call = tuple[str, int | None]
+
+
 class Lease:
     """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
 
@@ -101,13 +106,22 @@ class Lease:
         )
 
     async def release(self) -> None:
-        """Give the permit back (idempotent). Never raises for an unreachable Redis."""
+        """Give the permit back (idempotent). Never raises for an unreachable Redis.
+
+        A fleet lease is released without waiting for Redis: the release leaves with this
+        process's next script call on the gate (group commit, see ``_batch.py``), ahead of any
+        acquire of the gate this process makes after it, so a caller that releases and acquires
+        again pays one round trip. :meth:`Fleet.close` waits for releases in flight.
+        """
         if self._released:
             return
         self._released = True
-        # Spawned (the fleet waits for background tasks on close) and shielded: a cancelled
-        # caller still gives the permit back.
-        await asyncio.shield(self.gate.runtime.spawn(self.gate._release(self)))
+        if self.local:
+            # Spawned (the fleet waits for background tasks on close) and shielded: a
+            # cancelled caller still gives the permit back.
+            await asyncio.shield(self.gate.runtime.spawn(self.gate._release_local(self)))
+        else:
+            self.gate._release_fleet(self)
 
     def __repr__(self) -> str:
         kind = "local" if self.local else "fleet"
@@ -173,14 +187,12 @@ class Gate:
         self._local_cond = asyncio.Condition()
         # This process's acquires and releases of the gate, each sent as one script call per
         # batch (group commit: see _batch.py).
-        self._acquires: Batcher[tuple[str, int], AcquireReply] = Batcher(
-            self._send_acquires,
+        # (lease id, wait ms) to acquire, (lease id, None) to release.
+        self._calls: Batcher[_Call, AcquireReply | None] = Batcher(
+            self._send_calls,
             spawn=runtime.spawn,
             max_batch=MAX_BATCH,
             on_orphan=self._acquire_orphaned,
-        )
-        self._releases: Batcher[str, None] = Batcher(
-            self._send_releases, spawn=runtime.spawn, max_batch=MAX_BATCH
         )
 
     # -- public API --------------------------------------------------------------------------
@@ -282,6 +294,12 @@ class Gate:
             flat.extend(values)
         return flat
 
+    async def flush(self) -> None:
+        """Wait until this process's releases (and acquires) of the gate so far have reached
+        Redis: a released permit leaves with the gate's next script call, not before
+        :meth:`Lease.release` returns."""
+        await self._calls.flush()
+
     async def acquire_for(self, dl: Deadline) -> Lease:
         """Acquire under an enclosing deadline (used by :meth:`map`)."""
         return await self._acquire(dl)
@@ -295,7 +313,9 @@ class Gate:
         return (await self.snapshot()).limit
 
     async def snapshot(self) -> Snapshot:
-        """A consistent view of the gate in Redis (holders, waiters, limit, config, stats)."""
+        """A consistent view of the gate in Redis (holders, waiters, limit, config, stats),
+        after this process's own releases so far (:meth:`flush`)."""
+        await self.flush()
         return await self.runtime.scripts.snapshot(self.keys, defaults=self.defaults)
 
     def _total_deadline(self, seconds: float | None, where: str) -> Deadline:
@@ -323,21 +343,15 @@ class Gate:
             # Registered before the call: a hand-off can be popped by the wake listener
             # before this coroutine sees the script's reply.
             self.waiters[lease_id] = waiter
-            request = (lease_id, waiter.remaining_ms())
-            answer = self._acquires.submit(request)
             try:
-                reply = await answer
+                reply = await self._request(lease_id, waiter.remaining_ms())
             except OUTAGE_ERRORS as exc:
                 self.waiters.pop(lease_id, None)
                 self._forget_later(lease_id)
                 rt.redis_failed(exc)  # raises RedisUnavailable in "fail" mode
                 continue
             except asyncio.CancelledError:
-                self.waiters.pop(lease_id, None)
-                if answer.done() and not answer.cancelled():
-                    # Answered, but the cancellation reached this task first: undo the answer
-                    # (a request cancelled before it was answered is the batcher's to undo).
-                    self._acquire_orphaned(request, answer.exception() or answer.result())
+                self.waiters.pop(lease_id, None)  # what was sent is undone by _request
                 raise
             except BaseException:
                 self.waiters.pop(lease_id, None)
@@ -356,22 +370,47 @@ class Gate:
             if lease is not None:
                 return lease
 
-    async def _send_acquires(self, requests: Sequence[tuple[str, int]]) -> list[AcquireReply]:
-        return await self.runtime.scripts.acquire_many(self.keys, requests, self.defaults)
+    async def _request(self, lease_id: str, wait_ms: int) -> AcquireReply:
+        """One acquire, sent with this process's batch of the gate; its answer.
 
-    def _acquire_orphaned(
-        self, request: tuple[str, int], outcome: AcquireReply | BaseException
-    ) -> None:
+        Cancel-safe: a request cancelled before it left is never sent, one cancelled after is
+        undone by the batcher once answered (:meth:`_acquire_orphaned`), and an answer that
+        arrived just before the cancellation reached this task is undone here.
+        """
+        call: _Call = (lease_id, wait_ms)
+        answer = self._calls.submit(call)
+        try:
+            reply = await answer
+        except asyncio.CancelledError:
+            if answer.done() and not answer.cancelled():
+                self._acquire_orphaned(call, answer.exception() or answer.result())
+            raise
+        assert reply is not None
+        return reply
+
+    async def _send_calls(self, calls: Sequence[_Call]) -> list[AcquireReply | None]:
+        """One batch of the gate's calls: its releases, then its acquires, in one script call
+        (release.lua alone when there is nothing to acquire)."""
+        releases = [lease_id for lease_id, wait_ms in calls if wait_ms is None]
+        requests = [(lease_id, wait_ms) for lease_id, wait_ms in calls if wait_ms is not None]
+        scripts = self.runtime.scripts
+        if not requests:
+            await scripts.release_many(self.keys, releases)
+            return [None] * len(calls)
+        replies = iter(
+            await scripts.acquire_many(self.keys, requests, self.defaults, releases=releases)
+        )
+        return [None if wait_ms is None else next(replies) for _, wait_ms in calls]
+
+    def _acquire_orphaned(self, call: _Call, outcome: AcquireReply | BaseException | None) -> None:
         """The caller of an acquire gave up after it was sent: undo what it did."""
-        lease_id = request[0]
+        lease_id, wait_ms = call
+        if wait_ms is None or outcome is None:
+            return  # a release: nobody awaits it (_released handles its outcome)
         if isinstance(outcome, BaseException):
             self._forget_later(lease_id)  # outcome unknown: cancel once Redis answers
         elif outcome.status != REJECTED:
             self.runtime.spawn(self._cancel(lease_id))  # granted or parked: give it back
-
-    async def _send_releases(self, lease_ids: Sequence[str]) -> list[None]:
-        await self.runtime.scripts.release_many(self.keys, lease_ids)
-        return [None] * len(lease_ids)
 
     async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
         """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""
@@ -444,28 +483,35 @@ class Gate:
 
     # -- releasing ---------------------------------------------------------------------------
 
-    async def _release(self, lease: Lease) -> None:
-        if lease.local:
-            async with self._local_cond:
-                self.local_leases.pop(lease.id, None)
-                self._local_cond.notify_all()
-            self.metrics.in_flight.labels(self.name).dec()
-            return
+    async def _release_local(self, lease: Lease) -> None:
+        async with self._local_cond:
+            self.local_leases.pop(lease.id, None)
+            self._local_cond.notify_all()
+        self.metrics.in_flight.labels(self.name).dec()
+
+    def _release_fleet(self, lease: Lease) -> None:
         if self.leases.pop(lease.id, None) is not None:
             self.metrics.in_flight.labels(self.name).dec()
         if self.runtime.fallback_active:
-            async with self._local_cond:
-                self._local_cond.notify_all()
-        try:
-            await self._releases.submit(lease.id)
-        except OUTAGE_ERRORS as exc:
+            self.runtime.spawn(self.wake_local())
+        answer = self._calls.submit((lease.id, None))
+        answer.add_done_callback(functools.partial(self._released, lease.id))
+
+    def _released(self, lease_id: str, answer: asyncio.Future[AcquireReply | None]) -> None:
+        """The outcome of a release nobody awaits."""
+        exc = RuntimeError("release not sent") if answer.cancelled() else answer.exception()
+        if exc is None:
+            return
+        if isinstance(exc, OUTAGE_ERRORS) or answer.cancelled():
             # Retried (as a cancel, which releases a held id) until Redis answers, else it
             # expires by TTL. Without the retry, permits released while Redis was unreachable
             # but not lost (a cut link, a slot migration, a failover) kept their slots after
             # recovery until their lease TTL: the gate stood still with every slot held by
             # nobody (tests/chaos/test_cluster_faults.py::test_slot_migration_under_load).
-            log.debug("gate %s: release of %s failed (%s); retrying", self.name, lease.id, exc)
-            self._forget_later(lease.id)
+            log.debug("gate %s: release of %s failed (%s); retrying", self.name, lease_id, exc)
+            self._forget_later(lease_id)
+        else:
+            self.runtime.background_error("release", exc, self.name)
 
     def shut_down(self, reason: FleetgateError) -> None:
         """The fleet closes: parked callers fail with ``reason``, held leases are released in

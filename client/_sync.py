@@ -312,6 +312,10 @@ class SyncFleet:
     def utilization(self, name: str) -> GateUtilization:
         return self.portal.call(self.fleet.utilization(name))
 
+    def flush(self) -> None:
+        """Blocking :meth:`Fleet.flush`."""
+        self.portal.call(self.fleet.flush())
+
 
 async def release_lease(lease: Lease) -> None:
     await lease.release()

@@ -133,10 +133,19 @@ class GateKeys:
     def _script_keys(self) -> list[str]:
         return [self.base]
 
+    @functools.cached_property
+    def _declared_keys(self) -> list[str]:
+        return [self.base, *self.data_keys()]
+
     def script_keys(self) -> list[str]:
-        """KEYS passed to every gate script: the base name alone (``lua/lib.lua`` derives every
-        key from it, with the suffixes of the properties above)."""
+        """KEYS of a gate script call: the base name alone (``lua/lib.lua`` derives every key
+        from it, with the suffixes of the properties above)."""
         return self._script_keys
+
+    def declared_keys(self) -> list[str]:
+        """:meth:`script_keys` plus every data key, declared for Redis Cluster's sake (see
+        :meth:`fleetgate._redis.RedisMode.script_keys`); the scripts read only the first."""
+        return self._declared_keys
 
     def data_keys(self) -> list[str]:
         """Every key of the gate's state (not the per-pod wake and re-arm lists)."""

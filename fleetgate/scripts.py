@@ -106,11 +106,11 @@ class AcquireReply:
 
     @classmethod
     def decode_many(cls, reply: Any) -> list[AcquireReply]:
-        """acquire.lua's reply: {limit, lease_ms, waiter_ms, then per request: status, token,
-        n, expires_at}."""
+        """acquire.lua's reply: {limit, lease_ms, waiter_ms, released, then per request:
+        status, token, n, expires_at}."""
         limit, lease_ms, waiter_ms = int(reply[0]), int(reply[1]), int(reply[2])
         out = []
-        for i in range(3, len(reply), 4):
+        for i in range(4, len(reply), 4):
             status, token, n, expires_at = (int(x) for x in reply[i : i + 4])
             out.append(
                 cls(
@@ -304,12 +304,12 @@ class _ManyHeartbeats:
 
     __slots__ = ("args", "keys", "script")
 
-    def __init__(self, script: Any, requests: Sequence[HeartbeatRequest]) -> None:
+    def __init__(self, script: Any, requests: Sequence[HeartbeatRequest], mode: RedisMode) -> None:
         self.script = script
         self.keys: list[str] = []
         self.args: list[Any] = [len(requests)]
         for req in requests:
-            self.keys += req.keys.script_keys()
+            self.keys += mode.script_keys(req.keys)
             argv = req.argv()
             self.args += [len(argv), *argv]
 
@@ -321,19 +321,26 @@ class ScriptCall(Generic[_R]):
     """One script call with its arguments encoded and its reply decoder: awaited alone by
     :class:`GateScripts`, or batched with others by :meth:`GateScripts.batch`."""
 
-    __slots__ = ("args", "decode", "keys", "script")
+    __slots__ = ("args", "decode", "key_names", "keys", "script")
 
     def __init__(
-        self, script: Any, keys: GateKeys, args: list[Any], decode: Callable[[Any], _R]
+        self,
+        script: Any,
+        keys: GateKeys,
+        args: list[Any],
+        decode: Callable[[Any], _R],
+        key_names: list[str],
     ) -> None:
         self.script = script
         self.keys = keys
         self.args = args
         self.decode = decode
+        #: the KEYS sent (RedisMode.script_keys)
+        self.key_names = key_names
 
     def __call__(self, client: Any) -> Any:
         """Issue the call on ``client`` (a client, or a pipeline it queues itself on)."""
-        return self.script(keys=self.keys.script_keys(), args=self.args, client=client)
+        return self.script(keys=self.key_names, args=self.args, client=client)
 
 
 @dataclass
@@ -415,7 +422,7 @@ class GateScripts:
     def _call(
         self, name: str, keys: GateKeys, args: list[Any], decode: Callable[[Any], _R]
     ) -> ScriptCall[_R]:
-        return ScriptCall(self._scripts[name], keys, args, decode)
+        return ScriptCall(self._scripts[name], keys, args, decode, self.redis.script_keys(keys))
 
     async def acquire(
         self, keys: GateKeys, lease_id: str, wait_ms: int, defaults: GateSettings
@@ -423,13 +430,20 @@ class GateScripts:
         return (await self.acquire_many(keys, [(lease_id, wait_ms)], defaults))[0]
 
     async def acquire_many(
-        self, keys: GateKeys, requests: Sequence[tuple[str, int]], defaults: GateSettings
+        self,
+        keys: GateKeys,
+        requests: Sequence[tuple[str, int]],
+        defaults: GateSettings,
+        *,
+        releases: Sequence[str] = (),
     ) -> list[AcquireReply]:
         """One acquire call for several callers of one gate, each ``(lease id, wait_ms)``:
-        granted, parked or rejected in order, as if they had asked one after the other. At
-        most :data:`MAX_BATCH` requests."""
+        granted, parked or rejected in order, as if they had asked one after the other, after
+        ``releases`` (lease ids) were released. At most :data:`MAX_BATCH` of each."""
         _check_batch(len(requests))
-        args: list[Any] = defaults.argv()
+        if len(releases) > MAX_BATCH:
+            _check_batch(len(releases))
+        args: list[Any] = [*defaults.argv(), len(releases), *releases]
         for lease_id, wait_ms in requests:
             args += (lease_id, max(1, wait_ms))
         return await self._run(self._call("acquire", keys, args, AcquireReply.decode_many))
@@ -505,7 +519,11 @@ class GateScripts:
         )
         for c in many:
             raw += await self._batch_raw(
-                [_ManyHeartbeats(self._scripts["heartbeat_many"], [requests[i] for i in c])]
+                [
+                    _ManyHeartbeats(
+                        self._scripts["heartbeat_many"], [requests[i] for i in c], self.redis
+                    )
+                ]
             )
         out: list[HeartbeatReply | Exception | None] = [None] * len(requests)
         retry: list[int] = []

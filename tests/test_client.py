@@ -31,8 +31,40 @@ async def test_permit_grants_and_releases(fleet: Fleet, async_redis: aredis.Redi
     async with gate.permit() as a, gate.permit() as b:
         assert a.id != b.id and b.token > a.token
         assert await async_redis.zcard(gate.keys.holders) == 2
+    await fleet.flush()  # a release leaves with the gate's next call; flush sends it now
     assert await async_redis.zcard(gate.keys.holders) == 0
     assert await gate.capacity() == 2
+
+
+async def test_a_release_goes_before_the_next_acquire_in_one_call(
+    fleet: Fleet, async_redis: aredis.Redis
+) -> None:
+    """Release without waiting for Redis, yet ordered: one process's sequential permits on a
+    gate of limit 1 never park behind their own previous permit, and each cycle after the
+    first costs one script call (release + acquire together)."""
+    gate = fleet.gate("seq", floor=1, ceiling=1)
+    async with gate.permit():
+        pass
+    await fleet.flush()
+    before = await _evalsha_calls(async_redis)
+    for _ in range(50):
+        async with gate.permit():
+            pass
+    await fleet.flush()
+    calls = await _evalsha_calls(async_redis) - before
+    stats = await async_redis.hgetall(gate.keys.stats)
+    assert int(stats.get("parked", 0)) == 0
+    assert int(stats["granted"]) == int(stats["released"]) == 51
+    await fleet.flush()
+    assert await async_redis.zcard(gate.keys.holders) == 0
+    # 50 acquires, each carrying the previous release, and the last release alone; the
+    # heartbeat may add a few calls of its own meanwhile.
+    assert 51 <= calls <= 51 + 5, calls
+
+
+async def _evalsha_calls(r: aredis.Redis) -> int:
+    stats = await r.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 async def test_parked_caller_gets_handoff_in_fifo_order(fleet: Fleet) -> None:
@@ -95,6 +127,7 @@ async def test_deadline_mid_call_cancels_and_releases(
         async with gate.permit(deadline=0.1):
             await asyncio.sleep(5)
     assert isinstance(err.value, TimeoutError)
+    await fleet.flush()
     assert await async_redis.zcard(gate.keys.holders) == 0
 
 
@@ -111,6 +144,7 @@ async def test_cancel_while_parked_consumes_no_permit(
         await task
     assert await async_redis.zcard(gate.keys.queue) == 0
     await held.release()
+    await fleet.flush()
     assert await async_redis.zcard(gate.keys.holders) == 0
 
 
@@ -119,6 +153,7 @@ async def test_failure_inside_permit_releases(fleet: Fleet, async_redis: aredis.
     with pytest.raises(RuntimeError):
         async with gate.permit():
             raise RuntimeError("boom")
+    await fleet.flush()
     assert await async_redis.zcard(gate.keys.holders) == 0
 
 
@@ -226,4 +261,5 @@ async def test_cancelling_running_work_releases(fleet: Fleet, async_redis: aredi
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    await fleet.flush()
     assert await async_redis.zcard(gate.keys.holders) == 0

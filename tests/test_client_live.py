@@ -99,7 +99,7 @@ async def test_killed_wake_connection_still_granted(
         await until(lambda: _eq(async_redis.zcard(gate.keys.queue), 1))
         await asyncio.sleep(0.05)  # the listener is blocked in BLPOP now
         clients = await async_redis.client_list()
-        blocked = [c for c in clients if c.get("cmd") == "blpop"]
+        blocked = [c for c in clients if c.get("cmd") == "blmpop"]
         assert blocked, "no wake listener connection found"
         for c in blocked:
             await async_redis.client_kill_filter(_id=c["id"])

@@ -112,5 +112,6 @@ async def test_running_work_is_adopted_when_redis_returns(own_redis: RedisProces
         lease = await asyncio.wait_for(newcomer, 2)
         await lease.release()
         await fleet_lease.release()
+        await fleet.flush()
         assert await fleet.redis.zcard(gate.keys.holders) == 0
         assert not fleet_lease.is_lost

@@ -72,9 +72,15 @@ class GateModel:
         self.reap_waiters()
         self.handoff()
 
-    def acquire(self, ids: list[str]) -> list[int]:
-        """acquire.lua for a batch: lazy reaping (leases when full, waiters when the list is
-        full), room while others wait goes to them first, then each id in order."""
+    def acquire(self, ids: list[str], releases: list[str]) -> tuple[int, list[int]]:
+        """acquire.lua for a batch: the releases, then lazy reaping (leases when full, waiters
+        when the list is full), room while others wait goes to them first, then each id in
+        order."""
+        released = 0
+        for lid in set(releases):
+            if self.holders.pop(lid, None) is not None:
+                released += 1
+        self.stats["released"] += released
         if len(self.holders) >= self.limit():
             self.reap_leases()
         if self.queue and len(self.holders) < self.limit():
@@ -95,7 +101,7 @@ class GateModel:
             else:
                 self.queue.append(lid)
                 out.append(2)
-        return out
+        return released, out
 
     def release(self, ids: list[str]) -> int:
         """release.lua for a batch: no reaping; hand-off only when someone waits."""
@@ -122,20 +128,17 @@ class GateMachine(RuleBasedStateMachine):
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
 
-    @rule(pods=st.lists(st.sampled_from(PODS), min_size=1, max_size=3))
-    def acquire(self, pods: list[str]) -> None:
+    @rule(pods=st.lists(st.sampled_from(PODS), min_size=1, max_size=3), data=st.data())
+    def acquire(self, pods: list[str], data: st.DataObject) -> None:
+        """A batch: some leases released (maybe none, maybe unknown ids), then new requests."""
+        choices = [*self.m.holders, "nobody:0"]
+        releases = data.draw(st.lists(st.sampled_from(choices), max_size=2))
         ids = [f"{pod}:{next(self.ids)}" for pod in pods]
-        reply = self.call(
-            "acquire",
-            FLOOR,
-            CEILING,
-            MAX_QUEUED,
-            LONG_MS,
-            LONG_MS,
-            *(a for i in ids for a in (i, LONG_MS)),
-        )
-        statuses = [int(x) for x in reply[3::4]]
-        assert statuses == self.m.acquire(ids)
+        pairs = [a for i in ids for a in (i, LONG_MS)]
+        args = (FLOOR, CEILING, MAX_QUEUED, LONG_MS, LONG_MS, len(releases), *releases, *pairs)
+        reply = self.call("acquire", *args)
+        statuses = [int(x) for x in reply[4::4]]
+        assert (int(reply[3]), statuses) == self.m.acquire(ids, releases)
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

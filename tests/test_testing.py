@@ -67,11 +67,13 @@ async def test_permit_acquire_release(fleet: Fleet) -> None:
     async with gate.permit(deadline=5.0) as a, gate.permit() as b:
         assert a.id != b.id and b.token > a.token
         assert await fleet.redis.zcard(gate.keys.holders) == 2
+    await fleet.flush()
     assert await fleet.redis.zcard(gate.keys.holders) == 0
     lease = await gate.acquire(deadline=None)
     assert not lease.is_lost
     await lease.release()
     await lease.release()  # idempotent
+    await fleet.flush()
     assert await fleet.redis.zcard(gate.keys.holders) == 0
     assert await gate.capacity() == 2
 
@@ -94,6 +96,7 @@ async def test_cap_holds_among_tasks(fleet: Fleet) -> None:
     assert (peak, done) == (3, 30)
     # 10 rounds of hand-offs, each by the wake listener (the heartbeat is 30 s away).
     assert time.monotonic() - started < 5.0
+    await fleet.flush()
     assert await fleet.redis.zcard(gate.keys.holders) == 0
 
 
@@ -176,6 +179,7 @@ async def test_gate_map(fleet: Fleet) -> None:
         2 * x for x in range(10)
     ]
     assert peak == 2
+    await fleet.flush()
     assert await fleet.redis.zcard(gate.keys.holders) == 0
 
 

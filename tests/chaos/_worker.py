@@ -284,13 +284,14 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
     aimed by hooks on the fleet's script calls -- which a caller cannot see, so this is test
     instrumentation only -- and by a random-time canceller:
 
-    * ``acquire_in_flight``: cancelled 0-0.5 ms after the acquire script was sent;
+    * ``acquire_in_flight``: cancelled 0-0.5 ms after the acquire was asked (in the gate's
+      batch, or its script in flight);
     * ``parked``: cancelled while parked in the fleet queue (random delay after parking);
     * ``just_granted``: cancelled right after the hand-off resolved its future, before the
       task resumed (the grant/cancel race);
     * ``in_permit``: cancelled inside the block (during the HTTP call or the sleep);
-    * ``releasing``: cancelled while its release script is in flight (the release itself is
-      shielded and must still happen);
+    (No ``releasing`` phase: a fleet lease's release has no await point -- it joins the
+    gate's next batch -- so no cancellation can land in it.)
     * plus cancels at random times, counted under whatever phase the task was in.
 
     After the storm every task has ended. The worker then waits until its fleet has no
@@ -324,18 +325,18 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
         sent += 1
         t.cancel()
 
-    scripts = fleet.scripts
-    orig_acquire, orig_release = scripts.acquire, scripts.release
+    # The caller's side of an acquire (its request in the gate's batch, until the answer).
+    orig_acquire = gate._request
     orig_on_granted = gate.on_granted
 
-    async def acquire(keys: Any, lease_id: str, wait_ms: int, defaults: Any) -> Any:
+    async def acquire(lease_id: str, wait_ms: int) -> Any:
         t = asyncio.current_task()
         assert t is not None
         task_of[lease_id] = t
         phase[t] = "acquire_in_flight"
         if rng.random() < p.get("acquire", 0.12):
             loop.call_later(rng.uniform(0, 0.0005), cancel, t, "acquire")
-        reply = await orig_acquire(keys, lease_id, wait_ms, defaults)
+        reply = await orig_acquire(lease_id, wait_ms)
         if reply.status == PARKED:
             phase[t] = "parked"
             if rng.random() < p.get("parked", 0.25):
@@ -344,13 +345,6 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
             phase[t] = "granted"
         return reply
 
-    async def release(keys: Any, lease_id: str) -> Any:
-        t = task_of.get(lease_id)
-        if t is not None and phase.get(t) == "releasing" and rng.random() < p.get("release", 0.2):
-            # The caller's task: it awaits the shielded release, which must go on regardless.
-            loop.call_soon(cancel, t, "release")
-        return await orig_release(keys, lease_id)
-
     def on_granted(lease_id: str) -> None:
         orig_on_granted(lease_id)
         t = task_of.get(lease_id)
@@ -358,8 +352,7 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
             phase[t] = "just_granted"
             cancel(t, "granted")
 
-    scripts.acquire = acquire  # type: ignore[method-assign]
-    scripts.release = release  # type: ignore[method-assign]
+    gate._request = acquire  # type: ignore[method-assign]
     gate.on_granted = on_granted  # type: ignore[method-assign]
 
     async def one() -> None:
@@ -377,7 +370,6 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
                     await w.call(http, lease, 2)
                 else:
                     await asyncio.sleep(rng.uniform(0, 0.005))
-                phase[t] = "releasing"
             w.stats["completed"] += 1
         except asyncio.CancelledError:
             w.stats["cancelled"] += 1
@@ -508,15 +500,15 @@ async def cancel_ends(w: Worker) -> None:
         else:
             loop.call_soon(after_iterations, k - 1, t)
 
-    scripts = fleet.scripts
-    orig_acquire, orig_on_granted = scripts.acquire, gate.on_granted
+    # The caller's side of an acquire (its request in the gate's batch, until the answer).
+    orig_acquire, orig_on_granted = gate._request, gate.on_granted
 
-    async def acquire(keys: Any, lease_id: str, wait_ms: int, defaults: Any) -> Any:
+    async def acquire(lease_id: str, wait_ms: int) -> Any:
         t = asyncio.current_task()
         assert t is not None
         i = info.get(t)
         if i is None:  # not one of ours
-            return await orig_acquire(keys, lease_id, wait_ms, defaults)
+            return await orig_acquire(lease_id, wait_ms)
         task_of[lease_id] = t
         i.phase = "acquire_in_flight"
         if i.plan == "acquire_rt" and i.cancel_at is None:
@@ -524,7 +516,7 @@ async def cancel_ends(w: Worker) -> None:
                 after_iterations(rng.randint(0, 6), t)
             else:
                 loop.call_later(rng.uniform(0, 0.001), cancel, t, "acquire_rt")
-        reply = await orig_acquire(keys, lease_id, wait_ms, defaults)
+        reply = await orig_acquire(lease_id, wait_ms)
         i.phase = {PARKED: "parked", GRANTED: "granted_reply"}.get(reply.status, "rejected")
         if i.plan == "parked" and reply.status == PARKED:
             loop.call_later(rng.uniform(0, 0.02), cancel, t, "parked")
@@ -541,7 +533,7 @@ async def cancel_ends(w: Worker) -> None:
             if i.plan == "just_granted":
                 cancel(t, "just_granted")
 
-    scripts.acquire = acquire  # type: ignore[method-assign]
+    gate._request = acquire  # type: ignore[method-assign]
     gate.on_granted = on_granted  # type: ignore[method-assign]
 
     async def inside(t: asyncio.Task[Any], i: Info) -> None:

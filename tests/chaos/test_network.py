@@ -179,7 +179,7 @@ def test_client_kill_under_load(
         kills = 0
         while time.monotonic() - t0 < 4.0:
             for c in r.client_list():
-                if c.get("cmd") == "blpop":
+                if c.get("cmd") == "blmpop":
                     kills += r.client_kill_filter(_id=c["id"])
             time.sleep(0.2)
         t1 = time.monotonic()
