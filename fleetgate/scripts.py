@@ -64,6 +64,12 @@ GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
 MAX_BATCH = 256
 
 
+@functools.lru_cache(maxsize=4096)
+def _encoded_argv(defaults: GateSettings) -> tuple[bytes, ...]:
+    """A gate's default settings as script ARGV, encoded once (they go with every acquire)."""
+    return tuple(str(v).encode() for v in defaults.argv())
+
+
 def _check_batch(n: int) -> None:
     if not 1 <= n <= MAX_BATCH:
         raise ValueError(f"a batch holds 1 to {MAX_BATCH} requests, not {n}")
@@ -89,8 +95,7 @@ def script_source(name: str) -> str:
     return f"{lib}\n{body}"
 
 
-@dataclass(frozen=True)
-class AcquireReply:
+class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     """``acquire.lua``'s reply. Of ``holders``, ``position`` and ``max_queued`` only the one of
     the outcome is set (the others are 0)."""
 
@@ -443,7 +448,7 @@ class GateScripts:
         _check_batch(len(requests))
         if len(releases) > MAX_BATCH:
             _check_batch(len(releases))
-        args: list[Any] = [*defaults.argv(), len(releases), *releases]
+        args: list[Any] = [*_encoded_argv(defaults), len(releases), *releases]
         for lease_id, wait_ms in requests:
             args += (lease_id, max(1, wait_ms))
         return await self._run(self._call("acquire", keys, args, AcquireReply.decode_many))
