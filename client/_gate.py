@@ -37,7 +37,7 @@ from fleetgate.settings import GateSettings
 from ._batch import Batcher
 from ._deadline import Deadline
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
-from ._metrics import ClientMetrics
+from ._metrics import ClientMetrics, GateMetrics
 from ._runtime import OUTAGE_ERRORS, Runtime
 from ._wakes import WakeListeners
 
@@ -168,6 +168,8 @@ class Gate:
         self.keys = GateKeys.of(runtime.prefix, name)
         self.leases: dict[str, Lease] = {}
         self.waiters: dict[str, _Waiter] = {}
+        #: this gate's series of the client metrics
+        self.series = GateMetrics(runtime.metrics, name)
         self.last_limit = defaults.floor
         # Live pods of this gate as last counted by a heartbeat this pod trusts (0: none yet,
         # the fair share is then 1): see on_heartbeat.
@@ -320,7 +322,7 @@ class Gate:
 
     def _total_deadline(self, seconds: float | None, where: str) -> Deadline:
         """A total deadline for this gate, counted in the deadline-exceeded metric."""
-        counter = self.metrics.deadline_exceeded.labels(self.name)
+        counter = self.series.deadline_exceeded
         return Deadline(self.name, seconds, where=where, on_expire=counter.inc)
 
     # -- acquiring ---------------------------------------------------------------------------
@@ -364,7 +366,7 @@ class Gate:
                 return self._granted(lease_id, reply.token, reply.expires_at)
             if reply.status == REJECTED:
                 self.waiters.pop(lease_id, None)
-                self.metrics.rejected.labels(self.name).inc()
+                self.series.rejected.inc()
                 raise Overloaded(self.name, reply.max_queued)
             lease = await self._park(waiter, reply.token)
             if lease is not None:
@@ -415,7 +417,7 @@ class Gate:
     async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
         """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""
         waiter.parked = True
-        depth = self.metrics.queue_depth.labels(self.name)
+        depth = self.series.queue_depth
         depth.inc()
         # Looked up on every wake (not bound now), so a hook on on_granted sees every grant.
         pod = self.runtime.pod_key
@@ -439,14 +441,14 @@ class Gate:
         finally:
             depth.dec()
         self.waiters.pop(waiter.id, None)
-        self.metrics.wait_seconds.labels(self.name).observe(time.monotonic() - waiter.parked_at)
+        self.series.wait_seconds.observe(time.monotonic() - waiter.parked_at)
         return self._granted(waiter.id, token, waiter.expires_at)
 
     def _granted(self, lease_id: str, token: int, expires_at: int = 0) -> Lease:
         lease = Lease(self, lease_id, token, expires_at=expires_at)
         self.leases[lease_id] = lease
-        self.metrics.granted.labels(self.name).inc()
-        self.metrics.in_flight.labels(self.name).inc()
+        self.series.granted.inc()
+        self.series.in_flight.inc()
         return lease
 
     async def _cancel(self, waiter_id: str) -> None:
@@ -487,11 +489,11 @@ class Gate:
         async with self._local_cond:
             self.local_leases.pop(lease.id, None)
             self._local_cond.notify_all()
-        self.metrics.in_flight.labels(self.name).dec()
+        self.series.in_flight.dec()
 
     def _release_fleet(self, lease: Lease) -> None:
         if self.leases.pop(lease.id, None) is not None:
-            self.metrics.in_flight.labels(self.name).dec()
+            self.series.in_flight.dec()
         if self.runtime.fallback_active:
             self.runtime.spawn(self.wake_local())
         answer = self._calls.submit((lease.id, None))
@@ -578,8 +580,8 @@ class Gate:
             lease = self.leases.pop(lease_id, None)
             if lease is not None:
                 log.warning("gate %s: lease %s lost (not renewed in time)", self.name, lease_id)
-                self.metrics.lease_lost.labels(self.name).inc()
-                self.metrics.in_flight.labels(self.name).dec()
+                self.series.lease_lost.inc()
+                self.series.in_flight.dec()
                 lease._mark_lost()
         self._readopted(reply.adopted)
         for lease_id in reply.granted_waiters:
@@ -672,7 +674,7 @@ class Gate:
                 return None
             lease = Lease(self, rt.next_id(), 0, local=True)
             self.local_leases[lease.id] = lease
-        self.metrics.in_flight.labels(self.name).inc()
+        self.series.in_flight.inc()
         return lease
 
     async def adopt_running(self) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["ClientMetrics", "client_metrics"]
+__all__ = ["ClientMetrics", "GateMetrics", "client_metrics"]
 
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -30,6 +31,47 @@ class ClientMetrics:
     retries: Counter
     calls_per_request: Histogram
     background_errors: Counter
+
+
+class GateMetrics:
+    """One gate's series of the client metrics, each looked up once, on its first use.
+
+    ``metric.labels(gate)`` takes the metric's lock and builds a key on every call; a permit
+    counts into four series, so the gate keeps the children it used. Created lazily, a series
+    still appears when it first counts something, as with ``labels()`` at the call site.
+    """
+
+    def __init__(self, metrics: ClientMetrics, gate: str) -> None:
+        self._metrics = metrics
+        self._gate = gate
+
+    @cached_property
+    def in_flight(self) -> Gauge:
+        return self._metrics.in_flight.labels(self._gate)
+
+    @cached_property
+    def queue_depth(self) -> Gauge:
+        return self._metrics.queue_depth.labels(self._gate)
+
+    @cached_property
+    def wait_seconds(self) -> Histogram:
+        return self._metrics.wait_seconds.labels(self._gate)
+
+    @cached_property
+    def granted(self) -> Counter:
+        return self._metrics.granted.labels(self._gate)
+
+    @cached_property
+    def rejected(self) -> Counter:
+        return self._metrics.rejected.labels(self._gate)
+
+    @cached_property
+    def deadline_exceeded(self) -> Counter:
+        return self._metrics.deadline_exceeded.labels(self._gate)
+
+    @cached_property
+    def lease_lost(self) -> Counter:
+        return self._metrics.lease_lost.labels(self._gate)
 
 
 _lock = threading.Lock()
