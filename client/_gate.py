@@ -14,7 +14,6 @@ import contextlib
 import functools
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -85,17 +84,32 @@ class Lease:
         # heartbeat sends it back, so the gate can tell a lease it lost (restart) from one that
         # expired (see lua/heartbeat.lua).
         self.expires_at = expires_at
-        self.lost = asyncio.Event()
-        self._lost_flag = threading.Event()
+        # A plain flag (is_lost reads it from any thread) and the event made on first use: most
+        # leases are never asked, and two events cost as much as the rest of the lease.
+        self._is_lost = False
+        self._lost: asyncio.Event | None = None
         self._released = False
 
     @property
+    def lost(self) -> asyncio.Event:
+        """An event set when the lease is lost (use it on the fleet's event loop)."""
+        event = self._lost
+        if event is None:
+            # Stored before the flag is read: a _mark_lost in between sets one or the other.
+            event = self._lost = asyncio.Event()
+            if self._is_lost:
+                event.set()
+        return event
+
+    @property
     def is_lost(self) -> bool:
-        return self._lost_flag.is_set()
+        """Whether the lease was lost; safe to read from any thread."""
+        return self._is_lost
 
     def _mark_lost(self) -> None:
-        self._lost_flag.set()
-        self.lost.set()
+        self._is_lost = True
+        if self._lost is not None:
+            self._lost.set()
 
     def lost_error(self) -> LeaseLost:
         """The error for leaving a permit block whose lease was lost."""
