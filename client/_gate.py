@@ -350,15 +350,17 @@ class Gate:
                     return lease
                 continue
             lease_id = rt.next_id()
-            waiter = _Waiter(lease_id, asyncio.get_running_loop().create_future(), dl)
-            if not self.busy:
-                # The first lease or waiter: renew it a renewal period from now (the grant is
-                # as fresh as a renewal), whatever the heartbeat was sleeping on before.
-                self.renewed_at = asyncio.get_running_loop().time()
-                rt.replan.set()
+            loop = asyncio.get_running_loop()
+            waiter = _Waiter(lease_id, loop.create_future(), dl)
+            was_idle = not self.busy
             # Registered before the call: a hand-off can be popped by the wake listener
             # before this coroutine sees the script's reply.
             self.waiters[lease_id] = waiter
+            if was_idle:
+                # The first lease or waiter: renew it a renewal period from now (the grant is
+                # as fresh as a renewal), whatever the heartbeat was sleeping on before.
+                self.renewed_at = loop.time()
+                rt.renew_by(self.renewed_at + self.renewal_period)
             try:
                 reply = await self._request(lease_id, waiter.remaining_ms())
             except OUTAGE_ERRORS as exc:
@@ -558,6 +560,14 @@ class Gate:
     def busy(self) -> bool:
         """Whether this process holds leases or waiters of the gate (they need renewing)."""
         return bool(self.leases or self.waiters)
+
+    @property
+    def renewal_period(self) -> float:
+        """Seconds between two heartbeats of the gate: with leases or waiters, at most a third
+        of the TTLs in force; idle, the live-pod registration period."""
+        if self.busy:
+            return min(self.runtime.heartbeat_interval, self.ttl_ms / 3000)
+        return self.runtime.register_period
 
     def renewal(self) -> Renewal:
         """What the next heartbeat of this gate renews."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
 
 from fleetgate.keys import fleet_keys
@@ -53,7 +54,7 @@ class Heartbeat:
                     await self._nap(max(0.001, wait))
                     continue
                 # Due now, or within half its period: beat together.
-                due = [g for g in gates if now >= self._next_beat(g) - self._period(g) / 2]
+                due = [g for g in gates if now >= self._next_beat(g) - g.renewal_period / 2]
                 for g in due:
                     g.renewed_at = now
                 await self._beat(due)
@@ -61,22 +62,21 @@ class Heartbeat:
                 rt.background_error("heartbeat", exc)
                 await asyncio.sleep(min(1.0, rt.heartbeat_interval))
 
-    def _period(self, gate: Gate) -> float:
-        if gate.busy:
-            return min(self.runtime.heartbeat_interval, gate.ttl_ms / 3000)
-        return self.runtime.register_period
-
     def _next_beat(self, gate: Gate) -> float:
-        return gate.renewed_at + self._period(gate)
+        return gate.renewed_at + gate.renewal_period
 
     async def _nap(self, seconds: float) -> None:
         """Sleep ``seconds`` or until the runtime's ``replan`` is set (no asyncio.wait_for:
-        see _deadline)."""
-        replan = self.runtime.replan
-        handle = asyncio.get_running_loop().call_later(seconds, replan.set)
+        see _deadline). ``Runtime.heartbeat_wakes_at`` says until when, meanwhile."""
+        rt = self.runtime
+        replan = rt.replan
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(seconds, replan.set)
+        rt.heartbeat_wakes_at = handle.when()
         try:
             await replan.wait()
         finally:
+            rt.heartbeat_wakes_at = math.inf
             handle.cancel()
             replan.clear()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal
 
@@ -74,6 +75,8 @@ class Runtime:
         self.closing = False
         #: set to make the heartbeat re-plan now (see poke_heartbeat)
         self.replan = asyncio.Event()
+        #: loop time the heartbeat's nap ends (inf while it is not napping); see renew_by
+        self.heartbeat_wakes_at = math.inf
         #: called (in fair_share mode) when Redis is found unreachable; the fallback sets it
         self.on_outage: Callable[[BaseException], None] = lambda exc: None
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -167,6 +170,13 @@ class Runtime:
         self.metrics.background_errors.labels(task).inc()
         where = f"gate {gate}: " if gate else ""
         log.warning("%s%s failed: %s: %s (retrying)", where, task, type(exc).__name__, exc)
+
+    def renew_by(self, when: float) -> None:
+        """A gate got its first lease or waiter and must be renewed by ``when`` (loop time):
+        wake the heartbeat only if it sleeps past that. (Waking it on every such event cost
+        the uncontended permit a loop iteration and a re-plan each time.)"""
+        if when < self.heartbeat_wakes_at:
+            self.replan.set()
 
     def poke_heartbeat(self) -> None:
         """Make the heartbeat re-plan now (a gate appeared, got work, or its TTLs changed).
