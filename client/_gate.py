@@ -180,6 +180,9 @@ class Gate:
         self.runtime = runtime
         self.wakes = wakes
         self.keys = GateKeys.of(runtime.prefix, name)
+        # This pod's wake and re-arm lists of the gate (named once: every park asks for them).
+        self._wake_key = self.keys.wake(runtime.pod_key)
+        self._rearm_key = self.keys.rearm(runtime.pod_key)
         self.leases: dict[str, Lease] = {}
         self.waiters: dict[str, _Waiter] = {}
         #: this gate's series of the client metrics
@@ -436,8 +439,7 @@ class Gate:
         depth = self.series.queue_depth
         depth.inc()
         # Looked up on every wake (not bound now), so a hook on on_granted sees every grant.
-        pod = self.runtime.pod_key
-        self.wakes.ensure(self.name, self.keys.wake(pod), self._woken, self.keys.rearm(pod))
+        self.wakes.ensure(self.name, self._wake_key, self._woken, self._rearm_key)
         try:
             await waiter.future
         except _Requeue:

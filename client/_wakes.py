@@ -60,6 +60,8 @@ class WakeListeners:
         self.groups: dict[tuple[int, int], _Group] = {}
         #: gate -> the wake list it listens on (what ensure() was asked for)
         self.gates: dict[str, str] = {}
+        # wake list -> its group, for ensure()'s fast path (every park asks again)
+        self._group_by_key: dict[str, _Group] = {}
 
     @property
     def tasks(self) -> dict[tuple[int, int], asyncio.Task[None]]:
@@ -70,20 +72,25 @@ class WakeListeners:
         """Listen on ``key`` for ``gate`` (if not already), passing every popped id to
         ``on_wake``. ``rearm_key`` is the re-arm list in ``key``'s slot, used if ``key`` starts
         a new group."""
-        rt = self.runtime
+        group = self._group_by_key.get(key)
+        if group is not None and group.task is not None and not group.task.done():
+            group.keys[key] = on_wake  # listened on already
+            self.gates[gate] = key
+            return
         group_id = self._group_of(key)
         group = self.groups.get(group_id)
         if group is None:
             group = self.groups[group_id] = _Group(rearm_key)
         added = key not in group.keys
         group.keys[key] = on_wake
+        self._group_by_key[key] = group
         self.gates[gate] = key
         if group.task is None or group.task.done():
             group.task = asyncio.create_task(
                 self._listen(group), name=f"fleetgate-wake-{group_id[0]}-{group_id[1]}"
             )
         elif added:
-            rt.spawn(self._rearm(group))
+            self.runtime.spawn(self._rearm(group))
 
     def _group_of(self, key: str) -> tuple[int, int]:
         """The pop group of ``key``: its slot group, then a listener of at most
@@ -103,6 +110,7 @@ class WakeListeners:
             t.cancel()
         self.groups.clear()
         self.gates.clear()
+        self._group_by_key.clear()
         return tasks
 
     async def _rearm(self, group: _Group) -> None:
