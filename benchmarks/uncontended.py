@@ -7,11 +7,15 @@ rounds so drift (CPU frequency, other load) hits them alike. Each adds one cost 
   client with its defaults (the baseline);
 * ``+ fleetgate's client options``: the same on a client made by ``fleetgate._redis.connect``
   (socket timeouts, a bounded blocking pool);
-* ``+ gate KEYS/ARGV``: the same no-ops given the real 10 KEYS and ARGV (argument encoding);
+* ``+ gate KEYS/ARGV``: the same no-ops given the real KEYS and ARGV (argument encoding);
 * ``+ gate reply shape``: no-ops returning arrays shaped like acquire's and release's replies
   (reply parsing: costly with the pure-Python parser);
-* ``scripts only (real Lua)``: ``fleet.scripts.acquire`` + ``release`` (server-side Lua);
+* ``scripts only (real Lua)``: ``fleet.scripts.acquire`` + ``release`` (server-side Lua), two
+  calls as a caller that awaited each would make them;
 * ``permit()``: ``async with gate.permit(): pass`` (the client logic: deadline, lease, metrics).
+  Since issue 11 a release leaves with the gate's next call, so sequential permits cost one
+  script call each (the release of one rides with the acquire of the next): ``permit()`` can be
+  cheaper than "scripts only", and the gap between them no longer isolates the client logic.
 
 Ratio = permit() rate / raw no-op pair rate (target >= 0.8); the same ratio from median per-op
 latencies is reported too, as it is insensitive to stalls caused by other load on the machine.
