@@ -54,7 +54,6 @@ from ._common import Headline, Options, figure, log, percentiles, save, table
 from ._server import (
     CLIENT_COMMANDS,
     _proc_stat,
-    configure_gate,
     delta,
     private_redis,
     redis_counters,
@@ -241,15 +240,7 @@ def _sleep_until(t_ns: int) -> None:
 
 
 def run_fleetgate(url: str, warm: float, seconds: float, opts: Options) -> Measured:
-    configure_gate(
-        url,
-        GATE,
-        floor=LIMIT,
-        ceiling=LIMIT,
-        max_queued=2 * PROCS * TASKS,
-        lease_ms=10_000,
-        waiter_ms=5_000,
-    )
+    throughput.configure_workload(url, GATE)
     args = [(url, GATE, TASKS, warm, seconds, opts.flavor)] * PROCS
     with Workers(throughput.acquirers, args) as w:
         start = w.go()

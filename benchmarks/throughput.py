@@ -102,19 +102,25 @@ def handoff_gaps(recs: np.ndarray, lo: int, hi: int) -> dict[str, float]:
     return percentiles((grants[keep] - releases[keep]) / 1e6)
 
 
+def configure_workload(url: str, gate: str) -> Any:
+    """The workload's gate: a fixed limit of LIMIT, room in the queue for every task (also used
+    by the peers benchmark, which runs the same workload)."""
+    return configure_gate(
+        url,
+        gate,
+        floor=LIMIT,
+        ceiling=LIMIT,
+        max_queued=2 * PROCS * TASKS,
+        lease_ms=10_000,
+        waiter_ms=5_000,
+    )
+
+
 def run(opts: Options) -> list[Headline]:
     warm, seconds = opts.pick((2.0, 10.0), (1.5, 3.0))
     ideal = LIMIT / HOLD_S
     with private_redis() as rp:
-        keys = configure_gate(
-            rp.url,
-            GATE,
-            floor=LIMIT,
-            ceiling=LIMIT,
-            max_queued=2 * PROCS * TASKS,
-            lease_ms=10_000,
-            waiter_ms=5_000,
-        )
+        keys = configure_workload(rp.url, GATE)
         args = [(rp.url, GATE, TASKS, warm, seconds, opts.flavor)] * PROCS
         with Workers(acquirers, args) as w:
             start = w.go()

@@ -175,7 +175,9 @@ class RedisMode:
         """KEYS of a script call on gate ``keys``.
 
         The scripts need only the gate's base name (``lua/lib.lua`` derives the rest), which is
-        all a standalone Redis gets: ~30 µs less client time per call than ten names. On
+        all a standalone Redis gets (ten names cost the client more to encode: the "+ gate
+        KEYS/ARGV" row of ``benchmarks/uncontended.py``: 66 → 11-16 µs per acquire + release pair
+        at p50 in the runs of 2026-12-01). On
         Cluster every data key is declared too: during a slot migration Redis decides from the
         declared keys whether a call runs on the migrating node, is redirected to the importing
         one (ASK) or retried (TRYAGAIN); a call declaring only a name that never exists would be

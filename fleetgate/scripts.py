@@ -64,17 +64,6 @@ GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
 MAX_BATCH = 256
 
 
-@functools.lru_cache(maxsize=4096)
-def _encoded_argv(defaults: GateSettings) -> tuple[bytes, ...]:
-    """A gate's default settings as script ARGV, encoded once (they go with every acquire)."""
-    return tuple(str(v).encode() for v in defaults.argv())
-
-
-def _check_batch(n: int) -> None:
-    if not 1 <= n <= MAX_BATCH:
-        raise ValueError(f"a batch holds 1 to {MAX_BATCH} requests, not {n}")
-
-
 PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
 
 _R = TypeVar("_R")
@@ -446,8 +435,7 @@ class GateScripts:
         granted, parked or rejected in order, as if they had asked one after the other, after
         ``releases`` (lease ids) were released. At most :data:`MAX_BATCH` of each."""
         _check_batch(len(requests))
-        if len(releases) > MAX_BATCH:
-            _check_batch(len(releases))
+        _check_batch(len(releases), least=0)
         args: list[Any] = [*_encoded_argv(defaults), len(releases), *releases]
         for lease_id, wait_ms in requests:
             args += (lease_id, max(1, wait_ms))
@@ -641,6 +629,17 @@ class LeaderScripts:
     async def release(self, leader_key: str, owner: str) -> None:
         """Delete the lease if ``owner`` holds it."""
         await self._release(keys=[leader_key], args=[owner])
+
+
+@functools.lru_cache(maxsize=4096)
+def _encoded_argv(defaults: GateSettings) -> tuple[bytes, ...]:
+    """A gate's default settings as script ARGV, encoded once (they go with every acquire)."""
+    return tuple(str(v).encode() for v in defaults.argv())
+
+
+def _check_batch(n: int, least: int = 1) -> None:
+    if not least <= n <= MAX_BATCH:
+        raise ValueError(f"a batch holds {least} to {MAX_BATCH} ids, not {n}")
 
 
 def _heartbeat_units(req: HeartbeatRequest) -> int:

@@ -3,9 +3,10 @@
 --
 -- KEYS[1] is the gate's base name, '<prefix>:{<gate>}' (fleetgate.keys.GateKeys.base); every key
 -- of the gate is that base plus a fixed suffix (the same names as GateKeys, checked by
--- tests/test_scripts.py). Passing one name instead of ten costs the client ~30 µs less per
--- call to encode (benchmarks/uncontended.py); every derived key shares the base's hash tag, so
--- it lives in the slot the call is routed to (Redis Cluster allows a script any key of its slot).
+-- tests/test_scripts.py::test_scripts_write_only_the_keys_gate_keys_names). One name costs the
+-- client less to encode than ten (the "+ gate KEYS/ARGV" row of benchmarks/uncontended.py);
+-- every derived key shares the base's hash tag, so it lives in the slot the call is routed to.
+-- On Cluster the client declares the data keys too (fleetgate._redis.RedisMode.script_keys).
 -- The wake list of a pod is K_WAKE .. pod_id.
 local K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL, K_WAKE
 local function use_gate(base)

@@ -1,5 +1,7 @@
--- release: give leases back and hand the freed slots to the head waiters in the same call. One
--- process sends the releases of one loop turn as one call (fleetgate.client).
+-- release: give leases back and hand the freed slots to the head waiters in the same call. The
+-- client sends releases here only when it has nothing to acquire on the gate (else they ride
+-- with acquire.lua, which releases first); a batch holds what was released while its previous
+-- call was in flight.
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: the lease ids
 -- Returns the number of ids that held a lease: an id already gone (double release, or expired

@@ -150,3 +150,22 @@ async def test_inspect_snapshot(scripts: GateScripts, keys: GateKeys) -> None:
     assert [w.id for w in snap.head] == ["b:1"]
     assert [h.id for h in snap.leases] == ["a:1"]
     assert snap.cfg["floor"] == "1"
+
+
+async def test_scripts_write_only_the_keys_gate_keys_names(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    """The scripts get the gate's base name alone and derive every key (lua/lib.lua): each key
+    they write is one GateKeys names, and each data key GateKeys names is the one written."""
+    d = GateSettings(floor=1, ceiling=1, max_queued=10, lease_ms=10_000, waiter_ms=5_000)
+    assert (await scripts.acquire(keys, "pa:1", 5_000, d)).status == GRANTED
+    assert (await scripts.acquire(keys, "pb:2", 5_000, d)).status == PARKED
+    assert (await scripts.acquire(keys, "pc:3", 5_000, d)).status == PARKED
+    await scripts.heartbeat(keys, "pb", 10_000, [], [("pb:2", 5_000)])
+    await scripts.publish(keys, epoch=1, ttl_ms=10_000, target=1, cfg={}, util={"running": 1})
+    assert await scripts.release(keys, "pa:1")  # hands the slot to pb:2, wakes pod pb
+    found = {k async for k in async_redis.scan_iter(match=f"{keys.base}:*")}
+    assert found == {*keys.data_keys(), keys.wake("pb")}
+    assert await async_redis.zrange(keys.holders, 0, -1) == ["pb:2"]
+    assert await async_redis.zrange(keys.queue, 0, -1) == ["pc:3"]
+    assert await async_redis.lrange(keys.wake("pb"), 0, -1) == ["pb:2"]
