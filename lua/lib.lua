@@ -121,13 +121,15 @@ local function upgrade_gate()
   if moved > 0 then lane_enter('}100', 1, 1) end
 end
 
+-- Refuse a gate of a newer schema (before anything is written); returns the stored schema
+-- (1 when absent: a gate of fleetgate 0.1, or one without configuration).
 local function check_schema(stored)
   local s = num(stored, 1)
   if s > SCHEMA then
     error('fleetgate schema: gate ' .. K_CFG .. ' is at schema ' .. string.format('%.0f', s)
       .. ' and this fleetgate knows schema ' .. SCHEMA .. ': upgrade this client or coordinator')
   end
-  if s < SCHEMA then upgrade_gate() end
+  return s
 end
 
 -- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
@@ -139,10 +141,11 @@ end
 local function load_cfg(d, register)
   d = d or {}
   local v = redis.call('HMGET', K_CFG, 'schema', unpack(CFG_FIELDS))
-  local schema = table.remove(v, 1)
-  check_schema(schema)
+  local schema = check_schema(table.remove(v, 1))
   local has = false
   for i = 1, N_SETTINGS do has = has or v[i] end
+  -- a configured gate of schema 1 is converted; so is a new one as it is registered (the fence)
+  if schema < SCHEMA and (has or register) then upgrade_gate() end
   if register and not has then
     local pairs_ = {}
     for i, name in ipairs(CFG_FIELDS) do

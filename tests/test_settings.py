@@ -12,7 +12,7 @@ from fleetgate import scripts as scripts_module
 from fleetgate.coordinator.config import Config, GateConfig
 from fleetgate.errors import ConfigError
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GRANTED, GateScripts
+from fleetgate.scripts import GRANTED, SCHEMA, GateScripts
 from fleetgate.settings import (
     FIELDS,
     GateSettings,
@@ -68,6 +68,7 @@ async def test_acquire_registers_and_applies_the_struct(
     assert reply.status == GRANTED and reply.holders == 1
     assert (reply.lease_ms, reply.waiter_ms) == (1234, 567)
     stored = await async_redis.hgetall(keys.cfg)
+    assert stored.pop("schema") == str(SCHEMA)
     assert {k: int(v) for k, v in stored.items()} == s.as_cfg()
     assert _effective(await scripts.snapshot(keys, 0)) == s.as_cfg()
 
