@@ -48,6 +48,7 @@ from fleetgate.settings import GateSettings
 
 from ._batch import Batcher
 from ._deadline import Deadline
+from ._local import LocalPermits
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
 from ._metrics import ClientMetrics, GateMetrics
 from ._runtime import OUTAGE_ERRORS, Runtime
@@ -182,9 +183,7 @@ class Lease:
             return
         self._released = True
         if self.local:
-            # Spawned (the fleet waits for background tasks on close) and shielded: a
-            # cancelled caller still gives the permit back.
-            await asyncio.shield(self.gate.runtime.spawn(self.gate._release_local(self)))
+            self.gate._release_local(self)  # synchronous: nothing to cancel, nothing to race
         else:
             self.gate._release_fleet(self)
 
@@ -259,7 +258,14 @@ class Gate:
         self.local_leases: dict[str, Lease] = {}
         # Listed in the fleet's gate registry (`fg:gates`, for `fleetgate status`).
         self.in_registry = False
-        self._local_cond = asyncio.Condition()
+        # The local bound while Redis is unreachable: units by priority (see _local.py).
+        self._local = LocalPermits(
+            self.fair_share,
+            in_use=self._fleet_units,
+            allowed=lambda: not runtime.recovering,
+            active=lambda: runtime.fallback_active,
+            gate=name,
+        )
         # This process's acquires and releases of the gate, each sent as one script call per
         # batch (group commit: see _batch.py).
         # (lease id, wait ms) to acquire, (lease id, None) to release.
@@ -638,11 +644,10 @@ class Gate:
 
     # -- releasing ---------------------------------------------------------------------------
 
-    async def _release_local(self, lease: Lease) -> None:
-        async with self._local_cond:
-            self.local_leases.pop(lease.id, None)
-            self._local_cond.notify_all()
-        self.series.in_flight.dec()
+    def _release_local(self, lease: Lease) -> None:
+        if self.local_leases.pop(lease.id, None) is not None:
+            self.series.in_flight.dec()
+            self._local.release(lease.weight)
 
     def _release_fleet(self, lease: Lease) -> None:
         if self.leases.pop(lease.id, None) is not None:
@@ -831,32 +836,38 @@ class Gate:
                 waiter.future.exception()
 
     def fair_share(self) -> int:
-        """Local bound while Redis is unreachable: ceil(last limit / live pods), with the live
-        pods as last counted by a heartbeat this pod trusts; 1 while it has no such count (a
-        pod that started, or fell back, before it could count its peers)."""
+        """Local bound in units while Redis is unreachable: ceil(last limit / live pods), with
+        the live pods as last counted by a heartbeat this pod trusts; 1 while it has no such
+        count (a pod that started, or fell back, before it could count its peers). Local
+        permits and the fleet leases still running share it, each by its weight."""
         if self.last_live_pods <= 0:
             return 1
         return max(1, math.ceil(self.last_limit / self.last_live_pods))
 
+    def _fleet_units(self) -> int:
+        """Units of the fleet leases this pod still holds (they count against the local bound)."""
+        return sum(lease.weight for lease in self.leases.values())
+
     async def _acquire_local(self, weight: int = 1, priority: int = 0) -> Lease | None:
-        """A permit under the local bound, or None if fleet mode came back meanwhile."""
+        """``weight`` units under the local bound, by ``priority``; None if fleet mode came
+        back meanwhile. A weight above :meth:`fair_share` raises :class:`Overloaded` at once.
+
+        No new permit starts while Redis is back and running work is being adopted
+        (``recovering``): it would be uncounted when another pod resumes fleet mode.
+        """
         rt = self.runtime
-        async with self._local_cond:
-            await self._local_cond.wait_for(
-                lambda: (
-                    not rt.fallback_active
-                    or (
-                        # Not while Redis is back and running work is being adopted: a permit
-                        # started now would be uncounted when another pod resumes fleet mode.
-                        not rt.recovering
-                        and len(self.local_leases) + len(self.leases) < self.fair_share()
-                    )
-                )
-            )
-            if not rt.fallback_active:
+        try:
+            if not await self._local.acquire(weight, priority):
                 return None
-            lease = Lease(self, rt.next_id(), 0, local=True)
-            self.local_leases[lease.id] = lease
+        except Overloaded:
+            self.series.rejected.inc()
+            raise
+        # No await from the grant to here: a cancelled caller holds nothing.
+        lease_id = rt.next_id()
+        if weight > 1:
+            lease_id += f"w{weight}"  # adopted with its weight when Redis is back
+        lease = Lease(self, lease_id, 0, local=True, weight=weight)
+        self.local_leases[lease.id] = lease
         self.series.in_flight.inc()
         return lease
 
@@ -884,11 +895,11 @@ class Gate:
                 continue
             lease.local = False
             self.leases[lease.id] = lease
+            self._local.release(lease.weight)  # counted as a fleet lease from now on
 
     async def wake_local(self) -> None:
-        """Let callers waiting for a local permit look again (the mode changed)."""
-        async with self._local_cond:
-            self._local_cond.notify_all()
+        """Let callers waiting for a local permit look again (the mode or the bound changed)."""
+        self._local.notify()
 
     def __repr__(self) -> str:
         return f"Gate({self.name!r}, limit≈{self.last_limit})"

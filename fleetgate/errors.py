@@ -32,7 +32,9 @@ class FleetgateError(Exception):
 class Overloaded(FleetgateError):
     """The gate's fleet-wide wait list is full: rejected at once, the work was never invoked.
 
-    Retrying an overload deepens it, so fleetgate never retries this error itself.
+    Retrying an overload deepens it, so fleetgate never retries this error itself. ``reason``,
+    when given, replaces "its fleet-wide wait list is full" in the message (say, a call heavier
+    than the local fair-share bound while Redis is unreachable).
     """
 
     def __init__(self, gate: str, max_queued: int, *, reason: str | None = None) -> None:
