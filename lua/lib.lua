@@ -337,7 +337,9 @@ local function remove_leases(ids, i, j)
       units = units + weight_of(ids[k])
     end
   end
-  if units > n then redis.call('HINCRBY', K_ADM, 'extra', n - units) end
+  if units > n and redis.call('HINCRBY', K_ADM, 'extra', n - units) == 0 then
+    redis.call('HDEL', K_ADM, 'extra')  -- no field is left once every heavy lease is gone
+  end
   return n, units
 end
 
@@ -353,9 +355,19 @@ lane_enter = function(lane, w_head, lim)
   adm_set('f:' .. lane, pad20(f))
 end
 
+-- A lane left the fair order: when it was the band's last, the band's virtual time goes too
+-- (an idle band starts again from 0: no credit is kept for anyone).
+local function left_fair(lane, f)
+  redis.call('ZREM', K_FAIR, fair_member(lane, f))
+  adm_set('f:' .. lane, nil)
+  local r = lane_band(lane)
+  if #redis.call('ZRANGEBYLEX', K_FAIR, '[' .. r .. '}', '(' .. r .. '~', 'LIMIT', 0, 1) == 0 then
+    adm_set('vt:' .. r, nil)
+  end
+end
+
 -- After waiters of the lanes in `touched` (lane -> true) left them: an emptied lane leaves the
--- fair order (or big); a lane in big is re-scored by its new head. A stale reservation is
--- cleared by the hand-off that meets it.
+-- fair order (or big); a lane in big is re-scored by its new head.
 local function lanes_touched(touched)
   for lane in pairs(touched) do
     local lo, hi = lane_range(lane)
@@ -363,8 +375,7 @@ local function lanes_touched(touched)
     local f = adm_get('f:' .. lane)
     if #left == 0 then
       if f then
-        redis.call('ZREM', K_FAIR, fair_member(lane, tonumber(f)))
-        adm_set('f:' .. lane, nil)
+        left_fair(lane, tonumber(f))
       else
         redis.call('ZREM', K_BIG, lane)
       end
@@ -382,7 +393,11 @@ local function remove_waiters(members)
   local touched = {}
   for _, m in ipairs(members) do
     local lane = member_lane(m)
-    if lane then touched[lane] = true end
+    if lane then
+      touched[lane] = true
+      local key = 'rsv:' .. lane_band(lane)
+      if adm_get(key) == m then adm_set(key, nil) end  -- its reservation goes with it
+    end
   end
   lanes_touched(touched)
 end
@@ -587,8 +602,7 @@ local function handoff(now, cfg, lim, units)
       if i > #heads then state = 'empty' end
       if vt ~= vt0 then adm_set('vt:' .. r, string.format('%.0f', vt)) end
       if state ~= 'open' then
-        redis.call('ZREM', K_FAIR, fair_member(lane, old_f))
-        adm_set('f:' .. lane, nil)
+        left_fair(lane, old_f)
         if state == 'big' then
           if rsv and member_lane(rsv) == lane then adm_set('rsv:' .. r, nil) end
           redis.call('ZADD', K_BIG, weight_of(member_id(heads[i])), lane)
