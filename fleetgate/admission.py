@@ -56,7 +56,7 @@ def weighted_id(base_id: str, weight: int) -> str:
 
 
 def weight_of(lease_id: str) -> int:
-    head, sep, tail = lease_id.rpartition(":")
+    _, sep, tail = lease_id.rpartition(":")
     if sep and "w" in tail:
         n, _, w = tail.partition("w")
         if n.isdigit() and w.isdigit():

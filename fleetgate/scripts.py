@@ -98,7 +98,8 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     limit: int
     holders: int  # granted: units held counting this one
     position: int  # parked: waiters counting this one
-    max_queued: int  # refused: the bound that refused it (max_queued, per tenant, shed_below, ceiling)
+    #: refused: the bound that refused it (max_queued, per tenant, shed_below or ceiling)
+    max_queued: int
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
     expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
@@ -677,7 +678,7 @@ class LeaderScripts:
 @functools.lru_cache(maxsize=4096)
 def _encoded_argv(defaults: GateSettings) -> tuple[bytes, ...]:
     """A gate's default settings as script ARGV, encoded once (they go with every acquire)."""
-    values = [*defaults.argv()]
+    values: list[object] = [*defaults.argv()]
     values += [""] * (_ACQUIRE_DEFAULTS - len(values))
     return tuple(str(v).encode() for v in values)
 

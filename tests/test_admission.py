@@ -387,7 +387,7 @@ async def test_newer_schema_is_refused_clearly(fleet: Fleet, async_redis: aredis
         pass
     await async_redis.hset(gate.keys.cfg, "schema", SCHEMA + 1)
     before = await async_redis.hgetall(gate.keys.stats)
-    with pytest.raises(ConfigError, match="schema 3.*upgrade"):
+    with pytest.raises(ConfigError, match=r"schema 3.*upgrade"):
         await gate.acquire()
     assert await async_redis.hgetall(gate.keys.stats) == before
 

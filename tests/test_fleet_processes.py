@@ -65,7 +65,10 @@ def test_fifo_order_across_processes(rut: RedisUnderTest, r: redis.Redis) -> Non
             p.start()
             procs.append(p)
             wait_for(lambda i=i: blocker.zcard(keys.waiters) == i + 1, 20)
-        parked = [int(x.split(":")[0].rsplit("-", 2)[1]) for x in map(member_id, r.zrange(keys.lanes, 0, -1))]
+        parked = [
+            int(x.split(":")[0].rsplit("-", 2)[1])
+            for x in map(member_id, r.zrange(keys.lanes, 0, -1))
+        ]
         loop.run_until_complete(lease.release())  # type: ignore[attr-defined]
         for p in procs:
             p.join(30)
