@@ -547,6 +547,7 @@ def run(opts: Options) -> list[Headline]:
                 "interactive_wait_ms": {**percentiles(iw), "mean": float(np.mean(iw))},
                 # paced calls asked in the window that were never granted (records are grants)
                 "interactive_not_granted": max(0, round(INTERACTIVE_RATE * d.window) - len(asked)),
+                "interactive_waits_ms_by_ask": [round(float(x), 2) for x in iw],
                 "mean_hold_ms": hold,
                 "p99_vs_mean_hold": percentiles(iw)["p99"] / hold,
                 "utilisation_client": d.busy_units() / (LIMIT_1 * d.window),
