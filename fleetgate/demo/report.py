@@ -356,7 +356,7 @@ def plot(rec: DemoRecord, path: Path) -> None:
     fig = Figure(figsize=(11, 2.9 * (n + extra)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(n + extra, 1, sharex=True, squeeze=False)[:, 0]
-    for ax, info in zip(axes, rec.gates, strict=True):
+    for ax, info in zip(axes[:n], rec.gates, strict=True):
         _plot_gate(ax, rec, info)
     if extra:
         _plot_priority(axes[-1], rec)
