@@ -7,8 +7,8 @@ visit two pipelines of 50 pairs that leave n unchanged:
 
 * ``acquire (park) + cancel``: a fresh id parks at the tail and leaves the queue again;
 * ``release + hand-off + acquire (park)``: the holder releases, the script hands the slot to the
-  head waiter (ZRANGE, ZREM x2, ZADD, RPUSH + PEXPIRE of its pod's wake list), and a fresh id
-  parks at the tail.
+  head waiter (the lane from `fair`, its head from `lanes`, ZREM x2, ZADD, RPUSH + PEXPIRE of its
+  pod's wake list), and a fresh id parks at the tail.
 
 Each pipeline is framed by INFO commandstats, so the ``evalsha`` usec delta is the server time
 of exactly those scripts (their internal commands included), free of client and network noise;
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import redis
 
+from fleetgate.admission import class_member
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import script_source
 
@@ -63,13 +64,20 @@ class Bench:
         self.r, self.s, self.gate = r, scripts, keys
         self.keys = keys.script_keys()
         self.queue: deque[str] = deque()
+        #: parked id -> its waiter member (what cancel and the heartbeat name it by)
+        self.members: dict[str, str] = {}
         self.holder = "holder:0"
         self.seq = 0
         assert self.s["acquire"](keys=self.keys, args=self.acq_args(self.holder))[4] == 1
 
     @staticmethod
     def acq_args(wid: str) -> list[Any]:
-        return [1, 1, 10**7, HOUR_MS, HOUR_MS, 0, wid, HOUR_MS]
+        # 8 default settings, no release, one request of the default class
+        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", 0, wid, HOUR_MS, ""]
+
+    def note_parked(self, ids: list[str], replies: list[Any]) -> None:
+        for wid, reply in zip(ids, replies, strict=True):
+            self.members[wid] = class_member("", int(reply[5]), wid)
 
     def new_id(self) -> str:
         self.seq += 1
@@ -77,6 +85,13 @@ class Bench:
 
     def timed(self, calls: Iterable[tuple[str, list[Any]]]) -> tuple[float, int]:
         """Run script calls in one pipeline framed by INFO; (evalsha usec, calls) in between."""
+        usec, n, _ = self.timed_replies(calls)
+        return usec, n
+
+    def timed_replies(
+        self, calls: Iterable[tuple[str, list[Any]]]
+    ) -> tuple[float, int, list[Any]]:
+        """:meth:`timed`, and the calls' replies."""
         with self.r.pipeline(transaction=False) as p:
             p.info("commandstats")
             n = 0
@@ -87,32 +102,37 @@ class Bench:
             out = p.execute()
         a, b = out[0]["cmdstat_evalsha"], out[-1]["cmdstat_evalsha"]
         assert b["calls"] - a["calls"] == n, "a script call failed"
-        return float(b["usec"] - a["usec"]), n
+        return float(b["usec"] - a["usec"]), n, out[1:-1]
 
     def fill(self, n: int) -> None:
         while len(self.queue) < n:
             ids = [self.new_id() for _ in range(min(2000, n - len(self.queue)))]
-            self.timed(("acquire", self.acq_args(i)) for i in ids)
+            _, _, replies = self.timed_replies(("acquire", self.acq_args(i)) for i in ids)
+            self.note_parked(ids, replies)
             self.queue.extend(ids)
 
     def park_cancel(self, m: int) -> float:
-        """µs per pair: a fresh id parks at the tail and leaves again (length unchanged)."""
-        calls: list[tuple[str, list[Any]]] = []
-        for _ in range(m):
-            wid = self.new_id()
-            calls += [("acquire", self.acq_args(wid)), ("cancel", [wid])]
-        usec, n = self.timed(calls)
-        return 2 * usec / n
+        """µs per pair: a fresh id parks at the tail and leaves again (length unchanged). The
+        cancels name the waiter members the parks' replies gave: two pipelines."""
+        ids = [self.new_id() for _ in range(m)]
+        usec, n, replies = self.timed_replies(("acquire", self.acq_args(w)) for w in ids)
+        self.note_parked(ids, replies)
+        usec2, n2 = self.timed(("cancel", [w, self.members.pop(w)]) for w in ids)
+        return 2 * (usec + usec2) / (n + n2)
 
     def release_handoff(self, m: int) -> float:
         """µs per pair: the holder releases (the head is granted), a fresh id parks at the tail."""
         calls: list[tuple[str, list[Any]]] = []
+        ids = []
         for _ in range(m):
             wid = self.new_id()
+            ids.append(wid)
             calls += [("release", [self.holder]), ("acquire", self.acq_args(wid))]
             self.holder = self.queue.popleft()
+            self.members.pop(self.holder, None)
             self.queue.append(wid)
-        usec, n = self.timed(calls)
+        usec, n, replies = self.timed_replies(calls)
+        self.note_parked(ids, replies[1::2])
         return 2 * usec / n
 
     def heartbeat(self, k: int, reps: int) -> float:
@@ -121,7 +141,7 @@ class Bench:
         assert len(mine) == k, "queue too short for this heartbeat"
         args: list[Any] = ["fake0", 60_000, 0, len(mine)]
         for w in mine:
-            args += [w, HOUR_MS]
+            args += [self.members[w], HOUR_MS]
         usec, n = self.timed(("heartbeat", args) for _ in range(reps))
         return usec / n
 
@@ -131,7 +151,7 @@ class Bench:
         return usec / n
 
     def sanity(self) -> None:
-        assert self.r.zcard(self.gate.queue) == len(self.queue)
+        assert self.r.zcard(self.gate.waiters) == len(self.queue)
         assert self.r.zrange(self.gate.holders, 0, -1) == [self.holder]
 
 
@@ -173,7 +193,7 @@ def _measure(url: str, opts: Options) -> dict[str, Any]:
         rows.append(
             {
                 "queue": n,
-                "encoding": r.object("encoding", b.gate.queue),
+                "encoding": r.object("encoding", b.gate.lanes),
                 **{k: float(np.median(v)) for k, v in per[n].items()},
                 STATUS: float(np.median(status[n])),
                 "mean": {k: float(np.mean(v)) for k, v in per[n].items()},

@@ -329,14 +329,14 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
     orig_acquire = gate._request
     orig_on_granted = gate.on_granted
 
-    async def acquire(lease_id: str, wait_ms: int) -> Any:
+    async def acquire(lease_id: str, wait_ms: int, cls: str = "") -> Any:
         t = asyncio.current_task()
         assert t is not None
         task_of[lease_id] = t
         phase[t] = "acquire_in_flight"
         if rng.random() < p.get("acquire", 0.12):
             loop.call_later(rng.uniform(0, 0.0005), cancel, t, "acquire")
-        reply = await orig_acquire(lease_id, wait_ms)
+        reply = await orig_acquire(lease_id, wait_ms, cls)
         if reply.status == PARKED:
             phase[t] = "parked"
             if rng.random() < p.get("parked", 0.25):
@@ -503,12 +503,12 @@ async def cancel_ends(w: Worker) -> None:
     # The caller's side of an acquire (its request in the gate's batch, until the answer).
     orig_acquire, orig_on_granted = gate._request, gate.on_granted
 
-    async def acquire(lease_id: str, wait_ms: int) -> Any:
+    async def acquire(lease_id: str, wait_ms: int, cls: str = "") -> Any:
         t = asyncio.current_task()
         assert t is not None
         i = info.get(t)
         if i is None:  # not one of ours
-            return await orig_acquire(lease_id, wait_ms)
+            return await orig_acquire(lease_id, wait_ms, cls)
         task_of[lease_id] = t
         i.phase = "acquire_in_flight"
         if i.plan == "acquire_rt" and i.cancel_at is None:
@@ -516,7 +516,7 @@ async def cancel_ends(w: Worker) -> None:
                 after_iterations(rng.randint(0, 6), t)
             else:
                 loop.call_later(rng.uniform(0, 0.001), cancel, t, "acquire_rt")
-        reply = await orig_acquire(lease_id, wait_ms)
+        reply = await orig_acquire(lease_id, wait_ms, cls)
         i.phase = {PARKED: "parked", GRANTED: "granted_reply"}.get(reply.status, "rejected")
         if i.plan == "parked" and reply.status == PARKED:
             loop.call_later(rng.uniform(0, 0.02), cancel, t, "parked")
