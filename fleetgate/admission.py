@@ -37,9 +37,11 @@ __all__ = [
     "MIN_PRIORITY",
     "SEP",
     "TenantWeights",
+    "class_member",
     "decode_tenant_weights",
     "encode_tenant_weights",
     "lane_class",
+    "member_id",
     "parse_lane_class",
     "parse_waiter_member",
     "validate_priority",
@@ -229,6 +231,18 @@ def parse_waiter_member(member: str) -> tuple[int, str | None, int, str]:
     """The inverse of :func:`waiter_member`: ``(priority, tenant, seq, lease_id)``."""
     tenant, rank, seq, lease_id = member.split(SEP, 3)
     return MAX_PRIORITY - int(rank), tenant or None, int(seq), lease_id
+
+
+def class_member(cls: str, seq: int, lease_id: str) -> str:
+    """The waiter member of a call parked with lane class ``cls`` (:func:`lane_class`):
+    the same as :func:`waiter_member` of that class's priority and tenant."""
+    lane = f"{SEP}{_rank(0)}" if not cls else f"{cls[4:]}{SEP}{cls[:3]}"
+    return f"{lane}{SEP}{seq:020d}{SEP}{lease_id}"
+
+
+def member_id(member: str) -> str:
+    """The lease id of a waiter member (``tenant}RRR}seq20}lease_id``)."""
+    return member.split(SEP, 3)[-1]
 
 
 def weighted_id(base_id: str, weight: int) -> str:

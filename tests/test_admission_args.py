@@ -10,9 +10,11 @@ from fleetgate.admission import (
     MAX_TENANT_WEIGHT,
     MIN_PRIORITY,
     TenantWeights,
+    class_member,
     decode_tenant_weights,
     encode_tenant_weights,
     lane_class,
+    member_id,
     parse_lane_class,
     parse_waiter_member,
     validate_priority,
@@ -180,6 +182,14 @@ def test_waiter_member_round_trip(
 ) -> None:
     member = waiter_member(priority, tenant, seq, lease_id)
     assert parse_waiter_member(member) == (priority, tenant, seq, lease_id)
+
+
+@pytest.mark.parametrize("priority", [-100, -1, 0, 1, 100])
+@pytest.mark.parametrize("tenant", [None, "a", "team/x y"])
+def test_class_member_is_the_waiter_member(priority: int, tenant: str | None) -> None:
+    member = class_member(lane_class(priority, tenant), 42, "pa:7w3")
+    assert member == waiter_member(priority, tenant, 42, "pa:7w3")
+    assert member_id(member) == "pa:7w3"
 
 
 def test_tenant_weights_encoding() -> None:
