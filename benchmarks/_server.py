@@ -149,7 +149,7 @@ def watch(
     while tick < end_ns:
         with r.pipeline(transaction=False) as p:
             p.zcard(keys.holders)
-            p.zcard(keys.queue)
+            p.zcard(keys.waiters)
             h, q = p.execute()
         samples.append((int(h), int(q)))
         tick += period

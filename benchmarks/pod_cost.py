@@ -88,7 +88,7 @@ async def _handoffs(
         await asyncio.sleep(0.01)
         pipe = r.pipeline(transaction=False)
         for g in gates:
-            pipe.zcard(GateKeys.of(PREFIX, g).queue)
+            pipe.zcard(GateKeys.of(PREFIX, g).waiters)
         if all(n == 1 for n in await pipe.execute()):
             break
     await asyncio.sleep(0.2)

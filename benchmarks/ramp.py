@@ -240,7 +240,7 @@ async def adaptive(
             async with r.pipeline(transaction=False) as p:
                 p.hgetall(keys.target)
                 p.zcard(keys.holders)
-                p.zcard(keys.queue)
+                p.zcard(keys.waiters)
                 p.time()
                 tgt, holders, queued, now = await p.execute()
             now_ms = now[0] * 1000 + now[1] // 1000

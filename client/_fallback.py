@@ -56,7 +56,7 @@ class Fallback:
         )
         for gate in self.gates.values():
             rt.metrics.fallback.labels(gate.name).set(1)
-            log.warning("gate %s: local bound %d permits", gate.name, gate.fair_share())
+            log.warning("gate %s: local bound %d units", gate.name, gate.fair_share())
             gate.send_waiters_local()
         self.task = asyncio.create_task(self._probe(), name="fleetgate-probe")
 

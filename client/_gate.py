@@ -15,18 +15,31 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from fleetgate.errors import FleetgateError, LeaseLost, Overloaded
+from fleetgate.admission import (
+    class_member,
+    lane_class,
+    validate_priority,
+    validate_tenant,
+    validate_weight,
+    waiter_member,
+    weighted_id,
+)
+from fleetgate.errors import ConfigError, FleetgateError, LeaseLost, Overloaded
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import (
     GRANTED,
     MAX_BATCH,
+    PARKED,
     REJECTED,
+    REJECTED_TENANT,
+    SHED,
+    TOO_HEAVY,
     AcquireReply,
     HeartbeatReply,
     Snapshot,
@@ -35,6 +48,7 @@ from fleetgate.settings import GateSettings
 
 from ._batch import Batcher
 from ._deadline import Deadline
+from ._local import LocalPermits
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
 from ._metrics import ClientMetrics, GateMetrics
 from ._runtime import OUTAGE_ERRORS, Runtime
@@ -60,26 +74,64 @@ class _GoLocal(Exception):
     """Redis became unreachable while parked: continue under the local fair-share bound."""
 
 
-# One call of a gate's batch: (lease id, wait ms) acquires, (lease id, None) releases.
-_Call = tuple[str, int | None]
+# One call of a gate's batch: (lease id, wait ms, class) acquires, (lease id, None, "")
+# releases. The weight is in the lease id (fleetgate.admission.weighted_id), the priority and
+# tenant in the class (fleetgate.admission.lane_class).
+_Call = tuple[str, int | None, str]
+
+# The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.
+_EVICTED = "x"
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """What one acquire asks for: weight (units), priority band and tenant, validated."""
+
+    weight: int = 1
+    priority: int = 0
+    tenant: str | None = None
+
+    @classmethod
+    def of(cls, weight: int, priority: int, tenant: str | None) -> _Ask:
+        return cls(validate_weight(weight), validate_priority(priority), validate_tenant(tenant))
+
+    @functools.cached_property
+    def cls(self) -> str:
+        return lane_class(self.priority, self.tenant)
+
+
+_DEFAULT_ASK = _Ask()
 
 
 class Lease:
     """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
 
-    ``token`` is a fencing token, monotonic per gate in grant order. ``lost`` is set when the
+    ``token`` is a fencing token, monotonic per gate in grant order; ``weight`` the units it
+    holds, ``priority`` and ``tenant`` what it was asked with. ``lost`` is set when the
     lease could not be renewed and Redis no longer counts it; ``is_lost`` reads the same from any
     thread. Leaving a ``permit()`` block whose lease was lost raises :class:`LeaseLost` (unless
     the block raised already).
     """
 
     def __init__(
-        self, gate: Gate, lease_id: str, token: int, *, local: bool = False, expires_at: int = 0
+        self,
+        gate: Gate,
+        lease_id: str,
+        token: int,
+        *,
+        local: bool = False,
+        expires_at: int = 0,
+        weight: int = 1,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> None:
         self.gate = gate
         self.id = lease_id
         self.token = token
         self.local = local
+        self.weight = weight
+        self.priority = priority
+        self.tenant = tenant
         # Redis server time (ms) this lease was last seen renewed to (0: not known yet). The
         # heartbeat sends it back, so the gate can tell a lease it lost (restart) from one that
         # expired (see lua/heartbeat.lua).
@@ -131,9 +183,7 @@ class Lease:
             return
         self._released = True
         if self.local:
-            # Spawned (the fleet waits for background tasks on close) and shielded: a
-            # cancelled caller still gives the permit back.
-            await asyncio.shield(self.gate.runtime.spawn(self.gate._release_local(self)))
+            self.gate._release_local(self)  # synchronous: nothing to cancel, nothing to race
         else:
             self.gate._release_fleet(self)
 
@@ -145,8 +195,12 @@ class Lease:
 @dataclass
 class _Waiter:
     id: str
-    future: asyncio.Future[None]
+    #: set to the fencing token of the grant (or an exception)
+    future: asyncio.Future[int]
     deadline: Deadline
+    ask: _Ask = _DEFAULT_ASK
+    #: its entry in Redis once parked ('<tenant>}<R>}<seq20>}<id>')
+    member: str = ""
     parked_at: float = field(default_factory=time.monotonic)
     # Set once the acquire reply said "parked": only then does the heartbeat refresh it (before,
     # Redis may not have it yet and would report it lost).
@@ -162,7 +216,8 @@ class _Waiter:
 @dataclass(frozen=True)
 class Renewal:
     """What one heartbeat of a gate renews: its leases (id, expiry last seen) and its parked
-    waiters (id, ms left of the caller's deadline), and the highest token it holds."""
+    waiters (waiter member, ms left of the caller's deadline), and the highest token it
+    holds."""
 
     leases: list[tuple[str, int]]
     waiters: list[tuple[str, int]]
@@ -203,7 +258,14 @@ class Gate:
         self.local_leases: dict[str, Lease] = {}
         # Listed in the fleet's gate registry (`fg:gates`, for `fleetgate status`).
         self.in_registry = False
-        self._local_cond = asyncio.Condition()
+        # The local bound while Redis is unreachable: units by priority (see _local.py).
+        self._local = LocalPermits(
+            self.fair_share,
+            in_use=self._fleet_units,
+            allowed=lambda: not runtime.recovering,
+            active=lambda: runtime.fallback_active,
+            gate=name,
+        )
         # This process's acquires and releases of the gate, each sent as one script call per
         # batch (group commit: see _batch.py).
         # (lease id, wait ms) to acquire, (lease id, None) to release.
@@ -217,8 +279,21 @@ class Gate:
     # -- public API --------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def permit(self, deadline: float | None = 30.0) -> AsyncIterator[Lease]:
+    async def permit(
+        self,
+        deadline: float | None = 30.0,
+        *,
+        weight: int = 1,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> AsyncIterator[Lease]:
         """Hold one permit for the block: ``async with gate.permit(deadline=30.0) as lease:``.
+
+        ``weight`` (units, int >= 1) counts against the gate's limit; ``priority`` (int in
+        [-100, 100], higher first) picks the band: a band is served only when nobody waits in a
+        higher one, and a band below the gate's ``shed_below`` never parks (:class:`Overloaded`
+        when it cannot start at once); ``tenant`` (a name, or None) shares its band fairly with
+        the other tenants waiting in it. See README "Priorities, tenants and weights".
 
         ``deadline`` (seconds, or None) is total: it covers the queue wait and the block itself.
         When it fires while parked the caller leaves the wait list (no permit consumed); when it
@@ -227,8 +302,9 @@ class Gate:
         If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
         :class:`LeaseLost`, unless the block raised an exception of its own.
         """
+        ask = _Ask.of(weight, priority, tenant)
         async with self._total_deadline(deadline, "permit") as dl:
-            lease = await self._acquire(dl)
+            lease = await self._acquire(dl, ask)
             try:
                 yield lease
             finally:
@@ -236,13 +312,22 @@ class Gate:
             if lease.is_lost:
                 raise lease.lost_error()
 
-    async def acquire(self, deadline: float | None = 30.0) -> Lease:
+    async def acquire(
+        self,
+        deadline: float | None = 30.0,
+        *,
+        weight: int = 1,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> Lease:
         """Acquire a permit and return its lease; the caller must ``await lease.release()``.
 
-        ``deadline`` bounds the wait only. Prefer :meth:`permit`, which releases for you.
+        ``deadline`` bounds the wait only; ``weight``, ``priority`` and ``tenant`` as for
+        :meth:`permit`. Prefer :meth:`permit`, which releases for you.
         """
+        ask = _Ask.of(weight, priority, tenant)
         async with self._total_deadline(deadline, "queue wait") as dl:
-            return await self._acquire(dl)
+            return await self._acquire(dl, ask)
 
     async def map(
         self,
@@ -254,6 +339,9 @@ class Gate:
         retry: RetryPolicy = None,
         return_exceptions: bool = False,
         call_timeout: float | None = None,
+        weight: int | Callable[[Any], int] = 1,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> list[Any]:
         """Call ``fn(item)`` for every item, each call inside its own permit; results in order.
 
@@ -268,6 +356,8 @@ class Gate:
         * ``return_exceptions``: per-item outcomes (exceptions in place) instead of failing
           fast; by default the first failure cancels the siblings and is raised.
         * ``call_timeout``: a per-attempt timeout (a timeout counts as transient).
+        * ``weight`` (units per call: an int, or ``fn(item) -> int`` to weigh each item),
+          ``priority`` and ``tenant``: as for :meth:`permit`.
 
         ``fn`` may be async or sync (run in a thread); ``items`` may be an async iterable.
         A lease lost under a call is counted and logged, not raised: the call's result stands.
@@ -281,6 +371,9 @@ class Gate:
             retry=retry,
             return_exceptions=return_exceptions,
             call_timeout=call_timeout,
+            weight=weight,
+            priority=priority,
+            tenant=tenant,
         )
 
     async def map_batches(
@@ -319,9 +412,11 @@ class Gate:
         :meth:`Lease.release` returns."""
         await self._calls.flush()
 
-    async def acquire_for(self, dl: Deadline) -> Lease:
+    async def acquire_for(
+        self, dl: Deadline, *, weight: int = 1, priority: int = 0, tenant: str | None = None
+    ) -> Lease:
         """Acquire under an enclosing deadline (used by :meth:`map`)."""
-        return await self._acquire(dl)
+        return await self._acquire(dl, _Ask.of(weight, priority, tenant))
 
     @property
     def metrics(self) -> ClientMetrics:
@@ -344,17 +439,18 @@ class Gate:
 
     # -- acquiring ---------------------------------------------------------------------------
 
-    async def _acquire(self, dl: Deadline) -> Lease:
+    async def _acquire(self, dl: Deadline, ask: _Ask = _DEFAULT_ASK) -> Lease:
         rt = self.runtime
         while True:
             if rt.fallback_active:
-                lease = await self._acquire_local()
+                lease = await self._acquire_local(ask.weight, ask.priority)
                 if lease is not None:
+                    lease.priority, lease.tenant = ask.priority, ask.tenant
                     return lease
                 continue
-            lease_id = rt.next_id()
+            lease_id = weighted_id(rt.next_id(), ask.weight)
             loop = asyncio.get_running_loop()
-            waiter = _Waiter(lease_id, loop.create_future(), dl)
+            waiter = _Waiter(lease_id, loop.create_future(), dl, ask)
             was_idle = not self.busy
             # Registered before the call: a hand-off can be popped by the wake listener
             # before this coroutine sees the script's reply.
@@ -365,7 +461,7 @@ class Gate:
                 self.renewed_at = loop.time()
                 rt.renew_by(self.renewed_at + self.renewal_period)
             try:
-                reply = await self._request(lease_id, waiter.remaining_ms())
+                reply = await self._request(lease_id, waiter.remaining_ms(), ask.cls)
             except OUTAGE_ERRORS as exc:
                 self.waiters.pop(lease_id, None)
                 self._forget_later(lease_id)
@@ -382,23 +478,48 @@ class Gate:
             self.note_ttls(reply.lease_ms, reply.waiter_ms)
             if reply.status == GRANTED:
                 self.waiters.pop(lease_id, None)
-                return self._granted(lease_id, reply.token, reply.expires_at)
-            if reply.status == REJECTED:
+                return self._granted(lease_id, reply.token, reply.expires_at, ask)
+            if reply.status != PARKED:
                 self.waiters.pop(lease_id, None)
-                self.series.rejected.inc()
-                raise Overloaded(self.name, reply.max_queued)
-            lease = await self._park(waiter, reply.token)
+                raise self._refusal(reply, ask)
+            waiter.member = waiter_member(ask.priority, ask.tenant, reply.token, lease_id)
+            lease = await self._park(waiter)
             if lease is not None:
                 return lease
 
-    async def _request(self, lease_id: str, wait_ms: int) -> AcquireReply:
+    def _refusal(self, reply: AcquireReply, ask: _Ask) -> FleetgateError:
+        """The error for an acquire the gate refused (counted in the metrics)."""
+        if reply.status == TOO_HEAVY:
+            return ConfigError(
+                f"gate {self.name!r}: weight: {ask.weight} is above the gate's ceiling "
+                f"({reply.max_queued}); it could never be granted"
+            )
+        self.series.rejected.inc()
+        if reply.status == REJECTED_TENANT:
+            return Overloaded(
+                self.name,
+                reply.max_queued,
+                reason=f"tenant {ask.tenant!r} has max_queued_per_tenant={reply.max_queued} "
+                "calls waiting",
+            )
+        if reply.status == SHED:
+            return Overloaded(
+                self.name,
+                reply.max_queued,
+                reason=f"priority {ask.priority} is below shed_below={reply.max_queued} and "
+                "the call could not start at once (a sheddable band never waits)",
+            )
+        assert reply.status == REJECTED, reply.status
+        return Overloaded(self.name, reply.max_queued)
+
+    async def _request(self, lease_id: str, wait_ms: int, cls: str = "") -> AcquireReply:
         """One acquire, sent with this process's batch of the gate; its answer.
 
         Cancel-safe: a request cancelled before it left is never sent, one cancelled after is
         undone by the batcher once answered (:meth:`_acquire_orphaned`), and an answer that
         arrived just before the cancellation reached this task is undone here.
         """
-        call: _Call = (lease_id, wait_ms)
+        call: _Call = (lease_id, wait_ms, cls)
         answer = self._calls.submit(call)
         try:
             reply = await answer
@@ -412,8 +533,10 @@ class Gate:
     async def _send_calls(self, calls: Sequence[_Call]) -> list[AcquireReply | None]:
         """One batch of the gate's calls: its releases, then its acquires, in one script call
         (release.lua alone when there is nothing to acquire)."""
-        releases = [lease_id for lease_id, wait_ms in calls if wait_ms is None]
-        requests = [(lease_id, wait_ms) for lease_id, wait_ms in calls if wait_ms is not None]
+        releases = [lease_id for lease_id, wait_ms, _ in calls if wait_ms is None]
+        requests = [
+            (lease_id, wait_ms, cls) for lease_id, wait_ms, cls in calls if wait_ms is not None
+        ]
         scripts = self.runtime.scripts
         if not requests:
             await scripts.release_many(self.keys, releases)
@@ -421,19 +544,26 @@ class Gate:
         replies = iter(
             await scripts.acquire_many(self.keys, requests, self.defaults, releases=releases)
         )
-        return [None if wait_ms is None else next(replies) for _, wait_ms in calls]
+        return [None if wait_ms is None else next(replies) for _, wait_ms, _ in calls]
 
     def _acquire_orphaned(self, call: _Call, outcome: AcquireReply | BaseException | None) -> None:
         """The caller of an acquire gave up after it was sent: undo what it did."""
-        lease_id, wait_ms = call
+        lease_id, wait_ms, cls = call
         if wait_ms is None or outcome is None:
             return  # a release: nobody awaits it (_released handles its outcome)
         if isinstance(outcome, BaseException):
-            self._forget_later(lease_id)  # outcome unknown: cancel once Redis answers
-        elif outcome.status != REJECTED:
-            self.runtime.spawn(self._cancel(lease_id))  # granted or parked: give it back
+            # Outcome unknown: cancel once Redis answers. That releases a grant; an entry that
+            # parked (under a seq this process never learnt) expires within waiter_ms, and a
+            # hand-off to it before then reaches this process's wake list, which gives it back
+            # (on_granted: nobody waits for it).
+            self._forget_later(lease_id)
+        elif outcome.status == GRANTED:
+            self.runtime.spawn(self._cancel(lease_id))  # give it back
+        elif outcome.status == PARKED:
+            member = class_member(cls, outcome.token, lease_id)
+            self.runtime.spawn(self._cancel(lease_id, member))  # leave the wait list
 
-    async def _park(self, waiter: _Waiter, token: int) -> Lease | None:
+    async def _park(self, waiter: _Waiter) -> Lease | None:
         """Wait for the hand-off. Returns the lease, or None to try again (requeue/fallback)."""
         waiter.parked = True
         depth = self.series.queue_depth
@@ -441,44 +571,55 @@ class Gate:
         # Looked up on every wake (not bound now), so a hook on on_granted sees every grant.
         self.wakes.ensure(self.name, self._wake_key, self._woken, self._rearm_key)
         try:
-            await waiter.future
+            token = await waiter.future
         except _Requeue:
             self.waiters.pop(waiter.id, None)
             return None
         except _GoLocal:
             # Leave the fleet queue if Redis still answers; else the entry expires by TTL.
             self.waiters.pop(waiter.id, None)
-            self.runtime.spawn(self._cancel(waiter.id))
+            self.runtime.spawn(self._cancel(waiter.id, waiter.member))
             return None
         except BaseException:
             # Cancelled or deadline while parked: leave the queue; a grant that raced in is
             # released by the same script.
             self.waiters.pop(waiter.id, None)
-            await asyncio.shield(self.runtime.spawn(self._cancel(waiter.id)))
+            await asyncio.shield(self.runtime.spawn(self._cancel(waiter.id, waiter.member)))
             raise
         finally:
             depth.dec()
         self.waiters.pop(waiter.id, None)
         self.series.wait_seconds.observe(time.monotonic() - waiter.parked_at)
-        return self._granted(waiter.id, token, waiter.expires_at)
+        return self._granted(waiter.id, token, waiter.expires_at, waiter.ask)
 
-    def _granted(self, lease_id: str, token: int, expires_at: int = 0) -> Lease:
-        lease = Lease(self, lease_id, token, expires_at=expires_at)
+    def _granted(
+        self, lease_id: str, token: int, expires_at: int = 0, ask: _Ask = _DEFAULT_ASK
+    ) -> Lease:
+        lease = Lease(
+            self,
+            lease_id,
+            token,
+            expires_at=expires_at,
+            weight=ask.weight,
+            priority=ask.priority,
+            tenant=ask.tenant,
+        )
         self.leases[lease_id] = lease
         self.series.granted.inc()
         self.series.in_flight.inc()
         return lease
 
-    async def _cancel(self, waiter_id: str) -> None:
+    async def _cancel(self, waiter_id: str, member: str = "") -> None:
+        """Leave the wait list (``member``: the entry it parked as) or give the lease back."""
         try:
-            await self.runtime.scripts.cancel(self.keys, waiter_id)
+            await self.runtime.scripts.cancel(self.keys, waiter_id, member)
         except OUTAGE_ERRORS as exc:
             # Retried until Redis answers (see _release): a parked entry left behind is handed
             # a slot that nobody uses until its TTL.
             log.debug("gate %s: cancel of %s failed (%s); retrying", self.name, waiter_id, exc)
-            self._forget_later(waiter_id)
+            self._forget_later(waiter_id, member)
 
-    def _forget_later(self, lease_id: str) -> None:
+    def _forget_later(self, lease_id: str, member: str = "") -> None:
         """An acquire whose outcome is unknown (connection lost mid-call), or a release or
         cancel that failed: cancel the id once Redis answers (retried at least every second, so
         a slot is freed within about a second of recovery); if that never happens, the entry
@@ -493,7 +634,7 @@ class Gate:
                     reraise=True,
                 ):
                     with attempt:
-                        await self.runtime.scripts.cancel(self.keys, lease_id)
+                        await self.runtime.scripts.cancel(self.keys, lease_id, member)
             except OUTAGE_ERRORS:
                 pass  # never answered: the entry expires by TTL
             except Exception as exc:  # e.g. WRONGTYPE: logged, never an unretrieved task error
@@ -503,18 +644,17 @@ class Gate:
 
     # -- releasing ---------------------------------------------------------------------------
 
-    async def _release_local(self, lease: Lease) -> None:
-        async with self._local_cond:
-            self.local_leases.pop(lease.id, None)
-            self._local_cond.notify_all()
-        self.series.in_flight.dec()
+    def _release_local(self, lease: Lease) -> None:
+        if self.local_leases.pop(lease.id, None) is not None:
+            self.series.in_flight.dec()
+            self._local.release(lease.weight)
 
     def _release_fleet(self, lease: Lease) -> None:
         if self.leases.pop(lease.id, None) is not None:
             self.series.in_flight.dec()
         if self.runtime.fallback_active:
             self.runtime.spawn(self.wake_local())
-        answer = self._calls.submit((lease.id, None))
+        answer = self._calls.submit((lease.id, None, ""))
         answer.add_done_callback(functools.partial(self._released, lease.id))
 
     def _released(self, lease_id: str, answer: asyncio.Future[AcquireReply | None]) -> None:
@@ -542,15 +682,35 @@ class Gate:
 
     # -- hand-offs (from the wake listener and the heartbeat) ----------------------------------
 
-    def _woken(self, lease_id: str) -> None:
-        self.on_granted(lease_id)
+    def _woken(self, value: str) -> None:
+        """A wake: '<id>=<token>' (granted) or '<id>=x' (evicted by a higher band)."""
+        lease_id, _, token = value.rpartition("=")
+        if token == _EVICTED:
+            self.on_evicted(lease_id)
+        elif lease_id and token.isdigit():
+            self.on_granted(lease_id, int(token))
 
-    def on_granted(self, lease_id: str) -> None:
-        """A hand-off for ``lease_id`` arrived (wake list or heartbeat)."""
+    def on_evicted(self, lease_id: str) -> None:
+        """A higher band's arrival took ``lease_id``'s place in the full wait list."""
+        waiter = self.waiters.get(lease_id)
+        if waiter is not None and not waiter.future.done():
+            self.series.rejected.inc()
+            waiter.future.set_exception(
+                Overloaded(
+                    self.name,
+                    0,
+                    reason=f"the wait list is full and a call of a higher priority than "
+                    f"{waiter.ask.priority} took this call's place in it",
+                )
+            )
+
+    def on_granted(self, lease_id: str, token: int) -> None:
+        """A hand-off for ``lease_id`` with fencing ``token`` arrived (wake list or
+        heartbeat)."""
         waiter = self.waiters.get(lease_id)
         if waiter is not None:
             if not waiter.future.done():
-                waiter.future.set_result(None)
+                waiter.future.set_result(token)
             return
         if lease_id not in self.leases:
             # Nobody waits for it any more (cancelled meanwhile): give it back.
@@ -577,7 +737,7 @@ class Gate:
         return Renewal(
             leases=[(lease.id, lease.expires_at) for lease in held],
             waiters=[
-                (w.id, w.remaining_ms())
+                (w.member, w.remaining_ms())
                 for w in self.waiters.values()
                 if w.parked and not w.future.done()
             ],
@@ -610,11 +770,13 @@ class Gate:
                 self.series.in_flight.dec()
                 lease._mark_lost()
         self._readopted(reply.adopted)
-        for lease_id in reply.granted_waiters:
+        for lease_id, token in zip(reply.granted_waiters, reply.granted_tokens, strict=True):
             waiter = self.waiters.get(lease_id)
             if waiter is not None:
                 waiter.expires_at = max(waiter.expires_at, reply.expires_at)
-            self.on_granted(lease_id)
+            self.on_granted(lease_id, token)
+        for lease_id in reply.evicted:
+            self.on_evicted(lease_id)
         for lease_id in reply.lost_waiters:
             waiter = self.waiters.get(lease_id)
             if waiter is not None and not waiter.future.done():
@@ -674,32 +836,38 @@ class Gate:
                 waiter.future.exception()
 
     def fair_share(self) -> int:
-        """Local bound while Redis is unreachable: ceil(last limit / live pods), with the live
-        pods as last counted by a heartbeat this pod trusts; 1 while it has no such count (a
-        pod that started, or fell back, before it could count its peers)."""
+        """Local bound in units while Redis is unreachable: ceil(last limit / live pods), with
+        the live pods as last counted by a heartbeat this pod trusts; 1 while it has no such
+        count (a pod that started, or fell back, before it could count its peers). Local
+        permits and the fleet leases still running share it, each by its weight."""
         if self.last_live_pods <= 0:
             return 1
         return max(1, math.ceil(self.last_limit / self.last_live_pods))
 
-    async def _acquire_local(self) -> Lease | None:
-        """A permit under the local bound, or None if fleet mode came back meanwhile."""
+    def _fleet_units(self) -> int:
+        """Units of the fleet leases this pod still holds (they count against the local bound)."""
+        return sum(lease.weight for lease in self.leases.values())
+
+    async def _acquire_local(self, weight: int = 1, priority: int = 0) -> Lease | None:
+        """``weight`` units under the local bound, by ``priority``; None if fleet mode came
+        back meanwhile. A weight above :meth:`fair_share` raises :class:`Overloaded` at once.
+
+        No new permit starts while Redis is back and running work is being adopted
+        (``recovering``): it would be uncounted when another pod resumes fleet mode.
+        """
         rt = self.runtime
-        async with self._local_cond:
-            await self._local_cond.wait_for(
-                lambda: (
-                    not rt.fallback_active
-                    or (
-                        # Not while Redis is back and running work is being adopted: a permit
-                        # started now would be uncounted when another pod resumes fleet mode.
-                        not rt.recovering
-                        and len(self.local_leases) + len(self.leases) < self.fair_share()
-                    )
-                )
-            )
-            if not rt.fallback_active:
+        try:
+            if not await self._local.acquire(weight, priority):
                 return None
-            lease = Lease(self, rt.next_id(), 0, local=True)
-            self.local_leases[lease.id] = lease
+        except Overloaded:
+            self.series.rejected.inc()
+            raise
+        # No await from the grant to here: a cancelled caller holds nothing.
+        lease_id = rt.next_id()
+        if weight > 1:
+            lease_id += f"w{weight}"  # adopted with its weight when Redis is back
+        lease = Lease(self, lease_id, 0, local=True, weight=weight)
+        self.local_leases[lease.id] = lease
         self.series.in_flight.inc()
         return lease
 
@@ -727,11 +895,11 @@ class Gate:
                 continue
             lease.local = False
             self.leases[lease.id] = lease
+            self._local.release(lease.weight)  # counted as a fleet lease from now on
 
     async def wake_local(self) -> None:
-        """Let callers waiting for a local permit look again (the mode changed)."""
-        async with self._local_cond:
-            self._local_cond.notify_all()
+        """Let callers waiting for a local permit look again (the mode or the bound changed)."""
+        self._local.notify()
 
     def __repr__(self) -> str:
         return f"Gate({self.name!r}, limit≈{self.last_limit})"

@@ -65,7 +65,9 @@ class PermitSource(Protocol):
     @property
     def metrics(self) -> ClientMetrics: ...
 
-    async def acquire_for(self, dl: Deadline) -> _Releasable: ...
+    async def acquire_for(
+        self, dl: Deadline, *, weight: int = 1, priority: int = 0, tenant: str | None = None
+    ) -> _Releasable: ...
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -165,11 +167,15 @@ async def run_map(
     retry: RetryPolicy = None,
     return_exceptions: bool = False,
     call_timeout: float | None = None,
+    weight: int | Callable[[Any], int] = 1,
+    priority: int = 0,
+    tenant: str | None = None,
 ) -> list[Any]:
     """The body of :meth:`Gate.map` (see there)."""
     seconds = _check_map_options(source.name, deadline, max_in_flight, call_timeout)
     metrics, name = source.metrics, source.name
     run = _MapRun(source, _as_async(fn), max_in_flight, call_timeout)
+    run.weigh, run.priority, run.tenant = weight, priority, tenant
     counter = metrics.deadline_exceeded.labels(name)
     async with Deadline(name, seconds, where="map", on_expire=counter.inc) as dl:
         policy = _policy(retry, dl, run.count_retry)
@@ -213,6 +219,10 @@ class _MapRun:
         self.call_timeout = call_timeout
         self.fan = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self.results: dict[int, Any] = {}
+        #: each item's weight (an int for all, or a function of the item), priority, tenant
+        self.weigh: int | Callable[[Any], int] = 1
+        self.priority = 0
+        self.tenant: str | None = None
         #: attempts made (first calls and retries), for the calls-per-request histogram
         self.calls = 0
 
@@ -260,7 +270,10 @@ class _MapRun:
             return await self._one(index, item, dl, policy)
 
     async def _one(self, index: int, item: Any, dl: Deadline, policy: AsyncRetrying) -> None:
-        lease = await self.source.acquire_for(dl)
+        weight = self.weigh(item) if callable(self.weigh) else self.weigh
+        lease = await self.source.acquire_for(
+            dl, weight=weight, priority=self.priority, tenant=self.tenant
+        )
         try:
             self.results[index] = await policy(self._attempt, item)
         finally:

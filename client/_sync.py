@@ -220,15 +220,23 @@ class SyncGate:
         self.name = gate.name
 
     @contextlib.contextmanager
-    def permit(self, deadline: float | None = 30.0) -> Iterator[Lease]:
+    def permit(
+        self,
+        deadline: float | None = 30.0,
+        *,
+        weight: int = 1,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> Iterator[Lease]:
         """``with gate.permit(deadline=30.0) as lease:`` — blocks until granted.
 
         The deadline bounds the queue wait; a thread cannot be interrupted mid-call, so the block
         itself runs to completion (use :meth:`map` for a deadline that abandons running calls).
+        ``weight``, ``priority`` and ``tenant`` as for :meth:`Gate.permit`.
         If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
         :class:`LeaseLost`, unless the block raised an exception of its own.
         """
-        lease = self.acquire(deadline)
+        lease = self.acquire(deadline, weight=weight, priority=priority, tenant=tenant)
         try:
             yield lease
         finally:
@@ -236,9 +244,20 @@ class SyncGate:
         if lease.is_lost:
             raise lease.lost_error()
 
-    def acquire(self, deadline: float | None = 30.0) -> Lease:
-        """Acquire a permit; release it with :meth:`release`."""
-        return self.portal.call(self.gate.acquire(deadline), undo=release_lease)
+    def acquire(
+        self,
+        deadline: float | None = 30.0,
+        *,
+        weight: int = 1,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> Lease:
+        """Acquire a permit (``weight``, ``priority``, ``tenant`` as for :meth:`Gate.permit`);
+        release it with :meth:`release`."""
+        return self.portal.call(
+            self.gate.acquire(deadline, weight=weight, priority=priority, tenant=tenant),
+            undo=release_lease,
+        )
 
     def release(self, lease: Lease) -> None:
         self.portal.call(lease.release(), shielded=True)

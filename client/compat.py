@@ -108,12 +108,17 @@ class _RemoteGate:
         self.name = gate.name
         self.metrics: ClientMetrics = gate.gate.metrics
 
-    async def acquire_for(self, dl: Deadline) -> _RemoteLease:
+    async def acquire_for(
+        self, dl: Deadline, *, weight: int = 1, priority: int = 0, tenant: str | None = None
+    ) -> _RemoteLease:
         left = dl.remaining()
         if left is not None and left <= 0:
             raise dl.expired()
         # A caller cancelled as the grant lands on the other loop: the portal releases it.
-        lease = await self.portal.acall(self.gate.acquire(deadline=left), undo=release_lease)
+        lease = await self.portal.acall(
+            self.gate.acquire(deadline=left, weight=weight, priority=priority, tenant=tenant),
+            undo=release_lease,
+        )
         return _RemoteLease(lease, self.portal)
 
 

@@ -32,16 +32,18 @@ class FleetgateError(Exception):
 class Overloaded(FleetgateError):
     """The gate's fleet-wide wait list is full: rejected at once, the work was never invoked.
 
-    Retrying an overload deepens it, so fleetgate never retries this error itself.
+    Retrying an overload deepens it, so fleetgate never retries this error itself. ``reason``,
+    when given, replaces "its fleet-wide wait list is full" in the message (say, a call heavier
+    than the local fair-share bound while Redis is unreachable).
     """
 
-    def __init__(self, gate: str, max_queued: int) -> None:
-        super().__init__(
-            f"gate {gate!r} is overloaded: its fleet-wide wait list is full "
-            f"(max_queued={max_queued}); the call was not started"
-        )
+    def __init__(self, gate: str, max_queued: int, *, reason: str | None = None) -> None:
+        why = reason or f"its fleet-wide wait list is full (max_queued={max_queued})"
+        super().__init__(f"gate {gate!r} is overloaded: {why}; the call was not started")
         self.gate = gate
         self.max_queued = max_queued
+        #: what refused the call, when it was not the gate's full wait list
+        self.reason = reason
 
 
 class DeadlineExceeded(FleetgateError, TimeoutError):

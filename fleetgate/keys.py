@@ -118,7 +118,37 @@ class GateKeys:
 
     @property
     def queue(self) -> str:
+        """Schema 1's FIFO; since schema 2 a string that fences out older clients."""
         return f"{self.base}:queue"
+
+    @property
+    def lanes(self) -> str:
+        """Every waiter, ``<tenant>}<R>}<seq20>}<id>`` (scores 0: ordered by bytes)."""
+        return f"{self.base}:lanes"
+
+    @property
+    def fair(self) -> str:
+        """Eligible lanes in service order, ``<R>}<F20>}<tenant>``."""
+        return f"{self.base}:fair"
+
+    @property
+    def big(self) -> str:
+        """Lanes whose head weighs more than the limit -> that weight."""
+        return f"{self.base}:big"
+
+    @property
+    def adm(self) -> str:
+        """Admission state: extra units, virtual times, lane tags, reservations."""
+        return f"{self.base}:adm"
+
+    @property
+    def tenant_weights(self) -> str:
+        return f"{self.base}:tw"
+
+    @property
+    def evicted(self) -> str:
+        """Waiters evicted by a higher band, remembered for a while (-> until)."""
+        return f"{self.base}:evicted"
 
     @property
     def waiters(self) -> str:
@@ -180,8 +210,14 @@ class GateKeys:
             (self.cfg, "hash"),
             (self.target, "hash"),
             (self.holders, "zset"),
-            (self.queue, "zset"),
+            (self.queue, "string"),
             (self.waiters, "zset"),
+            (self.lanes, "zset"),
+            (self.fair, "zset"),
+            (self.big, "zset"),
+            (self.adm, "hash"),
+            (self.tenant_weights, "hash"),
+            (self.evicted, "zset"),
             (self.seq, "string"),
             (self.stats, "hash"),
             (self.pods, "zset"),

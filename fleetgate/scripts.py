@@ -59,6 +59,11 @@ HEARTBEAT_UNITS_PER_CALL = 40
 LEADER_SCRIPT_NAMES = ("leader_renew", "leader_release")
 
 GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
+# acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
+# granted at once, a weight above the ceiling (never grantable).
+REJECTED_TENANT, SHED, TOO_HEAVY = 3, 4, 5
+# The gate state's schema these scripts implement (lua/lib.lua SCHEMA).
+SCHEMA = 2
 # Requests per acquire_many / release_many call: the script's variadic commands take 2 values per
 # id, well inside Lua's unpack limit (~8,000), and one call stays short for other clients.
 MAX_BATCH = 256
@@ -88,12 +93,13 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     """``acquire.lua``'s reply. Of ``holders``, ``position`` and ``max_queued`` only the one of
     the outcome is set (the others are 0)."""
 
-    status: int  # GRANTED, PARKED or REJECTED
-    token: int
+    status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED or TOO_HEAVY
+    token: int  # granted: the fencing token; parked: the seq of the waiter member
     limit: int
-    holders: int  # granted: holders counting this one
-    position: int  # parked: 1-based place in the wait list
-    max_queued: int  # rejected: the wait list's bound it is full at
+    holders: int  # granted: units held counting this one
+    position: int  # parked: waiters counting this one
+    #: refused: the bound that refused it (max_queued, per tenant, shed_below or ceiling)
+    max_queued: int
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
     expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
@@ -113,7 +119,7 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
                     limit=limit,
                     holders=n if status == GRANTED else 0,
                     position=n if status == PARKED else 0,
-                    max_queued=n if status == REJECTED else 0,
+                    max_queued=n if status not in (GRANTED, PARKED) else 0,
                     lease_ms=lease_ms,
                     waiter_ms=waiter_ms,
                     expires_at=expires_at,
@@ -136,6 +142,10 @@ class HeartbeatReply:
     expires_at: int  # server ms the renewed leases now expire at
     pod_new: bool  # the pod's live entry had to be created (first, expired or wiped)
     adopted: list[str]  # leases the gate had lost before they expired, counted again
+    #: fencing tokens of granted_waiters, in order (fresh: their wake-ups were missed)
+    granted_tokens: list[int] = field(default_factory=list)
+    #: waiters evicted by a higher band (they get Overloaded)
+    evicted: list[str] = field(default_factory=list)
 
     @classmethod
     def decode(cls, r: Any) -> HeartbeatReply:
@@ -152,18 +162,39 @@ class HeartbeatReply:
             expires_at=int(r[9]),
             pod_new=int(r[10]) == 1,
             adopted=[_s(x) for x in r[11]],
+            granted_tokens=[int(x) for x in r[12]],
+            evicted=[_s(x) for x in r[13]],
         )
 
 
 class Waiter(msgspec.Struct):
+    """A parked caller as ``inspect.lua`` lists it (token = its seq in its lane)."""
+
     id: str
     token: int
     expires_at: int | None = None
+    weight: int = 1
+    priority: int = 0
+    tenant: str = ""
 
 
 class Holder(msgspec.Struct):
     id: str
     expires_at: int
+    weight: int = 1
+
+
+class Lane(msgspec.Struct):
+    """One (priority, tenant) line of waiters as ``inspect.lua`` lists it: in service order,
+    ``tag`` its virtual finish tag, or ``oversize`` when its head weighs more than the limit;
+    ``reserved`` the waiter the band's free units are kept for."""
+
+    priority: int
+    tenant: str
+    queued: int
+    tag: int | None = None
+    oversize: bool = False
+    reserved: str | None = None
 
 
 class Utilization(msgspec.Struct, frozen=True, kw_only=True):
@@ -207,6 +238,13 @@ class Snapshot(msgspec.Struct):
     live_pods: int
     lease_ms: int = 0
     waiter_ms: int = 0
+    #: units held: the holders' weights (expired-but-unreaped leases included)
+    units: int = 0
+    schema: int = 0
+    max_queued_per_tenant: int = 0
+    shed_below: int = 0
+    tenant_weights: dict[str, str] = {}
+    lanes: list[Lane] = []
     cfg: dict[str, str] = {}
     target: dict[str, str] = {}
     stats: dict[str, str] = {}
@@ -257,10 +295,10 @@ def _float(v: str | None) -> float | None:
 def _empty_tables_as_lists(raw: bytes | str) -> Any:
     # Redis' cjson encodes an empty Lua table as {}; the list fields are normalised here.
     obj = msgspec.json.decode(raw)
-    for k in ("head", "leases"):
+    for k in ("head", "leases", "lanes"):
         if obj.get(k) == {}:
             obj[k] = []
-    for k in ("cfg", "target", "stats", "util"):
+    for k in ("cfg", "target", "stats", "util", "tenant_weights"):
         if obj.get(k) == []:
             obj[k] = {}
     return obj
@@ -396,6 +434,8 @@ class GateScripts:
         if isinstance(exc, NoScriptError):
             return exc
         text = str(exc)
+        if "fleetgate schema:" in text:
+            return ConfigError(f"gate {keys.name!r}: {text[text.index('fleetgate schema:'):]}")
         if isinstance(exc, NoPermissionError) or "can't run this command" in text:
             return ConfigError(
                 f"gate {keys.name!r}: the Redis user may not run a command the gate scripts "
@@ -426,19 +466,21 @@ class GateScripts:
     async def acquire_many(
         self,
         keys: GateKeys,
-        requests: Sequence[tuple[str, int]],
+        requests: Sequence[tuple[str, int] | tuple[str, int, str]],
         defaults: GateSettings,
         *,
         releases: Sequence[str] = (),
     ) -> list[AcquireReply]:
-        """One acquire call for several callers of one gate, each ``(lease id, wait_ms)``:
-        granted, parked or rejected in order, as if they had asked one after the other, after
-        ``releases`` (lease ids) were released. At most :data:`MAX_BATCH` of each."""
+        """One acquire call for several callers of one gate, each ``(lease id, wait_ms)`` or
+        ``(lease id, wait_ms, class)`` (:func:`fleetgate.admission.lane_class`; the weight is in
+        the id, :func:`fleetgate.admission.weighted_id`): granted, parked or refused in order,
+        as if they had asked one after the other, after ``releases`` (lease ids) were released.
+        At most :data:`MAX_BATCH` of each."""
         _check_batch(len(requests))
         _check_batch(len(releases), least=0)
         args: list[Any] = [*_encoded_argv(defaults), len(releases), *releases]
-        for lease_id, wait_ms in requests:
-            args += (lease_id, max(1, wait_ms))
+        for req in requests:
+            args += (req[0], max(1, req[1]), req[2] if len(req) > 2 else "")
         return await self._run(self._call("acquire", keys, args, AcquireReply.decode_many))
 
     async def release(self, keys: GateKeys, lease_id: str) -> bool:
@@ -451,9 +493,11 @@ class GateScripts:
         _check_batch(len(lease_ids))
         return await self._run(self._call("release", keys, list(lease_ids), int))
 
-    async def cancel(self, keys: GateKeys, waiter_id: str) -> int:
-        """1 = left the wait list, 2 = the grant raced in and was released, 0 = unknown id."""
-        return await self._run(self._call("cancel", keys, [waiter_id], _first))
+    async def cancel(self, keys: GateKeys, lease_id: str, member: str = "") -> int:
+        """Leave the wait list (``member``: the waiter member it parked as, if it parked) or
+        release ``lease_id``: 1 = left the wait list, 2 = the grant raced in and was released,
+        0 = unknown id."""
+        return await self._run(self._call("cancel", keys, [lease_id, member], _first))
 
     async def heartbeat(
         self,
@@ -466,8 +510,8 @@ class GateScripts:
         max_token: int = 0,
         defaults: GateSettings | None = None,
     ) -> HeartbeatReply:
-        """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((id, remaining
-        deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate."""
+        """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((waiter member,
+        remaining deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate."""
         req = HeartbeatRequest(keys, pod_id, pod_ttl_ms, leases, waiters, max_token, defaults)
         return await self._run(self._call("heartbeat", keys, req.argv(), HeartbeatReply.decode))
 
@@ -634,7 +678,13 @@ class LeaderScripts:
 @functools.lru_cache(maxsize=4096)
 def _encoded_argv(defaults: GateSettings) -> tuple[bytes, ...]:
     """A gate's default settings as script ARGV, encoded once (they go with every acquire)."""
-    return tuple(str(v).encode() for v in defaults.argv())
+    values: list[object] = [*defaults.argv()]
+    values += [""] * (_ACQUIRE_DEFAULTS - len(values))
+    return tuple(str(v).encode() for v in values)
+
+
+# acquire.lua's ARGV before the releases: the gate's default settings
+_ACQUIRE_DEFAULTS = 8
 
 
 def _check_batch(n: int, least: int = 1) -> None:

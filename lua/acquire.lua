@@ -1,66 +1,179 @@
 -- acquire: release the leases given, then for each request, in order, grant a permit now, park
--- the caller at the tail of the FIFO wait list, or reject. One process sends what its callers
--- asked while its previous call was in flight as one call (fleetgate.client's group commit), so
--- the per-call costs (time, configuration, limit, counts, stats) are paid once per batch and the
--- entries go in with one ZADD per set; a caller that releases and acquires again costs one call.
+-- the caller in its lane, or reject. One process sends what its callers asked while its
+-- previous call was in flight as one call (fleetgate.client's group commit), so the per-call
+-- costs (time, configuration, limit, counts, stats) are paid once per batch; a caller that
+-- releases and acquires again costs one call.
 -- KEYS: 1 the gate's base name (see lib.lua)
--- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  (defaults, registered only
---       when the gate has no configuration yet), 6 n = leases to release, then n lease ids,
---       then per request: id ('<pod>:<n>'), wait_ms (time the caller is willing to park, > 0)
+-- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
+--       7 shed_below  8 tenant weights ('name}w}...')  (defaults, registered only when the gate
+--       has no configuration yet), 9 n = leases to release, then n lease ids,
+--       then per request: id ('<pod>:<n>' or '<pod>:<n>w<W>' for weight W), wait_ms (time the
+--       caller is willing to park, > 0), class ('' = priority 0 of the default tenant, else
+--       '<R>}<tenant>' with R = 100 - priority as three digits)
 -- Returns {limit, lease_ms, waiter_ms, released, then per request: status, token, n,
 --   expires_at}: released = how many of the ids given held a lease (release.lua's reply);
---   status 1 = granted (n = holders), 2 = parked (n = position, 1-based), 0 = rejected because
---   the wait list is full (n = max_queued).
---   token is the fencing token: monotonic per gate in grant order (a parked caller's token is its
---   FIFO sequence number, and nobody barges past it).
+--   status 1 = granted (n = units held), 2 = parked (n = waiters, this one included),
+--   0 = rejected because the wait list is full (n = max_queued), 3 = rejected because the
+--   tenant's waiters reached max_queued_per_tenant (n = that bound), 4 = rejected because the
+--   priority is below shed_below and the call could not be granted at once (n = shed_below),
+--   5 = refused: the weight is above the ceiling and can never be granted (n = ceiling).
+--   token: granted = the fencing token (monotonic per gate in grant order); parked = the
+--   caller's seq, its place in its lane (waiter member '<tenant>}<R>}<seq20>}<id>'): its
+--   fencing token comes with the grant.
 --   lease_ms, waiter_ms: the TTLs in force, so the caller paces its first renewal by them.
 --   expires_at: server time (ms) at which the granted lease (or the parked entry) expires.
--- Reaping is lazy (bounded, as ever): expired leases only when the gate is full, expired waiters
--- only when the wait list is full, i.e. when they could change the answer; heartbeats and the
--- coordinator's sweep reap the rest. Room while others wait (the limit grew, leases expired) goes
--- to them first.
-local n_release = tonumber(ARGV[6])
+-- A call is granted at once only if nobody eligible waits in its band or above and its own
+-- lane is empty (no passing), and its weight fits. A full wait list evicts the newest waiter of
+-- the lowest band below the arrival's (from that band's most-served tenant; it gets Overloaded).
+-- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
+-- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
+-- and the coordinator's sweep reap the rest.
+local n_release = tonumber(ARGV[9])
 local released = 0
 if n_release > 0 then
-  released = redis.call('ZREM', K_HOLDERS, unpack(ARGV, 7, 6 + n_release))
+  released = remove_leases(ARGV, 10, 9 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-local first = 7 + n_release  -- ARGV index of the first request
+local first = 10 + n_release  -- ARGV index of the first request
 
 local now = now_ms()
-local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]}, true)
+local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]},
+  true)
 local lim = current_limit(now, cfg)
-local holders = redis.call('ZCARD', K_HOLDERS)
-local queued = redis.call('ZCARD', K_QUEUE)
-if holders >= lim then holders = holders - reap_leases(now) end
-if queued > 0 and holders < lim then
-  local granted, removed = handoff(now, cfg, lim, holders)
-  holders, queued = holders + granted, queued - removed
+local units = units_held()
+local queued = redis.call('ZCARD', K_WAITERS)
+local leases_reaped, waiters_reaped = false, false
+if units >= lim then
+  units = units - reap_leases(now)
+  leases_reaped = true
+end
+if queued > 0 and units < lim then
+  local _, removed, granted_units = handoff(now, cfg, lim, units)
+  units, queued = units + granted_units, queued - removed
 end
 
--- Decide each request in order: 1 granted, 2 parked, 0 rejected (n: holders, position or
--- max_queued).
-local status, n = {}, {}
-local n_tokens, n_granted, n_parked, n_rejected = 0, 0, 0, 0
-local waiters_reaped = false
-for i = first, #ARGV, 2 do
-  if queued == 0 and holders < lim then
-    holders = holders + 1
-    status[#status + 1], n[#n + 1] = 1, holders
-    n_granted = n_granted + 1
+-- The band of the first eligible lane (nil: none), read once, then kept by this call's parks.
+local top_band, top_known = nil, false
+local function band_on_top()
+  if not top_known then
+    top_known = true
+    local e = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 1)
+    if #e > 0 then top_band = string.sub(e[1], 1, 3) end
+  end
+  return top_band
+end
+-- Waiters per lane and per tenant in Redis (read once per call), and those this call parks.
+local lane_len, tenant_len, parked_in, tenant_parked, first_w = {}, {}, {}, {}, {}
+local function lane_count(lane)
+  local n = lane_len[lane]
+  if n == nil then
+    local lo, hi = lane_range(lane)
+    n = redis.call('ZLEXCOUNT', K_LANES, lo, hi)
+    lane_len[lane] = n
+  end
+  return n
+end
+local function tenant_count(t)
+  local n = tenant_len[t]
+  if n == nil then
+    n = redis.call('ZLEXCOUNT', K_LANES, '[' .. t .. '}', '(' .. t .. '~')
+    tenant_len[t] = n
+  end
+  return n + (tenant_parked[t] or 0)
+end
+
+local wakes = new_wakes()
+local n_evicted = 0
+-- The newest waiter of the lowest band below band r leaves (Overloaded): the tail of that
+-- band's lane with the largest tag (its most-served tenant). Returns whether one left.
+local function evict(r)
+  local last = redis.call('ZREVRANGEBYLEX', K_FAIR, '+', '-', 'LIMIT', 0, 1)
+  if #last == 0 then return false end
+  local lane, _, band = fair_parse(last[1])
+  if band <= r then return false end
+  local lo, hi = lane_range(lane)
+  local tail = redis.call('ZREVRANGEBYLEX', K_LANES, hi, lo, 'LIMIT', 0, 1)
+  if #tail == 0 then return false end
+  local id = member_id(tail[1])
+  remove_waiters({tail[1]})
+  if lane_len[lane] then lane_len[lane] = lane_len[lane] - 1 end
+  local t = lane_tenant(lane)
+  if tenant_len[t] then tenant_len[t] = tenant_len[t] - 1 end
+  redis.call('ZADD', K_EVICTED, now + 2 * cfg.waiter_ms, id)
+  add_wake(wakes, id, id .. '=x')
+  n_evicted = n_evicted + 1
+  return true
+end
+
+-- Decide each request in order (n: units held, waiters, or the bound that refused it).
+local status, n, lanes = {}, {}, {}
+local n_tokens, n_granted, n_parked, n_rejected, extra = 0, 0, 0, 0, 0
+local rejected_by = {0, 0, 0, 0, 0, 0}  -- by status + 1
+for i = first, #ARGV, 3 do
+  local id, cls = ARGV[i], ARGV[i + 2]
+  local w = weight_of(id)
+  local lane = class_lane(cls)
+  local r = lane_band(lane)
+  local st, k
+  if w > cfg.ceiling then
+    st, k = 5, cfg.ceiling
   else
-    if queued >= cfg.max_queued and not waiters_reaped then
-      waiters_reaped = true
-      queued = queued - reap_waiters(now)
+    local blocked = false
+    if queued > 0 then
+      local top = band_on_top()
+      blocked = (top ~= nil and top <= r) or lane_count(lane) > 0
     end
-    if queued >= cfg.max_queued then
-      status[#status + 1], n[#n + 1] = 0, cfg.max_queued
-      n_rejected = n_rejected + 1
+    blocked = blocked or parked_in[lane] ~= nil
+    if not blocked and units + w > lim and not leases_reaped then
+      leases_reaped = true
+      units = units - reap_leases(now)
+    end
+    if not blocked and units + w <= lim then
+      units = units + w
+      extra = extra + w - 1
+      st, k = 1, units
+    elseif 100 - tonumber(r) < cfg.shed_below then
+      st, k = 4, cfg.shed_below
+    elseif cfg.max_queued_per_tenant < cfg.max_queued
+        and tenant_count(lane_tenant(lane)) >= cfg.max_queued_per_tenant then
+      st, k = 3, cfg.max_queued_per_tenant
     else
-      queued = queued + 1
-      status[#status + 1], n[#n + 1] = 2, queued
-      n_parked = n_parked + 1
+      if queued >= cfg.max_queued and not waiters_reaped then
+        waiters_reaped = true
+        local reaped = reap_waiters(now)
+        if reaped > 0 then
+          queued = queued - reaped
+          lane_len, tenant_len = {}, {}
+          if top_band == nil then top_known = false end
+        end
+      end
+      if queued >= cfg.max_queued and not evict(r) then
+        st, k = 0, cfg.max_queued
+      else
+        if queued >= cfg.max_queued then queued = queued - 1 end
+        queued = queued + 1
+        st, k = 2, queued
+        if parked_in[lane] == nil then
+          parked_in[lane], first_w[lane] = 0, w
+          lane_count(lane)  -- the lane's length before this call's parks
+        end
+        parked_in[lane] = parked_in[lane] + 1
+        local t = lane_tenant(lane)
+        tenant_parked[t] = (tenant_parked[t] or 0) + 1
+      end
     end
+  end
+  status[#status + 1], n[#n + 1], lanes[#lanes + 1] = st, k, lane
+  if st == 1 then
+    n_granted = n_granted + 1
+  elseif st == 2 then
+    n_parked = n_parked + 1
+    -- this call's parks are eligible waiters of their band from now on
+    if w <= lim and (top_band == nil or r < top_band) then top_band = r end
+    top_known = true
+  else
+    n_rejected = n_rejected + 1
+    rejected_by[st + 1] = rejected_by[st + 1] + 1
   end
 end
 
@@ -70,9 +183,10 @@ local out = {lim, cfg.lease_ms, cfg.waiter_ms, released}
 local token = 0
 if n_granted + n_parked > 0 then token = next_tokens(now, n_granted + n_parked) end
 local lease_expires = now + cfg.lease_ms
-local held, queue, waiting = {}, {}, {}
-for r, st in ipairs(status) do
-  local id = ARGV[first + 2 * (r - 1)]
+local held, members, waiting = {}, {}, {}
+for j, st in ipairs(status) do
+  local i = first + 3 * (j - 1)
+  local id = ARGV[i]
   local t, expires = 0, 0
   if st == 1 then
     t, expires = token, lease_expires
@@ -80,24 +194,39 @@ for r, st in ipairs(status) do
     held[#held + 1] = id
   elseif st == 2 then
     t = token
-    expires = now + math.min(cfg.waiter_ms, tonumber(ARGV[first + 2 * r - 1]))
-    queue[#queue + 1] = t
-    queue[#queue + 1] = id
+    expires = now + math.min(cfg.waiter_ms, tonumber(ARGV[i + 1]))
+    local lane = lanes[j]
+    local m = lane .. '}' .. pad20(t) .. '}' .. id
+    members[#members + 1] = 0
+    members[#members + 1] = m
     waiting[#waiting + 1] = expires
-    waiting[#waiting + 1] = id
+    waiting[#waiting + 1] = m
   end
-  if st ~= 0 then token = token + 1 end
+  if st == 1 or st == 2 then token = token + 1 end
   local k = #out
-  out[k + 1], out[k + 2], out[k + 3], out[k + 4] = st, t, n[r], expires
+  out[k + 1], out[k + 2], out[k + 3], out[k + 4] = st, t, n[j], expires
 end
 if n_granted > 0 then
-  redis.call('ZADD', K_HOLDERS, unpack(held))
+  add_leases(held, extra)
   redis.call('HINCRBY', K_STATS, 'granted', n_granted)
 end
 if n_parked > 0 then
-  redis.call('ZADD', K_QUEUE, unpack(queue))
+  redis.call('ZADD', K_LANES, unpack(members))
   redis.call('ZADD', K_WAITERS, unpack(waiting))
   redis.call('HINCRBY', K_STATS, 'parked', n_parked)
+  -- A lane with no waiter before this call's (or none left after its evictions) enters the
+  -- fair order with its first waiter as its head.
+  for lane in pairs(parked_in) do
+    if lane_count(lane) == 0 then lane_enter(lane, first_w[lane], lim) end
+  end
 end
 if n_rejected > 0 then redis.call('HINCRBY', K_STATS, 'rejected', n_rejected) end
+if rejected_by[4] > 0 then redis.call('HINCRBY', K_STATS, 'rejected_tenant', rejected_by[4]) end
+if rejected_by[5] > 0 then redis.call('HINCRBY', K_STATS, 'shed', rejected_by[5]) end
+if rejected_by[6] > 0 then redis.call('HINCRBY', K_STATS, 'too_heavy', rejected_by[6]) end
+if n_evicted > 0 then
+  send_wakes(wakes, cfg)
+  redis.call('HINCRBY', K_STATS, 'evicted', n_evicted)
+end
+adm_flush()
 return out

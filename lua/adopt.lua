@@ -1,10 +1,11 @@
 -- adopt: count as leases the permits a pod granted itself while Redis was unreachable (under the
 -- local fair-share bound), plus its leases that Redis lost meanwhile (a restart), so the fleet cap
 -- accounts for work that is still running when Redis returns. The limit is not checked: the work
--- already runs; new grants simply wait until in-flight < limit again.
+-- already runs; new grants simply wait until units held < limit again.
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 max_token (the highest fencing token among the pod's leases; the gate's counter is
---       raised above it so tokens stay monotonic after a restart), then the lease ids.
+--       raised above it so tokens stay monotonic after a restart), then the lease ids (their
+--       weights in them, as ever).
 -- Returns {added, expires_at}: the number of ids added and the server time they now expire at.
 -- Ids still held are renewed (GT never shortens a lease): the client adopts twice around a short
 -- pause before fleet mode resumes (Fleet._probe_loop), and the heartbeat is paused until then,
@@ -16,7 +17,13 @@ raise_seq(num(ARGV[1], 0))
 local expires = now + cfg.lease_ms
 local added = 0
 for i = 2, #ARGV do
+  local w = weight_of(ARGV[i])
+  -- counted before it is added (an abort in between overcounts, never under)
+  if w > 1 and redis.call('ZSCORE', K_HOLDERS, ARGV[i]) == false then
+    redis.call('HINCRBY', K_ADM, 'extra', w - 1)
+  end
   added = added + redis.call('ZADD', K_HOLDERS, 'GT', expires, ARGV[i])
 end
 if added > 0 then redis.call('HINCRBY', K_STATS, 'adopted', added) end
+adm_flush()
 return {added, expires}

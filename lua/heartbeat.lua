@@ -6,12 +6,14 @@
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 pod id  2 pod_ttl_ms  3 n_leases  then n_leases pairs (lease id, expires_at: the
 --       server time (ms) the pod last saw this lease renewed to, 0 if unknown),
---       then n_waiters, then n_waiters pairs (waiter id, remaining deadline ms),
+--       then n_waiters, then n_waiters pairs (waiter member, remaining deadline ms),
 --       then optional: max_token (the highest fencing token the pod holds), and the pod's
 --       defaults (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate whose
 --       configuration is gone (read, never registered here).
--- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, holders,
---   lease_ms, waiter_ms, expires_at, pod_new, adopted}: the TTLs in force (the client paces its
+-- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,
+--   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted}: the fencing
+--   tokens of granted_waiters (fresh), the waiters evicted by a higher band (Overloaded),
+--   the TTLs in force (the client paces its
 --   heartbeat by them), the server time renewed leases now expire at, pod_new = 1 when this
 --   pod's entry had to be created (first registration, or the entry expired or was wiped), and
 --   the ids counted again because the gate had lost them before they could expire.

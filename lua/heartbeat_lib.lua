@@ -2,7 +2,8 @@
 -- heartbeat_many.lua (several gates of one pod, one slot, per call); fleetgate.scripts prepends
 -- it, after lib.lua, to those two scripts only. A = the gate's ARGV (heartbeat.lua's ARGV);
 -- the gate's keys are lib.lua's K_* (heartbeat_many.lua points them at each gate in turn).
--- Returns heartbeat.lua's reply (see there).
+-- Returns heartbeat.lua's reply (see there). Waiters are named by their waiter member
+-- ('<tenant>}<R>}<seq20>}<id>'); the reply names ids.
 --
 -- A lease missing from the holders (or left with an older expiry) although the pod saw it
 -- renewed to a time still ahead did not expire: the gate lost it (a restart, a lossy failover,
@@ -21,17 +22,21 @@ local function heartbeat_gate(A)
   reap(now)
 
   local lease_expiry = now + cfg.lease_ms
-  local lost, granted, lost_waiters, adopted = {}, {}, {}, {}
+  local lost, granted, lost_waiters, adopted, evicted = {}, {}, {}, {}, {}
   -- Renew id's lease if it still holds an unexpired one; one that expired is removed, never
-  -- revived, unless the pod knows it was renewed to a time still ahead (known > now).
+  -- revived, unless the pod knows it was renewed to a time still ahead (known > now): then it
+  -- is counted again (its weight too, before it is added).
   local function renew(id, known)
     local expiry = tonumber(redis.call('ZSCORE', K_HOLDERS, id))
     if expiry == nil or expiry <= now then
       if known > now then
         adopted[#adopted + 1] = id
+        if expiry == nil and weight_of(id) > 1 then
+          redis.call('HINCRBY', K_ADM, 'extra', weight_of(id) - 1)
+        end
       else
         if expiry ~= nil then
-          redis.call('ZREM', K_HOLDERS, id)
+          remove_leases({id}, 1, 1)
           redis.call('HINCRBY', K_STATS, 'expired_leases', 1)
         end
         return false
@@ -48,26 +53,38 @@ local function heartbeat_gate(A)
   end
   i = i_waiters + 1
   for _ = 1, n_waiters do
-    local id, remaining = A[i], tonumber(A[i + 1])
+    local member, remaining = A[i], tonumber(A[i + 1])
+    local id = member_id(member)
     i = i + 2
-    if redis.call('ZSCORE', K_QUEUE, id) then
-      redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), id)
+    if redis.call('ZSCORE', K_WAITERS, member) then
+      redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
     elseif renew(id, 0) then
       granted[#granted + 1] = id
+    elseif redis.call('ZSCORE', K_EVICTED, id) then
+      evicted[#evicted + 1] = id
     else
       lost_waiters[#lost_waiters + 1] = id
     end
   end
   if #adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #adopted) end
   raise_seq(max_token)
+  -- A grant whose wake this pod missed gets its fencing token now: a fresh one, above every
+  -- token issued before the pod learns of its grant (it cannot have used the permit earlier).
+  local tokens = {}
+  if #granted > 0 then
+    local first = next_tokens(now, #granted)
+    for k = 1, #granted do tokens[k] = first + k - 1 end
+  end
 
   local pod_new = 0
   if pod ~= '' then pod_new = redis.call('ZADD', K_PODS, now + pod_ttl, pod) end
   redis.call('ZREMRANGEBYSCORE', K_PODS, '-inf', now)
   local live = redis.call('ZCARD', K_PODS)
   local lim = current_limit(now, cfg)
+  readmit(lim)
   handoff(now, cfg, lim)
+  adm_flush()
   return {lim, live, lost, granted, lost_waiters,
-    redis.call('ZCARD', K_QUEUE), redis.call('ZCARD', K_HOLDERS), cfg.lease_ms, cfg.waiter_ms,
-    lease_expiry, pod_new, adopted}
+    redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
+    lease_expiry, pod_new, adopted, tokens, evicted}
 end

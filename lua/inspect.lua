@@ -4,9 +4,13 @@
 --         exact), at most INSPECT_MAX, so one snapshot costs O(log n + listed), never O(queue)
 --       2..6 optional defaults (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate that
 --       has no configuration yet: the snapshot shows what an acquire would register
--- Returns a JSON object: now, cfg, target, limit, floor, ceiling, max_queued, lease_ms, waiter_ms
---   (the configuration in force), holders, queued, live_pods, stats, util,
---   head (first waiters: id, token, expires_at), leases (first holders: id, expires_at).
+-- Returns a JSON object: now, schema, cfg, target, limit, floor, ceiling, max_queued,
+--   max_queued_per_tenant, shed_below, tenant_weights, lease_ms, waiter_ms (the configuration
+--   in force), holders (unexpired leases), units (units held, expired-but-unreaped included: what
+--   the next grant counts), queued, live_pods, stats, util,
+--   lanes (first lanes in service order, then oversize ones: priority, tenant, queued, tag or
+--   oversize, reserved), head (their first waiters: id, token (seq), weight, priority, tenant,
+--   expires_at), leases (first holders: id, weight, expires_at).
 -- Expired entries that nobody reaped yet are not counted (the snapshot applies the same rule
 -- as the next write would).
 -- A snapshot never lists the whole queue: 100,000 waiters listed would block Redis for ~0.3 s.
@@ -22,34 +26,68 @@ local function pairs_to_map(flat)
   return m
 end
 
-local head, leases = {}, {}
+local head, leases, lanes = {}, {}, {}
+local function lane_info(lane, tag)
+  local lo, hi = lane_range(lane)
+  local r = lane_band(lane)
+  local t = lane_tenant(lane)
+  local info = {priority = 100 - tonumber(r), tenant = t, queued = redis.call('ZLEXCOUNT', K_LANES, lo, hi)}
+  if tag then info.tag = string.format('%.0f', tag) else info.oversize = true end
+  local rsv = adm_get('rsv:' .. r)
+  if rsv and member_lane(rsv) == lane then info.reserved = member_id(rsv) end
+  return info
+end
 -- n <= 0 must list nothing: ZRANGE 0 n-1 would be ZRANGE 0 -1 (everything) for n = 0.
 if n > 0 then
-  local q = redis.call('ZRANGE', K_QUEUE, 0, n - 1, 'WITHSCORES')
-  for j = 1, #q, 2 do
-    -- tokens are beyond cjson's 14 significant digits (seeded from server time): a string
-    head[#head + 1] = {id = q[j], token = string.format('%.0f', tonumber(q[j + 1])),
-      expires_at = tonumber(redis.call('ZSCORE', K_WAITERS, q[j]))}
+  -- the lanes in the order they are served (then the oversize ones), and each lane's head
+  for _, fm in ipairs(redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, n)) do
+    local lane, tag = fair_parse(fm)
+    lanes[#lanes + 1] = lane_info(lane, tag)
+  end
+  for _, lane in ipairs(redis.call('ZRANGE', K_BIG, 0, n - 1)) do
+    lanes[#lanes + 1] = lane_info(lane, nil)
+  end
+  for _, l in ipairs(lanes) do
+    if #head >= n then break end
+    local lane = l.tenant .. '}' .. string.format('%03d', 100 - l.priority)
+    local lo, hi = lane_range(lane)
+    for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, n - #head)) do
+      local id = member_id(m)
+      head[#head + 1] = {id = id, token = string.match(m, '}0*(%d+)}[^}]*$'),
+        weight = weight_of(id), priority = l.priority, tenant = l.tenant,
+        expires_at = tonumber(redis.call('ZSCORE', K_WAITERS, m))}
+    end
   end
   local h = redis.call('ZRANGEBYSCORE', K_HOLDERS, '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, n)
-  for j = 1, #h, 2 do leases[#leases + 1] = {id = h[j], expires_at = tonumber(h[j + 1])} end
+  for j = 1, #h, 2 do
+    leases[#leases + 1] = {id = h[j], weight = weight_of(h[j]), expires_at = tonumber(h[j + 1])}
+  end
 end
 
-return cjson.encode({
+local extra = num(redis.call('HGET', K_ADM, 'extra'), 0)
+local out = cjson.encode({
   now = now,
+  schema = SCHEMA,
   cfg = pairs_to_map(redis.call('HGETALL', K_CFG)),
   target = pairs_to_map(redis.call('HGETALL', K_TARGET)),
   limit = current_limit(now, cfg),
   floor = cfg.floor,
   ceiling = cfg.ceiling,
   max_queued = cfg.max_queued,
+  max_queued_per_tenant = cfg.max_queued_per_tenant,
+  shed_below = cfg.shed_below,
+  tenant_weights = pairs_to_map(redis.call('HGETALL', K_TW)),
   lease_ms = cfg.lease_ms,
   waiter_ms = cfg.waiter_ms,
   holders = redis.call('ZCOUNT', K_HOLDERS, '(' .. now, '+inf'),
+  units = redis.call('ZCARD', K_HOLDERS) + extra,
   queued = redis.call('ZCOUNT', K_WAITERS, '(' .. now, '+inf'),
   live_pods = redis.call('ZCOUNT', K_PODS, '(' .. now, '+inf'),
   stats = pairs_to_map(redis.call('HGETALL', K_STATS)),
   util = pairs_to_map(redis.call('HGETALL', K_UTIL)),
   head = head,
   leases = leases,
+  lanes = lanes,
 })
+adm_flush()
+return out

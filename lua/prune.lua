@@ -6,7 +6,7 @@
 --         gate its successor publishes)  2 idle_after_ms
 -- Returns {state, idle_ms}: state 1 = pruned (keys deleted), 2 = idle for idle_ms so far,
 --   0 = in use, -1 = refused (a newer epoch owns the gate).
--- Idle = no holders, no waiters, no queue (expired entries included: nothing of a gate with
+-- Idle = no holders, no waiters, no lanes (expired entries included: nothing of a gate with
 -- holders or waiters is ever deleted), no live pod (the heartbeats fill fg:{G}:pods), no live
 -- target, and no acquire since the last check (the sequence counter and the grant/reject
 -- counters unchanged). The start of the idle period and the activity mark it saw are kept in
@@ -17,13 +17,15 @@ local now = now_ms()
 local stored = num(redis.call('HGET', K_TARGET, 'epoch'), nil)
 if stored and epoch < stored then return {-1, 0} end
 
-local busy = redis.call('ZCARD', K_HOLDERS) > 0 or redis.call('ZCARD', K_QUEUE) > 0
+check_schema(redis.call('HGET', K_CFG, 'schema'))
+local busy = redis.call('ZCARD', K_HOLDERS) > 0 or redis.call('ZCARD', K_LANES) > 0
   or redis.call('ZCARD', K_WAITERS) > 0
   or redis.call('ZCOUNT', K_PODS, '(' .. now, '+inf') > 0
 if not busy then
   local t = redis.call('HMGET', K_TARGET, 'value', 'expires_at')
   busy = num(t[1], nil) ~= nil and num(t[2], 0) > now
 end
+adm_flush()  -- (a gate converted by check_schema)
 if busy then
   redis.call('HDEL', K_UTIL, 'idle_since', 'idle_mark')
   return {0, 0}
@@ -39,5 +41,6 @@ if since == nil or seen[2] ~= mark or since > now then
   return {2, 0}
 end
 if idle_after == nil or now - since < idle_after then return {2, now - since} end
-redis.call('DEL', K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL)
+redis.call('DEL', K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL,
+  K_LANES, K_FAIR, K_BIG, K_ADM, K_TW, K_EVICTED)
 return {1, now - since}

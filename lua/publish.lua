@@ -4,7 +4,8 @@
 -- waiters at once (a target increase or a raised floor).
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 epoch  2 ttl_ms (of the target)  3 target value, or '' to leave the target alone
---       4 n = number of cfg fields, then n (field, value) pairs for fg:{G}:cfg,
+--       4 n = number of cfg fields, then n (field, value) pairs for fg:{G}:cfg (the pair
+--       'tenant_weights', 'name}w}...' replaces fg:{G}:tw instead; 'schema' is never written),
 --       then (field, value) pairs for fg:{G}:util (the rest of ARGV)
 -- Returns {accepted, limit, stored_epoch, granted}: accepted = 0 when epoch < the epoch stored in
 --   the target (a deposed leader waking up writes nothing: not the target, not the cfg, not the
@@ -18,7 +19,15 @@ if stored and epoch < stored then
 end
 local n_cfg = tonumber(ARGV[4])
 local cfg_pairs, util_pairs = {}, {}
-for i = 5, 4 + 2 * n_cfg do cfg_pairs[#cfg_pairs + 1] = ARGV[i] end
+check_schema(redis.call('HGET', K_CFG, 'schema'))
+for i = 5, 4 + 2 * n_cfg, 2 do
+  if ARGV[i] == 'tenant_weights' then
+    store_tenant_weights(ARGV[i + 1])  -- replaced whole: fg:{G}:tw
+  elseif ARGV[i] ~= 'schema' then
+    cfg_pairs[#cfg_pairs + 1] = ARGV[i]
+    cfg_pairs[#cfg_pairs + 1] = ARGV[i + 1]
+  end
+end
 for i = 5 + 2 * n_cfg, #ARGV do util_pairs[#util_pairs + 1] = ARGV[i] end
 if #cfg_pairs > 0 then redis.call('HSET', K_CFG, unpack(cfg_pairs)) end
 if #util_pairs > 0 then
@@ -32,7 +41,9 @@ else
   redis.call('HSET', K_TARGET, 'epoch', epoch)
 end
 local cfg = load_cfg()
-reap(now)
 local lim = current_limit(now, cfg)
+reap(now)
+readmit(lim)
 local granted = handoff(now, cfg, lim)
+adm_flush()
 return {1, lim, epoch, granted}

@@ -83,4 +83,4 @@ async def test_cancel_during_acquire_round_trip_is_never_lost(
     assert outcomes == {"cancelled": 13 * ROUNDS}, outcomes
     assert gate.leases == {} and gate.waiters == {}
     assert await async_redis.zcard(gate.keys.holders) == 0
-    assert await async_redis.zcard(gate.keys.queue) == 0
+    assert await async_redis.zcard(gate.keys.waiters) == 0

@@ -10,6 +10,7 @@ import pytest
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
+from fleetgate.admission import member_id
 from fleetgate.client import (
     ConfigError,
     DeadlineExceeded,
@@ -100,7 +101,7 @@ async def test_overloaded_fails_fast_and_counts(
         async with gate.permit():
             called = True
     assert not called
-    assert await async_redis.zcard(gate.keys.queue) == 1
+    assert await async_redis.zcard(gate.keys.waiters) == 1
     assert sample(registry, "fleetgate_client_rejected_total", "small") == 1
     await held.release()
     lease = await parked
@@ -115,7 +116,7 @@ async def test_deadline_while_parked_leaves_queue(
     with pytest.raises(DeadlineExceeded, match="150 ms"):
         async with gate.permit(deadline=0.15):
             pytest.fail("must not run")
-    assert await async_redis.zcard(gate.keys.queue) == 0
+    assert await async_redis.zcard(gate.keys.waiters) == 0
     assert await async_redis.zcard(gate.keys.holders) == 1
     assert sample(registry, "fleetgate_client_deadline_exceeded_total", "slow") == 1
     await held.release()
@@ -140,11 +141,11 @@ async def test_cancel_while_parked_consumes_no_permit(
     held = await gate.acquire()
     task = asyncio.create_task(gate.acquire(deadline=10))
     await asyncio.sleep(0.1)
-    assert await async_redis.zcard(gate.keys.queue) == 1
+    assert await async_redis.zcard(gate.keys.waiters) == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await async_redis.zcard(gate.keys.queue) == 0
+    assert await async_redis.zcard(gate.keys.waiters) == 0
     await held.release()
     await fleet.flush()
     assert await async_redis.zcard(gate.keys.holders) == 0
@@ -198,7 +199,7 @@ async def test_lost_wakeup_recovered_by_heartbeat(fleet: Fleet, async_redis: are
     task = asyncio.create_task(gate.acquire(deadline=10))
     await asyncio.sleep(0.1)
     # Grant by hand without a wake message: only the heartbeat can tell the waiter.
-    [waiter_id] = await async_redis.zrange(gate.keys.queue, 0, -1)
+    [waiter_id] = [member_id(m) for m in await async_redis.zrange(gate.keys.lanes, 0, -1)]
     await held.release()
     await async_redis.delete(gate.keys.wake(fleet.pod_key))
     lease = await asyncio.wait_for(task, 2)

@@ -37,7 +37,7 @@ async def test_growth_wakes_parked_callers_at_once(fleet: Fleet, async_redis: ar
     gate = fleet.gate("grow", floor=1, ceiling=10)
     held = await gate.acquire()
     parked = [asyncio.create_task(gate.acquire(deadline=10)) for _ in range(3)]
-    await until(lambda: _eq(async_redis.zcard(gate.keys.queue), 3))
+    await until(lambda: _eq(async_redis.zcard(gate.keys.waiters), 3))
     t0 = time.monotonic()
     assert await GateScripts(async_redis).set_target(gate.keys, 4, epoch=1, ttl_ms=30_000)
     leases = await asyncio.gather(*parked)
@@ -56,7 +56,7 @@ async def test_shrink_never_revokes(fleet: Fleet, async_redis: aredis.Redis) -> 
     await scripts.set_target(gate.keys, 1, epoch=1, ttl_ms=30_000)
     assert await async_redis.zcard(gate.keys.holders) == 3  # nobody revoked
     late = asyncio.create_task(gate.acquire(deadline=10))
-    await until(lambda: _eq(async_redis.zcard(gate.keys.queue), 1))
+    await until(lambda: _eq(async_redis.zcard(gate.keys.waiters), 1))
     await held[0].release()
     await held[1].release()
     await asyncio.sleep(0.2)
@@ -71,7 +71,7 @@ async def test_cancel_racing_a_grant_releases_it(fleet: Fleet, async_redis: ared
     for _ in range(20):
         held = await gate.acquire()
         task = asyncio.create_task(gate.acquire(deadline=10))
-        await until(lambda: _eq(async_redis.zcard(gate.keys.queue), 1))
+        await until(lambda: _eq(async_redis.zcard(gate.keys.waiters), 1))
         release = asyncio.create_task(held.release())
         await asyncio.sleep(0)
         task.cancel()
@@ -83,7 +83,7 @@ async def test_cancel_racing_a_grant_releases_it(fleet: Fleet, async_redis: ared
         else:  # the grant won the race: we hold it legitimately
             await lease.release()
         await until(lambda: _eq(async_redis.zcard(gate.keys.holders), 0), 3)
-        assert await async_redis.zcard(gate.keys.queue) == 0
+        assert await async_redis.zcard(gate.keys.waiters) == 0
 
 
 async def test_killed_wake_connection_still_granted(
@@ -96,7 +96,7 @@ async def test_killed_wake_connection_still_granted(
         gate = fleet.gate("killwake", floor=1)
         held = await gate.acquire()
         task = asyncio.create_task(gate.acquire(deadline=10))
-        await until(lambda: _eq(async_redis.zcard(gate.keys.queue), 1))
+        await until(lambda: _eq(async_redis.zcard(gate.keys.waiters), 1))
         await asyncio.sleep(0.05)  # the listener is blocked in BLPOP now
         clients = await async_redis.client_list()
         blocked = [c for c in clients if c.get("cmd") == "blmpop"]

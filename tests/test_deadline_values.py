@@ -110,12 +110,12 @@ def default_fleet(rut: RedisUnderTest, monkeypatch: pytest.MonkeyPatch) -> Itera
 
 
 async def _queue_and_holders(r: aredis.Redis, keys: GateKeys) -> tuple[int, int]:
-    return await r.zcard(keys.queue), await r.zcard(keys.holders)
+    return await r.zcard(keys.waiters), await r.zcard(keys.holders)
 
 
 async def _until_parked(r: aredis.Redis, keys: GateKeys) -> None:
     async with asyncio.timeout(10):
-        while await r.zcard(keys.queue) == 0:
+        while await r.zcard(keys.waiters) == 0:
             await asyncio.sleep(0.005)
 
 

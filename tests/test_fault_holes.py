@@ -159,7 +159,7 @@ def test_processes_sharing_a_pod_id_keep_the_cap(
     print(f"[fault] shared pod_id: peak {max(peaks)} under limit 2")
     assert max(peaks) <= 2, f"{max(peaks)} running under a limit of 2"
     keys = GateKeys.of(rut.prefix, "shared-id")
-    assert sync_redis.zcard(keys.holders) == 0 and sync_redis.zcard(keys.queue) == 0
+    assert sync_redis.zcard(keys.holders) == 0 and sync_redis.zcard(keys.waiters) == 0
 
 
 async def test_pod_key_is_unique_per_process_whatever_the_label(own_redis: RedisProcess) -> None:
@@ -284,7 +284,7 @@ async def test_handoff_skips_waiters_that_died_beyond_one_reap(r: aredis.Redis) 
     assert await scripts.release(keys, "holder:1")
     assert await r.zrange(keys.holders, 0, -1) == ["live:1"]
     assert await r.lrange(keys.wake("live"), 0, -1) == ["live:1"]
-    assert await r.zcard(keys.queue) == 0 and await r.zcard(keys.waiters) == 0
+    assert await r.zcard(keys.waiters) == 0 and await r.zcard(keys.waiters) == 0
     assert int(await r.hget(keys.stats, "abandoned_waiters") or 0) == 100
 
 

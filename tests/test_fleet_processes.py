@@ -13,6 +13,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
+from fleetgate.admission import member_id
 from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
 
@@ -38,7 +39,7 @@ def test_cap_holds_across_processes(rut: RedisUnderTest, r: redis.Redis) -> None
     assert max(peaks) <= 4, peaks
     assert max(peaks) >= 2, "the gate serialised everything: cap never approached"
     assert r.zcard(keys.holders) == 0
-    assert r.zcard(keys.queue) == 0 and r.zcard(keys.waiters) == 0
+    assert r.zcard(keys.waiters) == 0 and r.zcard(keys.waiters) == 0
     assert int(r.hget(keys.stats, "granted") or 0) == 200
 
 
@@ -63,8 +64,11 @@ def test_fifo_order_across_processes(rut: RedisUnderTest, r: redis.Redis) -> Non
             )
             p.start()
             procs.append(p)
-            wait_for(lambda i=i: blocker.zcard(keys.queue) == i + 1, 20)
-        parked = [int(x.split(":")[0].rsplit("-", 2)[1]) for x in r.zrange(keys.queue, 0, -1)]
+            wait_for(lambda i=i: blocker.zcard(keys.waiters) == i + 1, 20)
+        parked = [
+            int(x.split(":")[0].rsplit("-", 2)[1])
+            for x in map(member_id, r.zrange(keys.lanes, 0, -1))
+        ]
         loop.run_until_complete(lease.release())  # type: ignore[attr-defined]
         for p in procs:
             p.join(30)
@@ -122,13 +126,13 @@ def test_killed_waiter_leaves_queue(rut: RedisUnderTest, r: redis.Redis) -> None
             gate = fleet.gate("kill-waiter", floor=1, waiter_ms=waiter_ms)
             held = await gate.acquire()
             p = _spawn_holder(rut, r, "kill-waiter", 10_000, waiter_ms)
-            wait_for(lambda: r.zcard(keys.queue) == 1, 10)
+            wait_for(lambda: r.zcard(keys.waiters) == 1, 10)
             behind = asyncio.create_task(gate.acquire(deadline=30))
-            while r.zcard(keys.queue) < 2:
+            while r.zcard(keys.waiters) < 2:
                 await asyncio.sleep(0.01)
             os.kill(p.pid, signal.SIGKILL)
             t0 = time.monotonic()
-            while r.zcard(keys.queue) != 1:  # the dead entry is reaped, ours is the head
+            while r.zcard(keys.waiters) != 1:  # the dead entry is reaped, ours is the head
                 await asyncio.sleep(0.01)
             took = time.monotonic() - t0
             await held.release()

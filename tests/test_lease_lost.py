@@ -75,7 +75,7 @@ async def test_removed_holder_entry_raises_on_leaving_permit(
                 reached_end = True
 
         task = asyncio.create_task(second())
-        while await async_redis.zcard(gate.keys.queue) == 0:
+        while await async_redis.zcard(gate.keys.waiters) == 0:
             await asyncio.sleep(0.005)
         await held.release()  # hands the slot to the parked caller
         lease = await asyncio.wait_for(granted, 2)

@@ -88,7 +88,7 @@ async def test_deadline_while_parked_never_calls_fn(
     with pytest.raises(DeadlineExceeded, match=r"200 ms.*queue wait, calls and retries"):
         await gate.map(fn, range(5), deadline=0.2)
     assert called == []
-    assert await async_redis.zcard(gate.keys.queue) == 0
+    assert await async_redis.zcard(gate.keys.waiters) == 0
     await held.release()
 
 
@@ -108,7 +108,7 @@ async def test_deadline_mid_call_releases(
     assert time.monotonic() - t0 < 1.5
     assert started.is_set()
     assert await async_redis.zcard(gate.keys.holders) == 0
-    assert await async_redis.zcard(gate.keys.queue) == 0
+    assert await async_redis.zcard(gate.keys.waiters) == 0
     assert registry.get_sample_value("fleetgate_client_deadline_exceeded_total", {"gate": "mid"})
 
 
@@ -171,7 +171,7 @@ async def test_first_failure_cancels_siblings_and_frees_permits(
     assert time.monotonic() - t0 < 2
     assert finished == []
     assert await async_redis.zcard(gate.keys.holders) == 0
-    assert await async_redis.zcard(gate.keys.queue) == 0
+    assert await async_redis.zcard(gate.keys.waiters) == 0
 
 
 async def test_return_exceptions_gives_per_item_outcomes(fleet: Fleet) -> None:

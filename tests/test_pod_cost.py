@@ -46,7 +46,7 @@ async def test_one_wake_connection_for_many_gates(
             asyncio.create_task(waiter.gate(g, floor=1, ceiling=1).acquire(deadline=20))
             for g in names
         ]
-        queues = [waiter.gate(g).keys.queue for g in names]
+        queues = [waiter.gate(g).keys.waiters for g in names]
         for _ in range(500):
             if await _parked(async_redis, queues):
                 break

@@ -14,7 +14,7 @@ from fleetgate.admission import TenantWeights
 from fleetgate.coordinator.config import Config, GateConfig
 from fleetgate.errors import ConfigError
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import GRANTED, GateScripts
+from fleetgate.scripts import GRANTED, SCHEMA, GateScripts
 from fleetgate.settings import (
     ADMISSION_FIELDS,
     FIELDS,
@@ -76,8 +76,35 @@ async def test_acquire_registers_and_applies_the_struct(
     assert reply.status == GRANTED and reply.holders == 1
     assert (reply.lease_ms, reply.waiter_ms) == (1234, 567)
     stored = await async_redis.hgetall(keys.cfg)
-    assert {k: int(stored[k]) for k in FIELDS} == _int_fields(s)
+    assert stored.pop("schema") == str(SCHEMA)
+    # max_queued_per_tenant None is not stored (the scripts read "same as max_queued")
+    assert {k: int(v) for k, v in stored.items()} == {**_int_fields(s), "shed_below": 0}
     assert _effective(await scripts.snapshot(keys, 0)) == _int_fields(s)
+
+
+async def test_acquire_registers_the_admission_settings(
+    scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
+) -> None:
+    """argv()'s last three values: max_queued_per_tenant and shed_below into cfg, the tenant
+    weights into their own hash; a publish of as_cfg() replaces them."""
+    s = GateSettings(
+        floor=2, max_queued_per_tenant=4, shed_below=-7, tenant_weights={"b": 2, "a": 5}
+    )
+    assert (await scripts.acquire(keys, "p:1", 1000, s)).status == GRANTED
+    stored = await async_redis.hgetall(keys.cfg)
+    assert (stored["max_queued_per_tenant"], stored["shed_below"]) == ("4", "-7")
+    assert await async_redis.hgetall(keys.tenant_weights) == {"a": "5", "b": "2"}
+    snap = await scripts.snapshot(keys, 0)
+    assert (snap.max_queued_per_tenant, snap.shed_below) == (4, -7)
+    assert snap.tenant_weights == {"a": "5", "b": "2"}
+
+    published = GateSettings(floor=2, shed_below=3, tenant_weights={"c": 9})
+    assert await scripts.publish(keys, 1, 10_000, None, published.as_cfg(), {})
+    assert await async_redis.hgetall(keys.tenant_weights) == {"c": "9"}
+    snap = await scripts.snapshot(keys, 0)
+    assert (snap.shed_below, snap.tenant_weights) == (3, {"c": "9"})
+    assert await scripts.publish(keys, 1, 10_000, None, GateSettings(floor=2).as_cfg(), {})
+    assert await async_redis.exists(keys.tenant_weights) == 0
 
 
 def test_script_arguments_follow_the_field_order() -> None:

@@ -87,10 +87,10 @@ def pause_loop_after_grant(gate: Gate, at_grant: Callable[[], None]) -> None:
         at_grant()
         time.sleep(0.1)
 
-    def on_granted(lease_id: str) -> None:
+    def on_granted(lease_id: str, token: int) -> None:
         nonlocal fired
         waiting = lease_id in gate.waiters
-        orig(lease_id)
+        orig(lease_id, token)
         if waiting and not fired:
             fired = True
             # After the acquire's own wake-up (scheduled by orig): it returns its lease first.
@@ -104,7 +104,7 @@ def release_when_parked(r: redis.Redis, keys: GateKeys, sg: SyncGate, held: Any)
 
     def run() -> None:
         deadline = time.monotonic() + 10
-        while r.zcard(keys.queue) == 0:
+        while r.zcard(keys.waiters) == 0:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.005)
@@ -117,7 +117,7 @@ def settled(r: redis.Redis, keys: GateKeys, timeout: float = 3.0) -> tuple[int, 
     """(holders, queued) once both are 0, or as they stand after ``timeout`` s."""
     end = time.monotonic() + timeout
     while True:
-        now = (r.zcard(keys.holders), r.zcard(keys.queue))
+        now = (r.zcard(keys.holders), r.zcard(keys.waiters))
         if now == (0, 0) or time.monotonic() > end:
             return now
         time.sleep(0.01)
@@ -166,7 +166,7 @@ def test_exception_raised_into_thread_as_grant_lands_releases(
     t = threading.Thread(target=caller)
     t.start()
     deadline = time.monotonic() + 10
-    while r.zcard(keys.queue) == 0:
+    while r.zcard(keys.waiters) == 0:
         assert time.monotonic() < deadline, "the caller never parked"
         time.sleep(0.005)
     raise_in_thread(t, _Interrupt)  # pending until the thread wakes up with its lease

@@ -17,6 +17,7 @@ import pytest
 from fakeredis import FakeServer
 from prometheus_client import CollectorRegistry
 
+from fleetgate.admission import member_id
 from fleetgate.client import (
     ConfigError,
     DeadlineExceeded,
@@ -222,7 +223,7 @@ async def test_lost_wakeup_recovered_by_heartbeat() -> None:
         held = await gate.acquire()
         task = asyncio.create_task(gate.acquire(deadline=10.0))
         await asyncio.sleep(0.05)
-        [waiter_id] = await fleet.redis.zrange(gate.keys.queue, 0, -1)
+        [waiter_id] = [member_id(m) for m in await fleet.redis.zrange(gate.keys.lanes, 0, -1)]
         # Grant by hand, bypassing the client, and drop the wake message.
         await fleet.scripts.release(gate.keys, held.id)
         await fleet.redis.delete(gate.keys.wake(fleet.pod_key))

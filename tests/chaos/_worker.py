@@ -345,8 +345,8 @@ async def cancel_storm(w: Worker, http: httpx.AsyncClient) -> None:
             phase[t] = "granted"
         return reply
 
-    def on_granted(lease_id: str) -> None:
-        orig_on_granted(lease_id)
+    def on_granted(lease_id: str, token: int) -> None:
+        orig_on_granted(lease_id, token)
         t = task_of.get(lease_id)
         if t is not None and phase.get(t) == "parked" and rng.random() < p.get("granted", 0.35):
             phase[t] = "just_granted"
@@ -524,8 +524,8 @@ async def cancel_ends(w: Worker) -> None:
             cancel(t, "reply")  # the running task cancels itself: raised at its next await
         return reply
 
-    def on_granted(lease_id: str) -> None:
-        orig_on_granted(lease_id)
+    def on_granted(lease_id: str, token: int) -> None:
+        orig_on_granted(lease_id, token)
         t = task_of.get(lease_id)
         i = info.get(t) if t is not None else None
         if t is not None and i is not None and i.phase == "parked":

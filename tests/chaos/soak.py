@@ -290,10 +290,10 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                 statuses = {w.pod: control.result(w.pod) or {} for w in pool.procs}
                 limits = sampler.limits()
             # After one lease TTL the killed workers' leases are gone: nothing may remain.
-            poll(lambda: r.zcard(keys.holders) == 0 and r.zcard(keys.queue) == 0,
+            poll(lambda: r.zcard(keys.holders) == 0 and r.zcard(keys.waiters) == 0,
                  ttl + 5, 0.05, "gate empty after the soak")  # fmt: skip
             stats = r.hgetall(keys.stats)
-            leaked = r.zcard(keys.holders) + r.zcard(keys.queue)
+            leaked = r.zcard(keys.holders) + r.zcard(keys.waiters)
         finally:
             coords.close()
             r.close()

@@ -71,14 +71,14 @@ def test_every_cancelled_task_ends_and_nothing_leaks(
     # While every worker is alive and heartbeating.
     pipe = r.pipeline(transaction=True)
     pipe.zrange(keys.holders, 0, -1)
-    pipe.zrange(keys.queue, 0, -1)
+    pipe.zrange(keys.lanes, 0, -1)
     pipe.zrange(keys.waiters, 0, -1)
     pipe.hgetall(keys.stats)
     holders, queue, waiters, stats = pipe.execute()
     statuses = control.statuses(pool.pods())
     assert all(w.alive() for w in procs)
     pool.stop_all()  # each worker closes its fleet and exits
-    after_exit = (r.zcard(keys.holders), r.zcard(keys.queue), r.zcard(keys.waiters))
+    after_exit = (r.zcard(keys.holders), r.zcard(keys.waiters), r.zcard(keys.waiters))
     r.close()
 
     def total(field: str) -> int:

@@ -64,7 +64,7 @@ def test_ten_thousand_cancellations_leak_nothing(
         # Immediately, with every worker alive and heartbeating.
         pipe = r.pipeline(transaction=True)
         pipe.zrange(keys.holders, 0, -1)
-        pipe.zrange(keys.queue, 0, -1)
+        pipe.zrange(keys.lanes, 0, -1)
         pipe.zrange(keys.waiters, 0, -1)
         pipe.hgetall(keys.stats)
         holders, queue, waiters, stats = pipe.execute()
@@ -72,7 +72,7 @@ def test_ten_thousand_cancellations_leak_nothing(
         assert all(w.alive() for w in procs)
         peak = sim.max_between(t0)
         pool.stop_all()
-        after_exit = (r.zcard(keys.holders), r.zcard(keys.queue), r.zcard(keys.waiters))
+        after_exit = (r.zcard(keys.holders), r.zcard(keys.waiters), r.zcard(keys.waiters))
     r.close()
 
     live = {i for s in statuses.values() for i in json.loads(s.get("live_leases", "[]"))}

@@ -1,0 +1,203 @@
+"""The local bound of the fair-share fallback: a counting semaphore over units, by priority.
+
+While Redis is unreachable each pod serves its gates under a local share of the limit
+(:meth:`Gate.fair_share`). :class:`LocalPermits` keeps the admission order of the fleet-wide
+gate inside that share (DESIGN.md, "Admission order"):
+
+* a permit holds its **weight** in units; units held (plus ``in_use()``, the fleet leases still
+  running from before the outage) never exceed ``budget()``;
+* a weight above ``budget()`` could never be granted locally: :class:`Overloaded` at once;
+* waiters are served strictly by **priority** (higher first), FIFO within a priority;
+* **no passing**: a head that does not fit keeps the units freed meanwhile for itself, so nobody
+  of its priority or below is granted before it (a heavy call is never starved by light ones);
+  a later arrival of a higher priority goes ahead of it;
+* a cancelled waiter leaves without consuming anything (a grant that raced the cancellation is
+  given back) and whoever can go now is granted.
+
+``allowed()`` gates every grant (say, "not while Redis is back and running work is being
+adopted"); when ``active()`` turns false (fleet mode is back) every waiter's :meth:`acquire`
+returns False so its caller goes back to the fleet. The callables are read again on every
+release, cancellation and :meth:`notify`: call :meth:`notify` when one of them changed for
+another reason. Every operation costs O(log n) in the waiters (a heap with lazy deletion).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fleetgate.errors import ConfigError, Overloaded
+
+__all__ = ["LocalPermits"]
+
+# Cancelled entries are left in the heap and skipped when they reach its top; the heap is
+# rebuilt without them once they are more than half of it (and more than this many), so a burst
+# of cancellations behind a blocked head costs O(1) amortised each and memory stays bounded.
+_COMPACT_AT = 64
+
+
+@dataclass(order=True, slots=True)
+class _Waiter:
+    # Heap order: higher priority first, then arrival (FIFO within a priority).
+    neg_priority: int
+    seq: int
+    weight: int = field(compare=False)
+    future: asyncio.Future[bool] = field(compare=False)
+    queued: bool = field(default=True, compare=False)  # still in the heap
+    dead: bool = field(default=False, compare=False)  # cancelled, not yet out of the heap
+
+
+class LocalPermits:
+    """A local counting semaphore over units with strict priorities and no passing.
+
+    ``budget()`` is the local share in units; ``in_use()`` (default 0) counts units held outside
+    this semaphore that the share must cover too; ``allowed()`` (default always) gates grants;
+    ``active()`` (default always) turning false makes every waiter return False. ``gate`` names
+    the gate in :class:`Overloaded` messages. Use from one event loop only.
+    """
+
+    def __init__(
+        self,
+        budget: Callable[[], int],
+        *,
+        in_use: Callable[[], int] | None = None,
+        allowed: Callable[[], bool] | None = None,
+        active: Callable[[], bool] | None = None,
+        gate: str = "",
+    ) -> None:
+        self._budget = budget
+        self._in_use = in_use
+        self._allowed = allowed
+        self._active = active
+        self.gate = gate
+        self._held = 0
+        self._heap: list[_Waiter] = []
+        self._dead = 0  # entries of _heap marked dead
+        self._seq = itertools.count()
+
+    @property
+    def held(self) -> int:
+        """Units held by permits granted here and not yet released."""
+        return self._held
+
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a grant."""
+        return len(self._heap) - self._dead
+
+    async def acquire(self, weight: int = 1, priority: int = 0) -> bool:
+        """Wait for ``weight`` units; True once they are held (give them back with
+        :meth:`release`), False if ``active()`` is or turns false first.
+
+        Raises :class:`Overloaded` if ``weight`` exceeds ``budget()`` -- at once, or while
+        waiting if the budget shrinks below it. Cancellation at any point holds nothing.
+        """
+        if weight < 1:
+            raise ConfigError(f"weight must be an int >= 1, got {weight!r}")
+        if not self._is_active():
+            return False
+        budget = self._budget()
+        if weight > budget:
+            raise self._too_heavy(weight, budget)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(-priority, next(self._seq), weight, loop.create_future())
+        heapq.heappush(self._heap, waiter)
+        try:
+            self._dispatch()
+            # Done already when granted on arrival: no suspension, so no cancellation window.
+            return waiter.future.result() if waiter.future.done() else await waiter.future
+        except BaseException:
+            self._abandon(waiter)
+            raise
+
+    def release(self, weight: int = 1) -> None:
+        """Give back ``weight`` units of a granted permit and grant whoever can go now."""
+        if weight < 1 or weight > self._held:
+            raise ValueError(f"release of {weight} units, {self._held} held")
+        self._held -= weight
+        self._dispatch()
+
+    def notify(self) -> None:
+        """Look at the waiters again: the budget, ``in_use()``, ``allowed()`` or ``active()``
+        changed."""
+        self._dispatch()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _is_active(self) -> bool:
+        return self._active is None or self._active()
+
+    def _too_heavy(self, weight: int, budget: int) -> Overloaded:
+        return Overloaded(
+            self.gate,
+            0,
+            reason=(
+                f"a weight of {weight} units exceeds the local fair-share bound of {budget} "
+                "units that applies while Redis is unreachable"
+            ),
+        )
+
+    def _pop(self) -> _Waiter:
+        waiter = heapq.heappop(self._heap)
+        waiter.queued = False
+        if waiter.dead:
+            self._dead -= 1
+        return waiter
+
+    def _dispatch(self) -> None:
+        """Grant from the top of the heap while the head fits; fail heads that never can."""
+        heap = self._heap
+        if not heap:
+            return
+        if not self._is_active():
+            while heap:
+                waiter = self._pop()
+                if not waiter.future.done():
+                    waiter.future.set_result(False)
+            return
+        if self._allowed is not None and not self._allowed():
+            return
+        budget = self._budget()
+        free = budget - self._held - (self._in_use() if self._in_use is not None else 0)
+        while heap:
+            head = heap[0]
+            if head.dead or head.future.done():  # cancelled (its task may not know yet)
+                self._pop()
+            elif head.weight > budget:
+                self._pop()
+                head.future.set_exception(self._too_heavy(head.weight, budget))
+            elif head.weight <= free:
+                self._pop()
+                free -= head.weight
+                self._held += head.weight
+                head.future.set_result(True)
+            else:
+                return  # no passing: the units freed so far wait for this head
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """The caller of ``waiter`` left (cancelled, or an error): undo whatever it holds."""
+        future = waiter.future
+        if future.done() and not future.cancelled():
+            if future.exception() is None and future.result():
+                self.release(waiter.weight)  # a grant raced the cancellation: give it back
+            return
+        if waiter.queued and not waiter.dead:
+            waiter.dead = True
+            self._dead += 1
+            if self._dead > _COMPACT_AT and 2 * self._dead > len(self._heap):
+                self._compact()
+        self._dispatch()  # it may have been the head that held the others back
+
+    def _compact(self) -> None:
+        live = []
+        for waiter in self._heap:
+            if waiter.dead:
+                waiter.queued = False
+            else:
+                live.append(waiter)
+        heapq.heapify(live)
+        self._heap = live
+        self._dead = 0
