@@ -38,6 +38,7 @@ BENCHMARKS = (
     "coordinator_scale",
     "peers",
     "pod_cost",
+    "fairness",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]

@@ -50,7 +50,7 @@ from ._batch import Batcher
 from ._deadline import Deadline
 from ._local import LocalPermits
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
-from ._metrics import ClientMetrics, GateMetrics
+from ._metrics import ClassMetrics, ClientMetrics, GateMetrics
 from ._runtime import OUTAGE_ERRORS, Runtime
 from ._wakes import WakeListeners
 
@@ -132,6 +132,8 @@ class Lease:
         self.weight = weight
         self.priority = priority
         self.tenant = tenant
+        # The metric series it counts in (set when granted; kept, so its release counts there).
+        self._series: ClassMetrics | None = None
         # Redis server time (ms) this lease was last seen renewed to (0: not known yet). The
         # heartbeat sends it back, so the gate can tell a lease it lost (restart) from one that
         # expired (see lua/heartbeat.lua).
@@ -152,6 +154,12 @@ class Lease:
             if self._is_lost:
                 event.set()
         return event
+
+    def series(self) -> ClassMetrics:
+        """The metric series of the lease's class (priority, tenant)."""
+        if self._series is None:
+            self._series = self.gate.series.of(self)
+        return self._series
 
     @property
     def is_lost(self) -> bool:
@@ -241,7 +249,7 @@ class Gate:
         self.leases: dict[str, Lease] = {}
         self.waiters: dict[str, _Waiter] = {}
         #: this gate's series of the client metrics
-        self.series = GateMetrics(runtime.metrics, name)
+        self.series = GateMetrics(runtime.metrics, name, tenants=getattr(defaults, "tenant_weights", ()))
         self.last_limit = defaults.floor
         # Live pods of this gate as last counted by a heartbeat this pod trusts (0: none yet,
         # the fair share is then 1): see on_heartbeat.
@@ -443,9 +451,8 @@ class Gate:
         rt = self.runtime
         while True:
             if rt.fallback_active:
-                lease = await self._acquire_local(ask.weight, ask.priority)
+                lease = await self._acquire_local(ask.weight, ask.priority, ask.tenant)
                 if lease is not None:
-                    lease.priority, lease.tenant = ask.priority, ask.tenant
                     return lease
                 continue
             lease_id = weighted_id(rt.next_id(), ask.weight)
@@ -494,7 +501,7 @@ class Gate:
                 f"gate {self.name!r}: weight: {ask.weight} is above the gate's ceiling "
                 f"({reply.max_queued}); it could never be granted"
             )
-        self.series.rejected.inc()
+        self.series.of(ask).rejected.inc()
         if reply.status == REJECTED_TENANT:
             return Overloaded(
                 self.name,
@@ -589,7 +596,7 @@ class Gate:
         finally:
             depth.dec()
         self.waiters.pop(waiter.id, None)
-        self.series.wait_seconds.observe(time.monotonic() - waiter.parked_at)
+        self.series.of(waiter.ask).wait_seconds.observe(time.monotonic() - waiter.parked_at)
         return self._granted(waiter.id, token, waiter.expires_at, waiter.ask)
 
     def _granted(
@@ -605,8 +612,8 @@ class Gate:
             tenant=ask.tenant,
         )
         self.leases[lease_id] = lease
-        self.series.granted.inc()
-        self.series.in_flight.inc()
+        lease._series = self.series.of(ask)
+        lease._series.hold(ask.weight)
         return lease
 
     async def _cancel(self, waiter_id: str, member: str = "") -> None:
@@ -646,12 +653,12 @@ class Gate:
 
     def _release_local(self, lease: Lease) -> None:
         if self.local_leases.pop(lease.id, None) is not None:
-            self.series.in_flight.dec()
+            lease.series().drop(lease.weight)
             self._local.release(lease.weight)
 
     def _release_fleet(self, lease: Lease) -> None:
         if self.leases.pop(lease.id, None) is not None:
-            self.series.in_flight.dec()
+            lease.series().drop(lease.weight)
         if self.runtime.fallback_active:
             self.runtime.spawn(self.wake_local())
         answer = self._calls.submit((lease.id, None, ""))
@@ -694,7 +701,7 @@ class Gate:
         """A higher band's arrival took ``lease_id``'s place in the full wait list."""
         waiter = self.waiters.get(lease_id)
         if waiter is not None and not waiter.future.done():
-            self.series.rejected.inc()
+            self.series.of(waiter.ask).rejected.inc()
             waiter.future.set_exception(
                 Overloaded(
                     self.name,
@@ -767,7 +774,7 @@ class Gate:
             if lease is not None:
                 log.warning("gate %s: lease %s lost (not renewed in time)", self.name, lease_id)
                 self.series.lease_lost.inc()
-                self.series.in_flight.dec()
+                lease.series().drop(lease.weight)
                 lease._mark_lost()
         self._readopted(reply.adopted)
         for lease_id, token in zip(reply.granted_waiters, reply.granted_tokens, strict=True):
@@ -848,7 +855,9 @@ class Gate:
         """Units of the fleet leases this pod still holds (they count against the local bound)."""
         return sum(lease.weight for lease in self.leases.values())
 
-    async def _acquire_local(self, weight: int = 1, priority: int = 0) -> Lease | None:
+    async def _acquire_local(
+        self, weight: int = 1, priority: int = 0, tenant: str | None = None
+    ) -> Lease | None:
         """``weight`` units under the local bound, by ``priority``; None if fleet mode came
         back meanwhile. A weight above :meth:`fair_share` raises :class:`Overloaded` at once.
 
@@ -860,15 +869,19 @@ class Gate:
             if not await self._local.acquire(weight, priority):
                 return None
         except Overloaded:
-            self.series.rejected.inc()
+            self.series.for_ask(priority, tenant).rejected.inc()
             raise
         # No await from the grant to here: a cancelled caller holds nothing.
-        lease_id = rt.next_id()
-        if weight > 1:
-            lease_id += f"w{weight}"  # adopted with its weight when Redis is back
-        lease = Lease(self, lease_id, 0, local=True, weight=weight)
+        # adopted with its weight when Redis is back
+        lease_id = weighted_id(rt.next_id(), weight)
+        lease = Lease(
+            self, lease_id, 0, local=True, weight=weight, priority=priority, tenant=tenant
+        )
         self.local_leases[lease.id] = lease
-        self.series.in_flight.inc()
+        # Local grants are not counted in granted_total (they never were): in flight only.
+        cls = lease._series = self.series.for_ask(priority, tenant)
+        cls.in_flight.inc()
+        cls.in_flight_units.inc(weight)
         return lease
 
     async def adopt_running(self) -> None:

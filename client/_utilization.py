@@ -12,7 +12,8 @@ __all__ = ["GateUtilization", "utilization_of"]
 
 
 class GateUtilization(msgspec.Struct, kw_only=True):
-    """A snapshot of one gate: the seed's ``get_utilization`` fields plus fleet-wide state."""
+    """A snapshot of one gate: the seed's ``get_utilization`` fields plus fleet-wide state
+    (``in_flight`` counts leases, ``units`` their weights: the limit is in units)."""
 
     name: str
     limit: int
@@ -33,6 +34,13 @@ class GateUtilization(msgspec.Struct, kw_only=True):
     saturated: bool = False
     last_poll: float | None = None
     metrics_url: str | None = None
+    #: units held fleet-wide (the holders' weights; ``in_flight`` counts the leases): the
+    #: limit counts units, so ``limit - units`` is what can still be granted
+    units: int = 0
+    #: the schema of the gate's state (0: no configuration yet)
+    schema: int = 0
+    max_queued_per_tenant: int = 0
+    shed_below: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -59,4 +67,15 @@ def utilization_of(name: str, snap: Snapshot) -> GateUtilization:
         saturated=util.saturated,
         last_poll=util.last_poll,
         metrics_url=util.metrics_url,
+        units=snap.units,
+        schema=_schema(snap.cfg.get("schema")),
+        max_queued_per_tenant=snap.max_queued_per_tenant,
+        shed_below=snap.shed_below,
     )
+
+
+def _schema(raw: str | None) -> int:
+    try:
+        return int(float(raw)) if raw else 0
+    except ValueError:
+        return 0

@@ -64,6 +64,17 @@ def _util_mapping(p: Publication) -> dict[str, str]:
     }
 
 
+def _extra_units(raw: object) -> int:
+    """``fg:{G}:adm`` ``extra`` as the scripts read it: garbage or a negative count is 0."""
+    if raw is None:
+        return 0
+    try:
+        value = float(raw.decode() if isinstance(raw, bytes) else str(raw))
+    except ValueError:
+        return 0
+    return int(value) if 0 < value < 2**53 else 0
+
+
 class Publisher:
     """Reads and writes the coordinator's keys for one prefix."""
 
@@ -86,12 +97,21 @@ class Publisher:
         return float(sec) + float(usec) / 1e6
 
     async def in_flight(self, gates: Sequence[GateConfig]) -> dict[str, int]:
-        """Leases held fleet-wide per gate (one pipeline)."""
+        """Units held fleet-wide per gate (one pipeline): ``ZCARD holders`` plus ``extra`` of
+        ``fg:{G}:adm`` (the weights above 1 of the heavy leases; see lua/lib.lua, units_held).
+        Expired-but-unreaped leases count, as they do for the next grant; a counter left
+        without leases (a script stopped half-way: only ever an overcount) counts nothing."""
         pipe = self.client.pipeline(transaction=False)
         for g in gates:
-            pipe.zcard(self.keys(g.name).holders)
-        counts = await pipe.execute()
-        return {g.name: int(c) for g, c in zip(gates, counts, strict=True)}
+            keys = self.keys(g.name)
+            pipe.zcard(keys.holders)
+            pipe.hget(keys.adm, "extra")
+        replies = await pipe.execute()
+        out: dict[str, int] = {}
+        for i, g in enumerate(gates):
+            held, extra = int(replies[2 * i]), replies[2 * i + 1]
+            out[g.name] = held + _extra_units(extra) if held > 0 else 0
+        return out
 
     async def load_states(
         self, gates: Sequence[GateConfig], params: dict[str, ControllerParams]

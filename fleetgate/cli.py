@@ -1,8 +1,8 @@
 """The ``fleetgate`` command line: one parser, one function per subcommand, the exit codes.
 
     fleetgate coordinator --config FILE     run the coordinator daemon (leader or standby)
-    fleetgate status [--json] [--watch]     leader, epoch and one line per gate
-    fleetgate inspect GATE                  holders, head waiters, config and counters of a gate
+    fleetgate status [--json] [--watch]     leader, epoch and one line per gate (+ its queue)
+    fleetgate inspect GATE                  units, lanes and their heads, holders, config
     fleetgate check                         health check: exit 0 if Redis is usable
     fleetgate sim vllm|rerank ...           model-server simulators for tests, demo, compose
     fleetgate worker ...                    the load generator (docker-compose's workers)
@@ -77,11 +77,21 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p = sub.add_parser(
         "status",
         help="leader, epoch and one line per gate",
-        description="Show the leader, the epoch and per gate: limit, target, epoch, fleet "
-        "in-flight, queued, saturated, last poll.",
+        description="Show the leader, the epoch and per gate: limit, target, epoch, units "
+        "held/limit, leases in flight, queued, saturated, last poll, schema; under a gate with "
+        "waiters its queue per priority band (and whom a band's free units are kept for) and "
+        "per tenant.",
     )
     _redis_options(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=5,
+        metavar="N",
+        help="tenants listed per gate, the largest queues first; the rest are summed as "
+        "'other' (default 5)",
+    )
     p.add_argument(
         "--watch",
         nargs="?",
@@ -97,7 +107,8 @@ def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p = sub.add_parser(
         "inspect",
         help="one gate in detail",
-        description="Show one gate: config, target, holders, head waiters and counters.",
+        description="Show one gate: units held/limit, config, target, counters, its lanes "
+        "(priority, tenant) in the order they are served with their head waiters, and holders.",
     )
     p.add_argument("gate", help="gate name")
     _redis_options(p)
@@ -105,7 +116,7 @@ def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "-n",
         type=int,
         default=10,
-        help="holders and waiters to list (default 10, at most 1000; 0 = only the counts)",
+        help="lanes, waiters and holders to list (default 10, at most 1000; 0 = only the counts)",
     )
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     _logging_options(p)
@@ -203,7 +214,9 @@ def _status(args: argparse.Namespace) -> int:
     from fleetgate import commands
 
     url, prefix = resolve_redis(args)
-    return asyncio.run(commands.status(url, prefix, as_json=args.json, watch=args.watch))
+    return asyncio.run(
+        commands.status(url, prefix, as_json=args.json, watch=args.watch, tenants=args.tenants)
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -17,21 +17,32 @@ import msgspec
 from fleetgate._redis import connect, prepare, redact, scrub
 from fleetgate.keys import GateKeys
 from fleetgate.safety import find_bad_keys, redis_version, server_findings
-from fleetgate.scripts import GateScripts
-from fleetgate.status import format_status, gather_status
+from fleetgate.scripts import GateScripts, Snapshot, Waiter
+from fleetgate.status import TENANTS_SHOWN, format_status, gather_status, tenant_shown
 
-__all__ = ["EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "check", "inspect", "status"]
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "check",
+    "format_inspect",
+    "inspect",
+    "status",
+]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
-async def status(url: str, prefix: str, *, as_json: bool, watch: float | None) -> int:
-    """Print the leader, the epoch and one line per gate (or JSON); every ``watch`` seconds."""
+async def status(
+    url: str, prefix: str, *, as_json: bool, watch: float | None, tenants: int = TENANTS_SHOWN
+) -> int:
+    """Print the leader, the epoch and one line per gate (or JSON); every ``watch`` seconds.
+    ``tenants``: how many tenants to list per gate (the rest are summed as ``other``)."""
     client = connect(url)
     await prepare(client)
     try:
         while True:
-            fleet = await gather_status(client, prefix)
+            fleet = await gather_status(client, prefix, tenants=tenants)
             if as_json:
                 sys.stdout.write(msgspec.json.encode(fleet).decode() + "\n")
             else:
@@ -47,7 +58,8 @@ async def status(url: str, prefix: str, *, as_json: bool, watch: float | None) -
 
 
 async def inspect(url: str, prefix: str, gate: str, n: int, *, as_json: bool) -> int:
-    """Print one gate: limit, counts, config, target, counters, ``n`` holders and waiters."""
+    """Print one gate: limit, units, counts, config, target, counters, its lanes in service
+    order with their head waiters, and ``n`` holders."""
     client = connect(url)
     try:
         snap = await GateScripts(client).snapshot(GateKeys.of(prefix, gate), n)
@@ -56,19 +68,57 @@ async def inspect(url: str, prefix: str, gate: str, n: int, *, as_json: bool) ->
     if as_json:
         print(msgspec.json.encode(snap).decode())
         return EXIT_OK
-    print(f"gate {gate}: limit {snap.limit} (floor {snap.floor}, ceiling {snap.ceiling})")
-    print(
-        f"  in-flight {snap.holders}, queued {snap.queued}/{snap.max_queued}, "
-        f"live pods {snap.live_pods}"
-    )
-    print(f"  cfg    {snap.cfg}")
-    print(f"  target {snap.target or '-'}")
-    print(f"  stats  {snap.stats}")
-    for h in snap.leases:
-        print(f"  holder {h.id}  expires in {h.expires_at - snap.now} ms")
-    for w in snap.head:
-        print(f"  waiter {w.id}  seq {w.token}")
+    print(format_inspect(gate, snap))
     return EXIT_OK
+
+
+def format_inspect(gate: str, snap: Snapshot) -> str:
+    """``fleetgate inspect``'s text: the gate, then its lanes in the order they are served."""
+    schema = snap.cfg.get("schema") or "-"
+    out = [
+        f"gate {gate}: limit {snap.limit} (floor {snap.floor}, ceiling {snap.ceiling}), "
+        f"schema {schema}",
+        f"  units held {snap.units}/{snap.limit} by {snap.holders} leases, "
+        f"queued {snap.queued}/{snap.max_queued} (per tenant at most "
+        f"{snap.max_queued_per_tenant}), live pods {snap.live_pods}",
+        f"  shed_below {snap.shed_below}: a call of a lower priority never waits",
+    ]
+    if snap.tenant_weights:
+        weights = " ".join(f"{t}={w}" for t, w in sorted(snap.tenant_weights.items()))
+        out.append(f"  tenant weights {weights}")
+    out += [
+        f"  cfg    {snap.cfg}",
+        f"  target {snap.target or '-'}",
+        f"  stats  {snap.stats}",
+    ]
+    if snap.lanes:
+        out.append("  lanes in service order (priority, tenant):")
+    heads: dict[tuple[int, str], list[Waiter]] = {}
+    for w in snap.head:
+        heads.setdefault((w.priority, w.tenant), []).append(w)
+    for lane in snap.lanes:
+        if lane.oversize:
+            order = "head heavier than the limit: waits for it to grow"
+        else:
+            order = f"tag {lane.tag}"
+        reserved = f", units kept for {lane.reserved}" if lane.reserved else ""
+        out.append(
+            f"    p{lane.priority:<4} {tenant_shown(lane.tenant):<20} queued {lane.queued:<6} "
+            f"{order}{reserved}"
+        )
+        for w in heads.get((lane.priority, lane.tenant), []):
+            expires = f"{w.expires_at - snap.now} ms" if w.expires_at is not None else "-"
+            out.append(
+                f"      waiter {w.id}  weight {w.weight}  seq {w.token}  expires in {expires}"
+            )
+    listed = sum(lane.queued for lane in snap.lanes)
+    if snap.queued > listed:
+        out.append(f"    ... {snap.queued - listed} more waiting in lanes not listed (-n)")
+    for h in snap.leases:
+        out.append(f"  holder {h.id}  weight {h.weight}  expires in {h.expires_at - snap.now} ms")
+    if snap.holders > len(snap.leases):
+        out.append(f"  ... {snap.holders - len(snap.leases)} more holders (-n)")
+    return "\n".join(out)
 
 
 async def check(url: str, prefix: str) -> int:

@@ -14,11 +14,49 @@ from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.registry import read_registry
 from fleetgate.scripts import GateScripts, Snapshot
 
-__all__ = ["FleetStatus", "GateStatus", "format_status", "gather_status"]
+__all__ = [
+    "STATUS_LANES",
+    "TENANTS_SHOWN",
+    "BandQueue",
+    "FleetStatus",
+    "GateStatus",
+    "TenantQueue",
+    "format_status",
+    "gather_status",
+    "tenant_shown",
+]
+
+#: Lanes (priority, tenant) one status read lists per gate, in service order (the inspect script
+#: lists as many head waiters and holders with them): each gate costs O(log n + this) whatever
+#: its queue. The breakdowns are exact while a gate has at most this many lanes; the waiters of
+#: the lanes beyond are counted in ``unlisted`` (and in the tenants' ``other``).
+STATUS_LANES = 32
+#: Tenants listed per gate by default (the largest queues first); the rest are summed in `other`.
+TENANTS_SHOWN = 5
 
 log = logging.getLogger("fleetgate.status")
 # Invalid registry entries already logged by this process (`status --watch` logs each once).
 _warned: set[str] = set()
+
+
+class BandQueue(msgspec.Struct, kw_only=True):
+    """Waiters of one priority band (of the lanes read), and whom its free units are kept for."""
+
+    priority: int
+    queued: int
+    #: lanes (tenants) of the band that were read
+    lanes: int
+    #: the waiter the band's free units are reserved for (its head did not fit), if any
+    reserved: str | None = None
+    #: that waiter's tenant ('' = the default tenant)
+    reserved_tenant: str | None = None
+
+
+class TenantQueue(msgspec.Struct, kw_only=True):
+    """Waiters of one tenant over all bands ('' = the default tenant)."""
+
+    tenant: str
+    queued: int
 
 
 class GateStatus(msgspec.Struct, kw_only=True):
@@ -43,6 +81,26 @@ class GateStatus(msgspec.Struct, kw_only=True):
     rejected: int
     expired_leases: int
     abandoned_waiters: int
+    #: units held (the holders' weights); ``in_flight`` counts the leases
+    units: int = 0
+    #: the schema of the gate's state (``fg:{G}:cfg`` field ``schema``; 0: no configuration yet)
+    schema: int = 0
+    max_queued_per_tenant: int = 0
+    shed_below: int = 0
+    #: configured tenant weights (tenant -> weight)
+    tenant_weights: dict[str, int] = {}
+    #: queue per band, highest priority (served first) first
+    bands: list[BandQueue] = []
+    #: queue per tenant, the largest first, at most ``tenants`` of them (see gather_status)
+    tenants: list[TenantQueue] = []
+    #: waiters of the other tenants, and of lanes beyond STATUS_LANES
+    tenants_other: int = 0
+    #: waiters of lanes beyond STATUS_LANES: in no band row (0 when the breakdowns are exact)
+    unlisted: int = 0
+    evicted: int = 0
+    shed: int = 0
+    rejected_tenant: int = 0
+    too_heavy: int = 0
 
 
 class FleetStatus(msgspec.Struct, kw_only=True):
@@ -53,9 +111,48 @@ class FleetStatus(msgspec.Struct, kw_only=True):
     invalid_gates: list[str] = []
 
 
-def gate_status(name: str, snap: Snapshot) -> GateStatus:
-    """One status row from a gate's snapshot."""
+def tenant_shown(tenant: str | None) -> str:
+    """A tenant for people: the default tenant ('' or None) is ``(default)``."""
+    return tenant or "(default)"
+
+
+def _bands(snap: Snapshot) -> list[BandQueue]:
+    bands: dict[int, BandQueue] = {}
+    for lane in snap.lanes:
+        band = bands.get(lane.priority)
+        if band is None:
+            band = bands[lane.priority] = BandQueue(priority=lane.priority, queued=0, lanes=0)
+        band.queued += lane.queued
+        band.lanes += 1
+        if lane.reserved:
+            band.reserved, band.reserved_tenant = lane.reserved, lane.tenant
+    return sorted(bands.values(), key=lambda b: -b.priority)
+
+
+def _tenants(snap: Snapshot, shown: int) -> tuple[list[TenantQueue], int]:
+    per: dict[str, int] = {}
+    for lane in snap.lanes:  # in service order: a tie keeps the tenant served first first
+        per[lane.tenant] = per.get(lane.tenant, 0) + lane.queued
+    ranked = sorted(per.items(), key=lambda kv: -kv[1])
+    top = [TenantQueue(tenant=t, queued=q) for t, q in ranked[: max(0, shown)]]
+    listed = sum(t.queued for t in top)
+    return top, max(0, snap.queued - listed)
+
+
+def _tenant_weights(snap: Snapshot) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for tenant, raw in snap.tenant_weights.items():
+        try:
+            out[tenant] = int(float(raw))
+        except ValueError:
+            out[tenant] = 1  # what the scripts weigh a garbled entry
+    return out
+
+
+def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> GateStatus:
+    """One status row from a gate's snapshot; ``tenants``: how many tenants to list."""
     util = snap.utilization()
+    top, other = _tenants(snap, tenants)
     return GateStatus(
         name=name,
         limit=snap.limit,
@@ -78,11 +175,34 @@ def gate_status(name: str, snap: Snapshot) -> GateStatus:
         rejected=snap.stat("rejected"),
         expired_leases=snap.stat("expired_leases"),
         abandoned_waiters=snap.stat("abandoned_waiters"),
+        units=snap.units,
+        schema=_int(snap.cfg.get("schema")) or 0,
+        max_queued_per_tenant=snap.max_queued_per_tenant,
+        shed_below=snap.shed_below,
+        tenant_weights=_tenant_weights(snap),
+        bands=_bands(snap),
+        tenants=top,
+        tenants_other=other,
+        unlisted=max(0, snap.queued - sum(lane.queued for lane in snap.lanes)),
+        evicted=snap.stat("evicted"),
+        shed=snap.stat("shed"),
+        rejected_tenant=snap.stat("rejected_tenant"),
+        too_heavy=snap.stat("too_heavy"),
     )
 
 
-async def gather_status(client: aredis.Redis, prefix: str) -> FleetStatus:
-    """Read the leader, the epoch and a snapshot of every registered gate."""
+def _int(raw: str | None) -> int | None:
+    try:
+        return int(float(raw)) if raw else None
+    except ValueError:
+        return None
+
+
+async def gather_status(
+    client: aredis.Redis, prefix: str, *, tenants: int = TENANTS_SHOWN
+) -> FleetStatus:
+    """Read the leader, the epoch and a snapshot of every registered gate (``tenants``: how
+    many tenants each gate lists; the rest are summed in ``tenants_other``)."""
     fk = fleet_keys(prefix)
     leader = await client.get(fk.leader)
     epoch = await client.get(fk.epoch)
@@ -92,9 +212,13 @@ async def gather_status(client: aredis.Redis, prefix: str) -> FleetStatus:
             _warned.add(shown)
             log.warning("%s holds an invalid gate name %s (%s); skipped", fk.gates, shown, why)
     scripts = GateScripts(client)
-    # n=0: counts only; nothing is listed, so each gate costs O(log n) whatever its queue.
+    # The counts are exact whatever the queue; the script lists STATUS_LANES lanes (and as many
+    # head waiters and holders, unused here), so each gate costs O(log n + STATUS_LANES).
     gates = [
-        gate_status(n, await scripts.snapshot(GateKeys.of(prefix, n), 0)) for n in registry.names
+        gate_status(
+            n, await scripts.snapshot(GateKeys.of(prefix, n), STATUS_LANES), tenants=tenants
+        )
+        for n in registry.names
     ]
     return FleetStatus(
         leader=str(leader) if leader is not None else None,
@@ -105,21 +229,25 @@ async def gather_status(client: aredis.Redis, prefix: str) -> FleetStatus:
 
 
 def format_status(status: FleetStatus, now: float) -> str:
-    """A human table: one line per gate."""
+    """A human table: one line per gate, and under a gate with waiters its queue by priority
+    band and by tenant."""
     lines = [f"leader: {status.leader or '-'}  epoch: {status.epoch if status.epoch else '-'}"]
     header = (
-        f"{'gate':<36} {'limit':>6} {'target':>6} {'epoch':>5} {'in-fl':>6} {'queued':>7} "
-        f"{'sat':>4} {'running':>8} {'last poll':>9} {'server':<8}"
+        f"{'gate':<36} {'limit':>6} {'target':>6} {'epoch':>5} {'units':>11} {'in-fl':>6} "
+        f"{'queued':>7} {'sat':>4} {'running':>8} {'last poll':>9} {'server':<8} {'schema':>6}"
     )
     lines.append(header)
     for g in status.gates:
         age = f"{now - g.last_poll:.0f}s ago" if g.last_poll else "-"
         running = f"{g.running:.0f}" if g.running is not None else "-"
+        units = f"{g.units}/{g.limit}"
         lines.append(
             f"{g.name[:36]:<36} {g.limit:>6} {g.target if g.target is not None else '-':>6} "
-            f"{g.epoch if g.epoch is not None else '-':>5} {g.in_flight:>6} {g.queued:>7} "
-            f"{'yes' if g.saturated else 'no':>4} {running:>8} {age:>9} {g.server or '-':<8}"
+            f"{g.epoch if g.epoch is not None else '-':>5} {units:>11} {g.in_flight:>6} "
+            f"{g.queued:>7} {'yes' if g.saturated else 'no':>4} {running:>8} {age:>9} "
+            f"{g.server or '-':<8} {g.schema or '-':>6}"
         )
+        lines.extend(_queue_lines(g))
     if not status.gates:
         lines.append("(no gates registered)")
     if status.invalid_gates:
@@ -127,3 +255,24 @@ def format_status(status: FleetStatus, now: float) -> str:
         more = f" (+{len(status.invalid_gates) - 5} more)" if len(status.invalid_gates) > 5 else ""
         lines.append(f"skipped invalid registry entries: {shown}{more}")
     return "\n".join(lines)
+
+
+def _queue_lines(g: GateStatus) -> list[str]:
+    """The queue of a gate with waiters, by band (served first first) and by tenant."""
+    if not g.queued or not (g.bands or g.unlisted):
+        return []
+    bands = []
+    for b in g.bands:
+        text = f"p{b.priority} {b.queued}"
+        if b.reserved:
+            text += f" (units kept for {b.reserved} of {tenant_shown(b.reserved_tenant)})"
+        bands.append(text)
+    if g.unlisted:
+        bands.append(f"unlisted {g.unlisted}")
+    tenants = [f"{tenant_shown(t.tenant)} {t.queued}" for t in g.tenants]
+    if g.tenants_other or not tenants:
+        tenants.append(f"other {g.tenants_other}")
+    return [
+        f"  queued by priority: {', '.join(bands)}",
+        f"  queued by tenant:   {', '.join(tenants)}",
+    ]

@@ -165,7 +165,7 @@ async def test_two_tenants_share_a_band(
         await publish_cfg(rut.url, keys, {"tenant_weights": tenant_weights})
     with ctx.Pool(2) as pool:
         heavy = pool.apply_async(
-            workers.tenant_load, (rut.url, rut.prefix, "share", 4, "heavy", 400, 400, 0.005)
+            workers.tenant_load, (rut.url, rut.prefix, "share", 4, "heavy", 400, 1600, 0.005)
         )
         while await r.zcard(keys.waiters) < 300:
             await asyncio.sleep(0.01)
@@ -174,6 +174,7 @@ async def test_two_tenants_share_a_band(
         )
         grants_heavy, grants_light = heavy.get(120), light.get(120)
     await r.aclose()
+    assert grants_heavy[-1][0] > grants_light[-1][0], "heavy drained before light finished"
     share = _share(grants_heavy, grants_light)
     assert abs(share - expected) <= 0.05, share
 

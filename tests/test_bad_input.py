@@ -224,7 +224,7 @@ async def _acquire_outcome(fleet: Fleet, gate: str) -> str:
 Plant = Callable[[aredis.Redis, GateKeys], Awaitable[object]]
 PLANTS: dict[str, tuple[str, Plant]] = {
     "holders-as-string": ("holders", lambda r, k: r.set(k.holders, "x")),
-    "queue-as-hash": ("queue", lambda r, k: r.hset(k.queue, "a", "1")),
+    "waiters-as-hash": ("waiters", lambda r, k: r.hset(k.waiters, "a", "1")),
     "cfg-as-list": ("cfg", lambda r, k: r.rpush(k.cfg, "floor", "4")),
     "seq-as-set": ("seq", lambda r, k: r.sadd(k.seq, "1")),
     "target-as-string": ("target", lambda r, k: r.set(k.target, "9")),

@@ -49,6 +49,11 @@ def test_status_json_and_inspect(rut: RedisUnderTest) -> None:
                 "queued",
                 "saturated",
                 "last_poll",
+                "units",
+                "schema",
+                "bands",
+                "tenants",
+                "tenants_other",
             ):
                 assert field in g
             assert (g["name"], g["limit"], g["target"], g["epoch"], g["in_flight"]) == (
@@ -60,6 +65,7 @@ def test_status_json_and_inspect(rut: RedisUnderTest) -> None:
             )
             human = fleetgate("status", "--redis", rut.url, "--prefix", rut.prefix)
             assert "bge-m3" in human.stdout and "coord-a" in human.stdout
+            assert g["units"] == 1 and " 1/9 " in human.stdout  # units held / limit
             detail = fleetgate("inspect", "bge-m3", "--redis", rut.url, "--prefix", rut.prefix)
             assert detail.returncode == 0 and lease.id in detail.stdout
             await lease.release()

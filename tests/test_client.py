@@ -25,8 +25,13 @@ from .conftest import RedisUnderTest
 
 
 def sample(registry: CollectorRegistry, name: str, gate: str) -> float:
-    value = registry.get_sample_value(name, {"gate": gate})
-    return 0.0 if value is None else value
+    """The sum of the gate's series of ``name`` (over priorities and tenants, if labelled)."""
+    return sum(
+        s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == name and s.labels.get("gate") == gate
+    )
 
 
 async def test_permit_grants_and_releases(fleet: Fleet, async_redis: aredis.Redis) -> None:

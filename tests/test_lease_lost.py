@@ -27,7 +27,8 @@ def lost_total(registry: CollectorRegistry, gate: str) -> float:
 
 
 def in_flight(registry: CollectorRegistry, gate: str) -> float:
-    return registry.get_sample_value("fleetgate_client_in_flight", {"gate": gate}) or 0.0
+    labels = {"gate": gate, "priority": "0", "tenant": ""}  # the default class
+    return registry.get_sample_value("fleetgate_client_in_flight", labels) or 0.0
 
 
 async def stall_past_ttl(lease: Lease, seconds: float = 0.5) -> None:

@@ -22,6 +22,7 @@ from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.coordinator.publisher import Publisher
+from fleetgate.admission import member_id
 from fleetgate.keys import GateKeys
 from fleetgate.safety import find_bad_keys
 from fleetgate.scripts import GRANTED, PARKED, GateScripts
@@ -176,7 +177,7 @@ async def test_idle_gates_are_pruned_busy_ones_never(
     assert await async_redis.exists(*[k for k in idle.data_keys()]) == 0
     # The others keep every key they had.
     assert await async_redis.zcard(k["held"].holders) == 1
-    assert await async_redis.zrange(k["parked"].queue, 0, -1) == ["w:1"]
+    assert [member_id(m) for m in await async_redis.zrange(k["parked"].lanes, 0, -1)] == ["w:1"]
     assert await async_redis.zcard(k["parked"].waiters) == 1
     assert await async_redis.zcard(k["beating"].pods) == 1
     assert await async_redis.exists(k["beating"].cfg, k["beating"].seq) == 2

@@ -133,7 +133,8 @@ async def test_overloaded_when_queue_full(fleet: Fleet, registry: CollectorRegis
         async with gate.permit():
             called = True
     assert not called
-    assert registry.get_sample_value("fleetgate_client_rejected_total", {"gate": "small"}) == 1
+    labels = {"gate": "small", "priority": "0", "tenant": ""}  # the default class
+    assert registry.get_sample_value("fleetgate_client_rejected_total", labels) == 1
     await held.release()
     lease = await asyncio.wait_for(parked, 5.0)
     await lease.release()

@@ -8,12 +8,15 @@
   reranker simulator (concurrency 32);
 * two coordinators (``coord-a`` leads, ``coord-b`` stands by) from a generated TOML config:
   two adaptive gates (floor 4) on the vLLM simulators' ``/metrics``, one fixed rerank gate (32);
-* three worker pods that push more load through the gates than the servers hold.
+* three worker pods that push more load through the gates than the servers hold;
+* a search pod (:mod:`fleetgate.demo.interactive`) on the rerank gate: 4 interactive calls/s at
+  priority 10 beside a batch backlog at priority 0 that grows all run long.
 
 It then shows a live view every second (leader, epoch, per gate limit/target/in-flight/queue/
 saturation/reason and the servers' running/waiting), SIGKILLs the leader halfway so the failover
 is visible, halves the chat server's capacity at two thirds so the target follows it down, and
-writes ``demo.png`` and ``demo.json`` to the output directory (default ``demo-out/``).
+writes ``demo.png`` and ``demo.json`` to the output directory (default ``demo-out/``); the plot's
+last panel shows the interactive calls' wait staying flat while the batch queue grows.
 
 Every child runs in its own process group and is stopped in order (workers, coordinators,
 simulators, Redis): SIGTERM, a bounded wait, SIGKILL for stragglers — at the end, on Ctrl-C or

@@ -17,8 +17,10 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 
 from fleetgate._redis import REDIS_ERRORS, connect
+from fleetgate.demo.interactive import InteractiveStats
 from fleetgate.demo.processes import LEADER_TTL, POLL_INTERVAL, Children, Setup, read_worker_totals
 from fleetgate.demo.report import (
     DemoRecord,
@@ -115,6 +117,7 @@ class LiveRun:
                     self.event("interrupt", "interrupted: stopping")
                     break
         finally:
+            self._interactive_record()
             if self._watcher is not None:
                 self._watcher.cancel()
                 await asyncio.gather(self._watcher, return_exceptions=True)
@@ -175,7 +178,7 @@ class LiveRun:
                 server_waiting=srv.get("waiting") if srv else None,
                 server_capacity=srv.get("capacity") if srv else None,
             )
-        return Sample(
+        sample = Sample(
             t=round(t, 2),
             leader=status.leader if status else None,
             epoch=status.epoch if status else None,
@@ -183,6 +186,42 @@ class LiveRun:
             requests_ok=workers["requests_ok"],
             errors=workers["errors"],
         )
+        search = self._interactive()
+        if search is not None:
+            recent = [w for at, w in search.waits if at - self.t0 >= t - 1.0]
+            if recent:
+                recent.sort()
+                sample.search_wait_p50_ms = recent[len(recent) // 2]
+                sample.search_wait_max_ms = recent[-1]
+            sample.ingest_loops = search.ingest_loops
+        return sample
+
+    def _interactive(self) -> InteractiveStats | None:
+        """The search pod's stats file, or None (not started, or being replaced)."""
+        path = self.setup.interactive_path
+        if path is None:
+            return None
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=InteractiveStats)
+        except (OSError, msgspec.DecodeError):
+            return None
+
+    def _interactive_record(self) -> None:
+        """Every search call's wait into the record, on the demo's clock."""
+        search = self._interactive()
+        if search is None:
+            return
+        gate = next((g.name for g in self.rec.gates if g.kind == "rerank"), "")
+        self.rec.interactive = {
+            "gate": gate,
+            "priority": 10,
+            "waits": [[round(at - self.t0, 3), w] for at, w in search.waits],
+            "ingest_loops": search.ingest_loops,
+            "search_ok": search.search_ok,
+            "search_errors": search.search_errors,
+            "ingest_ok": search.ingest_ok,
+            "ingest_errors": search.ingest_errors,
+        }
 
     async def _kill_leader(self) -> None:
         try:

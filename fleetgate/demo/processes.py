@@ -25,6 +25,8 @@ import msgspec
 import redis
 
 from fleetgate._redis import redact
+from fleetgate.demo.interactive import SPEC_ENV as INTERACTIVE_ENV
+from fleetgate.demo.interactive import InteractiveSpec
 from fleetgate.demo.report import worker_totals
 from fleetgate.keys import fleet_keys
 from fleetgate.tools.load import SPEC_ENV, GateLoad, Kind, LoadSpec
@@ -43,6 +45,8 @@ __all__ = [
 ]
 
 POLL_INTERVAL = 2.0
+SEARCH_RATE = 4.0  # the search pod's interactive calls per second
+INGEST_LOOPS = 240  # its batch backlog at two thirds of the run
 LEADER_TTL = 4.0
 COORDINATORS = ("coord-a", "coord-b")
 STARTUP_TIMEOUT = 30.0
@@ -229,6 +233,8 @@ class Setup:
     urls: dict[str, str]  # gate name → simulator base URL
     gates: list[dict[str, Any]] = field(default_factory=list)
     stats_paths: list[Path] = field(default_factory=list)
+    #: the search pod's stats file (fleetgate.demo.interactive), None before it starts
+    interactive_path: Path | None = None
 
 
 def read_worker_totals(paths: list[Path]) -> dict[str, Any]:
@@ -436,4 +442,37 @@ def prepare(
         for g in GATES
     ]
     _start_workers(children, setup, out, args.workers, say)
+    _start_search_pod(children, setup, out, args.duration, say)
     return setup
+
+
+def _start_search_pod(
+    children: Children, setup: Setup, out: Path, duration: float, say: Callable[[str], None]
+) -> None:
+    """Start the search pod (:mod:`fleetgate.demo.interactive`) on the rerank gate: interactive
+    calls at priority 10 beside a batch backlog growing to ``INGEST_LOOPS`` loops by two thirds
+    of the run; wait until its stats file shows it runs."""
+    gate = next(g for g in GATES if g.kind == "rerank")
+    stats = out / "workers" / "search.json"
+    stats.unlink(missing_ok=True)
+    spec = InteractiveSpec(
+        redis_url=setup.redis_url,
+        prefix=setup.prefix,
+        gate=gate.name,
+        url=setup.urls[gate.name],
+        model=gate.model,
+        rate=SEARCH_RATE,
+        ramp=INGEST_LOOPS / max(1.0, duration * 2 / 3),
+        max_loops=INGEST_LOOPS,
+        stats_path=str(stats),
+        parent_pid=os.getpid(),
+    )
+    argv = [sys.executable, "-m", "fleetgate.demo.interactive", "--spec-from-env", "search-1"]
+    env = {INTERACTIVE_ENV: msgspec.json.encode(spec).decode()}
+    children.spawn("search-1", "worker", argv, env)
+    setup.interactive_path = stats
+    _wait("search pod", stats.exists, lambda: children.check_alive("search-1"), 60.0)
+    say(
+        f"  search-1     {SEARCH_RATE:g} interactive calls/s at priority 10 on {gate.name}, "
+        f"beside a batch backlog growing to {INGEST_LOOPS} loops (priority 0)"
+    )

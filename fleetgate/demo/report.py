@@ -61,6 +61,11 @@ class Sample(msgspec.Struct, kw_only=True):
     gates: dict[str, GateSample]
     requests_ok: int = 0
     errors: int = 0
+    #: the search pod's interactive calls asked in the last second: wait p50 and max (ms)
+    search_wait_p50_ms: float | None = None
+    search_wait_max_ms: float | None = None
+    #: its batch loops on the same gate
+    ingest_loops: int | None = None
 
 
 class Event(msgspec.Struct, kw_only=True):
@@ -99,6 +104,9 @@ class DemoRecord(msgspec.Struct, kw_only=True):
     failover: Failover | None = None
     workers: dict[str, Any] = msgspec.field(default_factory=dict)
     servers: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: the search pod: every interactive call as [t (s since the load started), wait ms],
+    #: outcomes (search_ok, search_errors, ingest_ok, ingest_errors), the gate it used
+    interactive: dict[str, Any] = msgspec.field(default_factory=dict)
     interrupted: bool = False
     summary: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -152,9 +160,20 @@ def render_view(rec: DemoRecord, s: Sample, width: int = 100) -> str:
             f"{g.queued:>6} {'yes' if g.saturated else 'no':>3} {_v(reason)[:15]:<15} "
             f"{_v(g.server_running):>7} {_v(g.server_waiting):>4} {_v(g.server_capacity):>4}"
         )
-    lines += ["", f"workers: {s.requests_ok} requests done, {s.errors} failed", "", "events:"]
+    lines += ["", f"workers: {s.requests_ok} requests done, {s.errors} failed"]
+    if s.ingest_loops is not None:
+        lines.append(
+            f"search pod: interactive wait p50 {_ms(s.search_wait_p50_ms)}, max "
+            f"{_ms(s.search_wait_max_ms)} (last second, priority 10) beside "
+            f"{s.ingest_loops} batch loops (priority 0)"
+        )
+    lines += ["", "events:"]
     lines += [f"  {e.t:6.1f} s  {e.text}" for e in rec.events[-8:]] or ["  (none yet)"]
     return "\n".join(line[:width] for line in lines)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} ms"
 
 
 def progress_line(s: Sample) -> str:
@@ -192,6 +211,27 @@ def summarize(rec: DemoRecord) -> dict[str, Any]:
         "requests_ok": rec.workers.get("requests_ok", 0),
         "worker_errors": rec.workers.get("errors", 0),
         "worker_errors_by_gate": rec.workers.get("errors_by_gate", {}),
+        **_interactive_summary(rec),
+    }
+
+
+def _interactive_summary(rec: DemoRecord) -> dict[str, Any]:
+    """The search pod's waits (p50/p99/max ms) and the rerank queue from first to peak."""
+    it = rec.interactive
+    waits = sorted(w for _, w in it.get("waits", []))
+    if not waits:
+        return {}
+    gate = it.get("gate", "")
+    queued = [x.gates[gate].queued for x in rec.samples if gate in x.gates]
+
+    def pct(p: float) -> float:
+        return float(waits[min(len(waits) - 1, int(p / 100 * len(waits)))])
+
+    return {
+        "search_calls": len(waits),
+        "search_wait_ms": {"p50": pct(50), "p99": pct(99), "max": waits[-1]},
+        "search_errors": it.get("search_errors", 0),
+        "batch_queue_first_peak": [queued[0], max(queued)] if queued else [],
     }
 
 
@@ -226,6 +266,13 @@ def format_summary(rec: DemoRecord, out: Path) -> str:
     lines.append(
         f"  workers: {s['requests_ok']} requests succeeded, {s['worker_errors']} failed ({errs})"
     )
+    if "search_calls" in s:
+        w, q = s["search_wait_ms"], s["batch_queue_first_peak"]
+        grew = f"; the rerank queue grew from {q[0]} to {q[1]}" if q else ""
+        lines.append(
+            f"  search (priority 10): {s['search_calls']} calls waited p50 {w['p50']:.0f} ms, "
+            f"p99 {w['p99']:.0f} ms, max {w['max']:.0f} ms{grew} (batch at priority 0)"
+        )
     lines.append(f"  wrote {out / 'demo.png'} and {out / 'demo.json'}")
     return "\n".join(lines)
 
@@ -269,17 +316,50 @@ def _plot_gate(ax: Any, rec: DemoRecord, info: GateInfo) -> None:
     ax.grid(alpha=0.3)
 
 
+def _plot_priority(ax: Any, rec: DemoRecord) -> None:
+    """The search pod's panel: each interactive call's wait (priority 10) and the rerank gate's
+    queue, which the batch backlog (priority 0) keeps growing."""
+    it = rec.interactive
+    gate = it.get("gate", "")
+    t = [x.t for x in rec.samples]
+    queued = [float(x.gates[gate].queued) if gate in x.gates else float("nan") for x in rec.samples]
+    right = ax.twinx()
+    right.fill_between(t, 0, queued, step="post", color="tab:red", alpha=0.2)
+    right.step(t, queued, where="post", color="tab:red", lw=1.2, label="batch queue (waiters)")
+    right.set_ylabel("waiters in the gate", color="tab:red")
+    right.set_ylim(bottom=0)
+    waits = it.get("waits", [])
+    ax.scatter([w[0] for w in waits], [w[1] for w in waits], s=6, color="tab:blue",
+               label="interactive call wait (priority 10)", zorder=3)  # fmt: skip
+    ax.set_ylabel("interactive wait (ms)", color="tab:blue")
+    ax.set_ylim(bottom=0, top=max([w[1] for w in waits] + [50.0]) * 1.2)
+    ax.set_zorder(right.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.set_title(
+        f"gate {gate} — interactive calls (priority 10) vs a growing batch backlog (priority 0)",
+        loc="left",
+        fontsize=10,
+    )
+    ax.grid(alpha=0.3)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = right.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
+
+
 def plot(rec: DemoRecord, path: Path) -> None:
     """Draw limit, fleet in-flight and server load per gate over time into ``path`` (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     n = len(rec.gates)
-    fig = Figure(figsize=(11, 2.9 * n), layout="constrained")
+    extra = 1 if rec.interactive.get("waits") else 0
+    fig = Figure(figsize=(11, 2.9 * (n + extra)), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
-    for ax, info in zip(axes, rec.gates, strict=True):
+    axes = fig.subplots(n + extra, 1, sharex=True, squeeze=False)[:, 0]
+    for ax, info in zip(axes[:n], rec.gates, strict=True):
         _plot_gate(ax, rec, info)
+    if extra:
+        _plot_priority(axes[-1], rec)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
     axes[-1].set_xlabel("seconds since the load started")
