@@ -148,11 +148,13 @@ class TenantWeights(Mapping[str, int]):
     script call that may register them). Construction does not validate: see
     :func:`validate_tenant_weights`."""
 
-    __slots__ = ("_items", "_map", "encoded")
+    __slots__ = ("_hash", "_items", "_map", "encoded")
 
     def __init__(self, items: Mapping[str, int] | Iterable[tuple[str, int]] = ()) -> None:
         self._map: dict[str, int] = dict(sorted(dict(items).items()))
         self._items = tuple(self._map.items())
+        # Hashed with the settings on every acquire (the scripts' encoded-ARGV cache): once.
+        self._hash = hash(self._items)
         #: ``name}w}name}w`` (see :func:`encode_tenant_weights`)
         self.encoded: str = SEP.join(f"{name}{SEP}{w}" for name, w in self._items)
 
@@ -166,9 +168,11 @@ class TenantWeights(Mapping[str, int]):
         return len(self._map)
 
     def __hash__(self) -> int:
-        return hash(self._items)
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
         if isinstance(other, TenantWeights):
             return self._items == other._items
         if isinstance(other, Mapping):
