@@ -117,8 +117,6 @@ def validate_tenant_weights(mapping: object) -> TenantWeights:
     """Return ``mapping`` (tenant name -> int in [1, 1000], at most 10,000 entries) as a
     :class:`TenantWeights`; the error names the entry, e.g.
     ``tenant_weights['a b{']: tenant 'a b{' contains '{': ...``."""
-    if isinstance(mapping, TenantWeights):
-        return mapping  # checked when it was made by this function, or trusted as built
     if not isinstance(mapping, Mapping):
         raise ConfigError(
             f"tenant_weights: expected a mapping of tenant name -> int, got "
@@ -139,7 +137,7 @@ def validate_tenant_weights(mapping: object) -> TenantWeights:
                 f"tenant_weights[{name!r}]: expected int in [1, {MAX_TENANT_WEIGHT}], "
                 f"got {weight!r}"
             )
-    return TenantWeights(mapping)
+    return mapping if isinstance(mapping, TenantWeights) else TenantWeights(mapping)
 
 
 class TenantWeights(Mapping[str, int]):

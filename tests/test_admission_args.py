@@ -114,6 +114,8 @@ def test_tenant_weights_validated() -> None:
     tw = validate_tenant_weights({"b": 2, "a": MAX_TENANT_WEIGHT})
     assert isinstance(tw, TenantWeights) and list(tw.items()) == [("a", 1000), ("b", 2)]
     assert validate_tenant_weights(tw) is tw
+    with pytest.raises(ConfigError, match=r"^tenant_weights\['a'\]: expected int"):
+        validate_tenant_weights(TenantWeights({"a": 0}))  # built unchecked, checked here
     assert validate_tenant_weights({}) == TenantWeights()
     for bad, message in (
         ({"a": 0}, "tenant_weights['a']: expected int in [1, 1000], got 0"),
