@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -164,9 +165,23 @@ class Fleet:
         max_queued: int | None = None,
         lease_ms: int | None = None,
         waiter_ms: int | None = None,
+        max_queued_per_tenant: int | None = None,
+        tenant_weights: Mapping[str, int] | None = None,
+        shed_below: int | None = None,
     ) -> Gate:
         """The gate ``name``. The settings are defaults registered only if the gate has no
-        configuration in Redis yet (the coordinator's config wins)."""
+        configuration in Redis yet (the coordinator's config wins); None takes the default
+        (:class:`~fleetgate.settings.GateSettings`). The first call for a name fixes them: a
+        later call returns the same gate and ignores its settings.
+
+        The admission order's settings (``DESIGN.md``, "Admission order"):
+        ``max_queued_per_tenant`` bounds one tenant's waiters over all priorities (default: the
+        same as ``max_queued``); ``tenant_weights`` maps tenant names to their share of the
+        units while several tenants wait in one priority band (int 1..1000, unlisted tenants
+        weigh 1); permits of a priority below ``shed_below`` (default 0) never wait: granted at
+        once or :class:`~fleetgate.errors.Overloaded`. A bad value is a
+        :class:`~fleetgate.errors.ConfigError` naming the gate and the setting.
+        """
         validate_gate_name(name)
         found = self._gates.get(name)
         if found is not None:
@@ -178,6 +193,9 @@ class Fleet:
             max_queued=max_queued,
             lease_ms=lease_ms,
             waiter_ms=waiter_ms,
+            max_queued_per_tenant=max_queued_per_tenant,
+            tenant_weights=tenant_weights,
+            shed_below=shed_below,
         )
         gate = Gate(name, defaults, self.runtime, self._wakes)
         self._gates[name] = gate

@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -320,11 +320,35 @@ class SyncFleet:
             raise RuntimeError("SyncFleet is not started: use `with SyncFleet(...)`")
         return self._portal
 
-    def gate(self, name: str, **settings: Any) -> SyncGate:
-        """Same as :meth:`Fleet.gate`, returning the blocking twin."""
+    def gate(
+        self,
+        name: str,
+        *,
+        floor: int | None = None,
+        ceiling: int | None = None,
+        max_queued: int | None = None,
+        lease_ms: int | None = None,
+        waiter_ms: int | None = None,
+        max_queued_per_tenant: int | None = None,
+        tenant_weights: Mapping[str, int] | None = None,
+        shed_below: int | None = None,
+    ) -> SyncGate:
+        """Same as :meth:`Fleet.gate` (the same settings, the first call for a name fixes
+        them), returning the blocking twin."""
         found = self._gates.get(name)
         if found is None:
-            found = SyncGate(self.portal, self.fleet.gate(name, **settings))
+            gate = self.fleet.gate(
+                name,
+                floor=floor,
+                ceiling=ceiling,
+                max_queued=max_queued,
+                lease_ms=lease_ms,
+                waiter_ms=waiter_ms,
+                max_queued_per_tenant=max_queued_per_tenant,
+                tenant_weights=tenant_weights,
+                shed_below=shed_below,
+            )
+            found = SyncGate(self.portal, gate)
             self._gates[name] = found
         return found
 

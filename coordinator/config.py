@@ -6,6 +6,7 @@ Shape (see ``example.toml`` next to this module for every key with its default):
     [coordinator]  poll_interval, poll_jitter, leader_ttl, metrics_listen, target_ttl_polls,
                    scrape_timeout, max_body_bytes, adaptive, prune_idle_after
     [[gates]]      name, floor, ceiling, max_queued, lease_ms, waiter_ms,
+                   max_queued_per_tenant, shed_below, tenant_weights (a table name -> int),
                    base_url | metrics_url (a string or a list, one per replica), model_name, server
 
 A gate with ``base_url`` or ``metrics_url`` is *adaptive* (the coordinator publishes targets for
@@ -47,6 +48,7 @@ import msgspec
 from msgspec import Meta
 
 from fleetgate._redis import validate_redis_url
+from fleetgate.admission import TenantWeights, validate_tenant_weights
 from fleetgate.errors import ConfigError
 from fleetgate.keys import validate_gate_name, validate_prefix
 from fleetgate.settings import (
@@ -56,6 +58,8 @@ from fleetgate.settings import (
     GateSettings,
     LeaseMs,
     MaxQueued,
+    MaxQueuedPerTenant,
+    ShedBelow,
     WaiterMs,
     check_ceiling,
 )
@@ -168,6 +172,13 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queued: MaxQueued = _DEFAULTS.max_queued
     lease_ms: LeaseMs = _DEFAULTS.lease_ms
     waiter_ms: WaiterMs = _DEFAULTS.waiter_ms
+    #: one tenant's bound of waiters (all bands); unset = the same as max_queued
+    max_queued_per_tenant: MaxQueuedPerTenant | None = None
+    #: priorities below it never park (granted at once or Overloaded)
+    shed_below: ShedBelow = _DEFAULTS.shed_below
+    #: ``[gates.tenant_weights]``: tenant name -> share weight (1..1000; unlisted tenants weigh
+    #: 1); held as a hashable :class:`~fleetgate.admission.TenantWeights` once decoded
+    tenant_weights: Mapping[str, int] = msgspec.field(default_factory=TenantWeights)
     base_url: str | None = None
     metrics_url: str | tuple[str, ...] | None = None
     model_name: str | None = None
@@ -178,6 +189,10 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _check("name", validate_gate_name, self.name)
         check_ceiling(self.floor, self.ceiling)
+        # The errors name the entry: tenant_weights['a b{']: tenant 'a b{' contains '{': ...
+        msgspec.structs.force_setattr(
+            self, "tenant_weights", validate_tenant_weights(self.tenant_weights)
+        )
         if self.base_url is not None and self.metrics_url is not None:
             raise ConfigError("metrics_url: set base_url or metrics_url, not both")
         if self.base_url is not None:
@@ -199,7 +214,14 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def settings(self) -> GateSettings:
         """The gate's settings, as the scripts take them."""
         return GateSettings(
-            self.floor, self.ceiling, self.max_queued, self.lease_ms, self.waiter_ms
+            self.floor,
+            self.ceiling,
+            self.max_queued,
+            self.lease_ms,
+            self.waiter_ms,
+            self.max_queued_per_tenant,
+            self.shed_below,
+            self.tenant_weights,
         )
 
     @property
@@ -367,7 +389,11 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?): (.*)$", re.DOTALL)
+# A field, optionally subscripted by an index or a quoted key: floor, metrics_url[1],
+# tenant_weights['a b{'] (a repr: quotes inside are escaped or of the other kind).
+_FIELD_PREFIX = re.compile(
+    r"^([A-Za-z_]\w*(?:\[(?:\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\])?): (.*)$", re.DOTALL
+)
 _FIELD_NAMED = re.compile(r"^Object (missing required|contains unknown) field `([^`]+)`$")
 
 
@@ -397,6 +423,35 @@ def _fields_at(path: str) -> tuple[str, ...]:
     return kinds.get(head.group(1) if head else "", Config).__struct_fields__
 
 
+# msgspec's name of a decoded value's type (in "got `str`") -> the Python types it covers.
+_GOT = re.compile(r", got `(\w+)`")
+_KINDS: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "bool": (bool,),
+    "float": (float,),
+    "array": (list, tuple),
+    "object": (dict,),
+    "null": (type(None),),
+}
+
+
+def _name_key(path: str, msg: str, data: Any) -> str:
+    """msgspec shows a table's key as ``[...]`` (``$.gates[0].tenant_weights[...]``): name the
+    first entry of that table whose value is of the type the error says it got."""
+    head, sep, tail = path.rpartition("[...]")
+    got = _GOT.search(msg)
+    if not sep or tail or "[...]" in head or not got or got.group(1) not in _KINDS:
+        return path
+    found, table = _lookup(data, head)
+    if not found or not isinstance(table, dict):
+        return path
+    kinds = _KINDS[got.group(1)]
+    for key, value in table.items():
+        if isinstance(value, kinds):
+            return f"{head}[{key!r}]"
+    return path
+
+
 def _explain(message: str, data: dict[str, Any], injected: Mapping[str, str]) -> str:
     """Turn msgspec's ``Expected `int` >= 1 - at `$.gates[2].floor``` into one readable line."""
     match = _AT.match(message)
@@ -415,6 +470,7 @@ def _explain(message: str, data: dict[str, Any], injected: Mapping[str, str]) ->
     elif own:  # our own "field: problem" raised from a __post_init__
         path, msg = f"{path}.{own.group(1)}", own.group(2)
     else:
+        path = _name_key(path, msg, data)
         msg = msg.replace("`object`", "table").replace("`", "")
         msg = msg[:1].lower() + msg[1:]
         found, value = _lookup(data, path)

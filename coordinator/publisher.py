@@ -147,7 +147,7 @@ class Publisher:
         return [bool(r) for r in replies]
 
     @staticmethod
-    def _payload(p: Publication) -> tuple[int | None, dict[str, int], dict[str, str]]:
+    def _payload(p: Publication) -> tuple[int | None, dict[str, int | str], dict[str, str]]:
         target = p.decision.target if p.decision.publish else None
         return target, p.gate.settings.as_cfg(), _util_mapping(p)
 

@@ -1,75 +1,259 @@
-"""(temporary stand-in; replaced by the settings branch's module at merge)"""
+"""Arguments of the admission order -- a permit's weight, priority and tenant, a gate's
+``tenant_weights`` -- checked, and encoded the way the Lua scripts read them.
+
+Pure functions, no I/O. The rules are ``DESIGN.md``'s "Admission order": a weight is an int >= 1
+(never above the gate's ceiling), a priority an int in [:data:`MIN_PRIORITY`,
+:data:`MAX_PRIORITY`] (higher first), a tenant a name under the gate-name rules or None (the
+default tenant). Every error is a :class:`~fleetgate.errors.ConfigError` naming the argument.
+
+Wire encodings (``}`` separates fields: names follow the gate-name rules, which forbid braces, so
+every encoded string parses unambiguously and reads well in ``redis-cli``):
+
+==========================  ===================================================================
+lane class (per request)    ``''`` for (priority 0, default tenant), else ``RRR}tenant``
+waiter member               ``tenant}RRR}seq20}lease_id``
+tenant weights              ``name}w}name}w`` sorted by name; ``''`` when there are none
+weighted lease id           ``<pod>:<n>`` weighs 1, ``<pod>:<n>w<W>`` weighs W
+==========================  ===================================================================
+
+``RRR`` = 100 - priority as three digits (``000``..``200``): it inverts the priority, so in
+lexical order a smaller ``RRR`` -- a higher priority -- comes first. The default tenant is the
+empty string; ``seq20`` is the arrival sequence, zero-padded to 20 digits.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Final
 
 from fleetgate.errors import ConfigError
-from fleetgate.keys import validate_gate_name
+from fleetgate.keys import name_problem
 
-MIN_PRIORITY = -100
-MAX_PRIORITY = 100
-MAX_TENANT_WEIGHT = 1000
+__all__ = [
+    "MAX_PRIORITY",
+    "MAX_TENANTS",
+    "MAX_TENANT_WEIGHT",
+    "MIN_PRIORITY",
+    "SEP",
+    "TenantWeights",
+    "class_member",
+    "decode_tenant_weights",
+    "encode_tenant_weights",
+    "lane_class",
+    "member_id",
+    "parse_lane_class",
+    "parse_waiter_member",
+    "validate_priority",
+    "validate_tenant",
+    "validate_tenant_weights",
+    "validate_weight",
+    "waiter_member",
+    "weight_of",
+    "weighted_id",
+]
+
+MIN_PRIORITY: Final = -100
+MAX_PRIORITY: Final = 100
+#: largest entry of ``tenant_weights`` (a tenant's share relative to weight-1 tenants)
+MAX_TENANT_WEIGHT: Final = 1000
+#: most entries of one gate's ``tenant_weights``: the scripts read the whole table per call
+MAX_TENANTS: Final = 10_000
+
+SEP: Final = "}"
+# A weighted lease id ends in ':<n>w<W>' (ASCII digits only: str.isdigit() also accepts '²').
+_WEIGHTED = re.compile(r":[0-9]+w([0-9]+)\Z")
+
+
+# ------------------------------------------------------------------------------ validation
 
 
 def validate_weight(weight: object, *, ceiling: int | None = None) -> int:
+    """Return ``weight`` if it is an int >= 1 (not a bool) and, with ``ceiling``, at most the
+    gate's ceiling: a heavier permit could never be granted, so it fails at once instead of
+    waiting out its deadline."""
     if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
         raise ConfigError(f"weight: expected int >= 1, got {weight!r}")
     if ceiling is not None and weight > ceiling:
-        raise ConfigError(f"weight: {weight} is above the gate's ceiling ({ceiling})")
+        raise ConfigError(
+            f"weight: {weight} is above the gate's ceiling ({ceiling}): "
+            "it can never be granted on this gate"
+        )
     return weight
 
 
 def validate_priority(priority: object) -> int:
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ConfigError(f"priority: expected int in [-100, 100], got {priority!r}")
-    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-        raise ConfigError(f"priority: expected int in [-100, 100], got {priority!r}")
+    """Return ``priority`` if it is an int in [-100, 100] (not a bool); higher goes first."""
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
+        raise ConfigError(
+            f"priority: expected int in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}"
+        )
     return priority
 
 
+def _tenant_problem(tenant: object) -> str | None:
+    if tenant == "":
+        return "tenant must not be empty (None is the default tenant)"
+    return name_problem(tenant, "tenant")
+
+
 def validate_tenant(tenant: object) -> str | None:
+    """Return ``tenant`` if it is None (the default tenant) or a usable tenant name: the rules
+    of a gate name (:func:`fleetgate.keys.validate_gate_name`), not empty."""
     if tenant is None:
         return None
-    try:
-        return validate_gate_name(tenant)
-    except ConfigError as exc:
-        raise ConfigError(f"tenant: {exc}") from None
+    problem = _tenant_problem(tenant)
+    if problem:
+        raise ConfigError(problem)
+    assert isinstance(tenant, str)
+    return tenant
 
 
-def lane_class(priority: int, tenant: str | None) -> str:
-    if priority == 0 and not tenant:
-        return ""
-    return f"{100 - priority:03d}}}{tenant or ''}"
+def validate_tenant_weights(mapping: object) -> TenantWeights:
+    """Return ``mapping`` (tenant name -> int in [1, 1000], at most 10,000 entries) as a
+    :class:`TenantWeights`; the error names the entry, e.g.
+    ``tenant_weights['a b{']: tenant 'a b{' contains '{': ...``."""
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(
+            f"tenant_weights: expected a mapping of tenant name -> int, got "
+            f"{type(mapping).__name__}"
+        )
+    if len(mapping) > MAX_TENANTS:
+        raise ConfigError(f"tenant_weights: at most {MAX_TENANTS} tenants, got {len(mapping)}")
+    for name, weight in mapping.items():
+        problem = _tenant_problem(name)
+        if problem:
+            raise ConfigError(f"tenant_weights[{name!r}]: {problem}")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int)
+            or not 1 <= weight <= MAX_TENANT_WEIGHT
+        ):
+            raise ConfigError(
+                f"tenant_weights[{name!r}]: expected int in [1, {MAX_TENANT_WEIGHT}], "
+                f"got {weight!r}"
+            )
+    return mapping if isinstance(mapping, TenantWeights) else TenantWeights(mapping)
+
+
+class TenantWeights(Mapping[str, int]):
+    """A gate's ``tenant_weights``: an immutable, hashable tenant -> weight mapping, kept sorted
+    by name, with its wire encoding computed once (it goes with the gate's settings in every
+    script call that may register them). Construction does not validate: see
+    :func:`validate_tenant_weights`."""
+
+    __slots__ = ("_hash", "_items", "_map", "encoded")
+
+    def __init__(self, items: Mapping[str, int] | Iterable[tuple[str, int]] = ()) -> None:
+        self._map: dict[str, int] = dict(sorted(dict(items).items()))
+        self._items = tuple(self._map.items())
+        # Hashed with the settings on every acquire (the scripts' encoded-ARGV cache): once.
+        self._hash = hash(self._items)
+        #: ``name}w}name}w`` (see :func:`encode_tenant_weights`)
+        self.encoded: str = SEP.join(f"{name}{SEP}{w}" for name, w in self._items)
+
+    def __getitem__(self, name: str) -> int:
+        return self._map[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if isinstance(other, TenantWeights):
+            return self._items == other._items
+        if isinstance(other, Mapping):
+            return self._map == dict(other.items())
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TenantWeights({self._map!r})"
+
+
+# --------------------------------------------------------------------------------- encoding
 
 
 def encode_tenant_weights(mapping: Mapping[str, int]) -> str:
-    return "}".join(f"{k}}}{v}" for k, v in sorted(mapping.items()))
+    """``name}w}name}w`` sorted by name; ``''`` for an empty mapping."""
+    if isinstance(mapping, TenantWeights):
+        return mapping.encoded
+    return SEP.join(f"{name}{SEP}{w}" for name, w in sorted(mapping.items()))
+
+
+def decode_tenant_weights(text: str) -> dict[str, int]:
+    """The inverse of :func:`encode_tenant_weights`."""
+    if not text:
+        return {}
+    parts = text.split(SEP)
+    if len(parts) % 2:
+        raise ValueError(f"tenant weights {text[:60]!r}: expected name}}weight pairs")
+    return {parts[i]: int(parts[i + 1]) for i in range(0, len(parts), 2)}
+
+
+def _rank(priority: int) -> str:
+    return f"{MAX_PRIORITY - priority:03d}"
+
+
+def lane_class(priority: int, tenant: str | None) -> str:
+    """A request's lane as the scripts take it: ``''`` for (0, default tenant), else
+    ``RRR}tenant`` (``RRR`` = 100 - priority, three digits; default tenant = ``''``).
+    Arguments are assumed valid (:func:`validate_priority`, :func:`validate_tenant`)."""
+    if priority == 0 and tenant is None:
+        return ""
+    return f"{_rank(priority)}{SEP}{tenant or ''}"
+
+
+def parse_lane_class(cls: str) -> tuple[int, str | None]:
+    """The inverse of :func:`lane_class`: ``(priority, tenant)``."""
+    if not cls:
+        return 0, None
+    rank, _, tenant = cls.partition(SEP)
+    return MAX_PRIORITY - int(rank), tenant or None
 
 
 def waiter_member(priority: int, tenant: str | None, seq: int, lease_id: str) -> str:
-    return f"{tenant or ''}}}{100 - priority:03d}}}{seq:020d}}}{lease_id}"
+    """A parked waiter's member in the scripts' lex-ordered index:
+    ``tenant}RRR}seq20}lease_id``, so one tenant's waiters sort by band (highest priority
+    first), then by arrival."""
+    return f"{tenant or ''}{SEP}{_rank(priority)}{SEP}{seq:020d}{SEP}{lease_id}"
+
+
+def parse_waiter_member(member: str) -> tuple[int, str | None, int, str]:
+    """The inverse of :func:`waiter_member`: ``(priority, tenant, seq, lease_id)``."""
+    tenant, rank, seq, lease_id = member.split(SEP, 3)
+    return MAX_PRIORITY - int(rank), tenant or None, int(seq), lease_id
+
+
+def class_member(cls: str, seq: int, lease_id: str) -> str:
+    """The waiter member of a call parked with lane class ``cls`` (:func:`lane_class`):
+    the same as :func:`waiter_member` of that class's priority and tenant."""
+    lane = f"{SEP}{_rank(0)}" if not cls else f"{cls[4:]}{SEP}{cls[:3]}"
+    return f"{lane}{SEP}{seq:020d}{SEP}{lease_id}"
+
+
+def member_id(member: str) -> str:
+    """The lease id of a waiter member (``tenant}RRR}seq20}lease_id``)."""
+    return member.split(SEP, 3)[-1]
 
 
 def weighted_id(base_id: str, weight: int) -> str:
+    """The lease id that carries ``weight``: ``base_id`` itself for weight 1 (the default path
+    sends exactly today's ids), else ``<base_id>w<weight>``."""
     return base_id if weight == 1 else f"{base_id}w{weight}"
 
 
 def weight_of(lease_id: str) -> int:
-    _, sep, tail = lease_id.rpartition(":")
-    if sep and "w" in tail:
-        n, _, w = tail.partition("w")
-        if n.isdigit() and w.isdigit():
-            return int(w)
-    return 1
-
-
-def class_member(cls: str, seq: int, lease_id: str) -> str:
-    """The waiter member of a call parked with class ``cls`` (:func:`lane_class`) and ``seq``."""
-    lane = "}100" if not cls else f"{cls[4:]}}}{cls[:3]}"
-    return f"{lane}}}{seq:020d}}}{lease_id}"
-
-
-def member_id(member: str) -> str:
-    """The lease id of a waiter member ('<tenant>}<R>}<seq20>}<id>')."""
-    return member.rpartition("}")[2]
+    """The weight a lease id carries: ``W`` of a trailing ``:<n>w<W>``, else 1."""
+    match = _WEIGHTED.search(lease_id)
+    return int(match.group(1)) if match else 1

@@ -29,31 +29,54 @@ from dataclasses import dataclass
 
 from fleetgate.errors import ConfigError
 
-__all__ = ["MAX_GATE_NAME_BYTES", "GateKeys", "fleet_keys", "validate_gate_name", "validate_prefix"]
+__all__ = [
+    "MAX_GATE_NAME_BYTES",
+    "GateKeys",
+    "fleet_keys",
+    "name_problem",
+    "validate_gate_name",
+    "validate_prefix",
+]
 
 MAX_GATE_NAME_BYTES = 200
 # Braces would break the hash tag; control characters make keys unreadable in redis-cli.
 _FORBIDDEN = re.compile(r"[{}\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-def validate_gate_name(name: object) -> str:
-    """Return ``name`` if it is a usable gate name, else raise :class:`ConfigError` saying why."""
+def name_problem(name: object, what: str) -> str | None:
+    """Why ``name`` cannot be used as a ``what`` (``"gate name"``, ``"tenant"``), as one sentence
+    starting with ``what``; None if it can.
+
+    The rules of a gate name, shared by every name that ends up inside a gate's keys or script
+    arguments: a non-empty string of at most :data:`MAX_GATE_NAME_BYTES` UTF-8 bytes without
+    braces (they would break the hash tag; the scripts also use ``}`` as a field separator) or
+    control characters.
+    """
     if not isinstance(name, str):
-        raise ConfigError(f"gate name must be a string, got {type(name).__name__}")
+        return f"{what} must be a string, got {type(name).__name__}"
     if not name:
-        raise ConfigError("gate name must not be empty")
+        return f"{what} must not be empty"
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
-        raise ConfigError(f"gate name {name!r} is not valid Unicode text") from None
+        return f"{what} {name!r} is not valid Unicode text"
     if size > MAX_GATE_NAME_BYTES:
-        raise ConfigError(f"gate name {name[:40]!r}... is longer than {MAX_GATE_NAME_BYTES} bytes")
+        return f"{what} {name[:40]!r}... is longer than {MAX_GATE_NAME_BYTES} bytes"
     bad = _FORBIDDEN.search(name)
     if bad:
-        raise ConfigError(
-            f"gate name {name!r} contains {bad.group()!r}: braces and control characters "
+        return (
+            f"{what} {name!r} contains {bad.group()!r}: braces and control characters "
             "are not allowed (they would break the Redis hash tag or the key layout)"
         )
+    return None
+
+
+def validate_gate_name(name: object) -> str:
+    """Return ``name`` if it is a usable gate name, else raise :class:`ConfigError` saying why."""
+    problem = name_problem(name, "gate name")
+    if problem:
+        raise ConfigError(problem)
+    assert isinstance(name, str)
     return name
 
 

@@ -435,7 +435,7 @@ class GateScripts:
             return exc
         text = str(exc)
         if "fleetgate schema:" in text:
-            return ConfigError(f"gate {keys.name!r}: {text[text.index('fleetgate schema:'):]}")
+            return ConfigError(f"gate {keys.name!r}: {text[text.index('fleetgate schema:') :]}")
         if isinstance(exc, NoPermissionError) or "can't run this command" in text:
             return ConfigError(
                 f"gate {keys.name!r}: the Redis user may not run a command the gate scripts "

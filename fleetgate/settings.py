@@ -1,23 +1,32 @@
-"""A gate's settings -- floor, ceiling, max_queued, lease_ms, waiter_ms -- with their defaults and
-bounds, written once.
+"""A gate's settings -- floor, ceiling, max_queued, lease_ms, waiter_ms, and the admission order's
+max_queued_per_tenant, shed_below, tenant_weights -- with their defaults and bounds, written once.
 
-:class:`GateSettings` is what the scripts are given (``argv()``, ARGV 3..7 of ``acquire.lua``),
+:class:`GateSettings` is what the scripts are given (``argv()``),
 what a client registers for a gate that has no configuration yet, and what the coordinator's
 :class:`~fleetgate.coordinator.config.GateConfig` is made of (it reuses the annotated field types
 below). ``lua/lib.lua`` (``load_cfg``) applies the same defaults and lower bounds to whatever it
-finds in ``fg:{G}:cfg``; ``tests/test_settings.py`` runs the real script to prove they agree.
+finds in ``fg:{G}:cfg``; ``tests/test_settings.py`` runs the real script to prove they agree for
+the int fields of :data:`FIELDS`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Final
 
 import msgspec
 from msgspec import Meta
 
+from fleetgate.admission import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    TenantWeights,
+    validate_tenant_weights,
+)
 from fleetgate.errors import ConfigError
 
 __all__ = [
+    "ADMISSION_FIELDS",
     "DEFAULT_CEILING",
     "FIELDS",
     "MAX_PERMITS",
@@ -28,8 +37,11 @@ __all__ = [
     "GateSettings",
     "LeaseMs",
     "MaxQueued",
+    "MaxQueuedPerTenant",
+    "ShedBelow",
     "WaiterMs",
     "bounds",
+    "check_admission",
     "check_ceiling",
     "validate_gate_settings",
 ]
@@ -49,6 +61,13 @@ Ceiling = Annotated[int, Meta(ge=1, le=MAX_PERMITS, description="bound of the ad
 MaxQueued = Annotated[int, Meta(ge=0, le=MAX_QUEUED, description="bound of the wait list")]
 LeaseMs = Annotated[int, Meta(ge=100, le=MAX_TTL_MS, description="lease TTL (ms)")]
 WaiterMs = Annotated[int, Meta(ge=100, le=MAX_TTL_MS, description="parked entry TTL (ms)")]
+MaxQueuedPerTenant = Annotated[
+    int, Meta(ge=0, le=MAX_QUEUED, description="bound of one tenant's waiters (all bands)")
+]
+ShedBelow = Annotated[
+    int,
+    Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="priorities below it never park"),
+]
 
 # Why each lower bound exists (appended to the client's error message).
 _WHY_LOW = {
@@ -64,7 +83,9 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One gate's settings, in the order the scripts take them (``argv()``).
 
     Constructing one does not check the bounds (msgspec checks ``Annotated`` constraints when
-    decoding); :meth:`validated` does, naming the gate and the field.
+    decoding); :meth:`validated` does, naming the gate and the field. ``tenant_weights`` is
+    always held as a :class:`~fleetgate.admission.TenantWeights` (a plain mapping given to the
+    constructor is converted), so settings stay immutable and hashable.
     """
 
     floor: Floor = 1
@@ -72,29 +93,71 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queued: MaxQueued = 1000
     lease_ms: LeaseMs = 10_000
     waiter_ms: WaiterMs = 5_000
+    #: bound of one tenant's waiters over all bands; None = the same as ``max_queued``
+    max_queued_per_tenant: MaxQueuedPerTenant | None = None
+    #: priorities below it are sheddable: granted at once or ``Overloaded``, never parked
+    shed_below: ShedBelow = 0
+    #: tenant name -> share weight (1..1000; absent tenants weigh 1)
+    tenant_weights: Mapping[str, int] = msgspec.field(default_factory=TenantWeights)
 
-    def argv(self) -> list[int]:
-        """ARGV of the scripts that take a gate's settings (floor, ceiling, max_queued,
-        lease_ms, waiter_ms)."""
-        return [self.floor, self.ceiling, self.max_queued, self.lease_ms, self.waiter_ms]
+    def __post_init__(self) -> None:
+        if not isinstance(self.tenant_weights, TenantWeights):
+            msgspec.structs.force_setattr(
+                self, "tenant_weights", TenantWeights(self.tenant_weights)
+            )
 
-    def as_cfg(self) -> dict[str, int]:
-        """The fields of ``fg:{G}:cfg``."""
-        return {name: getattr(self, name) for name in FIELDS}
+    def argv(self) -> list[int | str]:
+        """ARGV of the scripts that take a gate's settings, 8 values: floor, ceiling,
+        max_queued, lease_ms, waiter_ms, max_queued_per_tenant (``''`` when None), shed_below,
+        tenant_weights (encoded, :func:`~fleetgate.admission.encode_tenant_weights`)."""
+        return [
+            self.floor,
+            self.ceiling,
+            self.max_queued,
+            self.lease_ms,
+            self.waiter_ms,
+            "" if self.max_queued_per_tenant is None else self.max_queued_per_tenant,
+            self.shed_below,
+            self._tenant_weights.encoded,
+        ]
+
+    def as_cfg(self) -> dict[str, int | str]:
+        """The fields a publish writes: the :data:`FIELDS` of ``fg:{G}:cfg``, then
+        ``max_queued_per_tenant`` (only when set), ``shed_below`` and ``tenant_weights``
+        (encoded; the scripts keep it apart from ``cfg``)."""
+        cfg: dict[str, int | str] = {name: getattr(self, name) for name in FIELDS}
+        if self.max_queued_per_tenant is not None:
+            cfg["max_queued_per_tenant"] = self.max_queued_per_tenant
+        cfg["shed_below"] = self.shed_below
+        cfg["tenant_weights"] = self._tenant_weights.encoded
+        return cfg
+
+    @property
+    def _tenant_weights(self) -> TenantWeights:
+        tw = self.tenant_weights
+        assert isinstance(tw, TenantWeights)  # __post_init__
+        return tw
 
     @classmethod
     def validated(cls, gate: str, **values: Any) -> GateSettings:
-        """Settings from ``values`` (every field), checked: a :class:`ConfigError` names the gate
-        and the field, e.g. ``gate 'x': floor: expected int >= 1, got 0 (...)``."""
+        """Settings from ``values`` (every field of :data:`FIELDS`; those of
+        :data:`ADMISSION_FIELDS` may be left out for their defaults), checked: a
+        :class:`ConfigError` names the gate and the field, e.g. ``gate 'x': floor: expected
+        int >= 1, got 0 (...)`` or ``gate 'x': tenant_weights['a b{']: tenant ...``."""
         for name in FIELDS:
             problem = _field_problem(name, values.get(name))
             if problem:
                 raise ConfigError(f"gate {gate!r}: {name}: {problem}")
-        unknown = sorted(set(values) - set(FIELDS))
+        unknown = sorted(set(values) - set(FIELDS) - set(ADMISSION_FIELDS))
         if unknown:
             raise ConfigError(f"gate {gate!r}: {unknown[0]}: unknown setting")
         try:
             check_ceiling(values["floor"], values["ceiling"])
+            check_admission(
+                values.get("max_queued_per_tenant"),
+                values.get("shed_below", 0),
+                values.get("tenant_weights", {}),
+            )
         except ConfigError as exc:
             raise ConfigError(f"gate {gate!r}: {exc}") from None
         return cls(**values)
@@ -109,9 +172,13 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         max_queued: int | None = None,
         lease_ms: int | None = None,
         waiter_ms: int | None = None,
+        max_queued_per_tenant: int | None = None,
+        tenant_weights: Mapping[str, int] | None = None,
+        shed_below: int | None = None,
     ) -> GateSettings:
         """A client's settings for ``gate``: None takes the default (the ceiling's is never
-        below the floor), then :meth:`validated`."""
+        below the floor; ``max_queued_per_tenant``'s is "same as max_queued"), then
+        :meth:`validated`."""
         d = cls()
         fl = d.floor if floor is None else floor
         return cls.validated(
@@ -121,10 +188,19 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             max_queued=d.max_queued if max_queued is None else max_queued,
             lease_ms=d.lease_ms if lease_ms is None else lease_ms,
             waiter_ms=d.waiter_ms if waiter_ms is None else waiter_ms,
+            max_queued_per_tenant=max_queued_per_tenant,
+            shed_below=d.shed_below if shed_below is None else shed_below,
+            tenant_weights=d.tenant_weights if tenant_weights is None else tenant_weights,
         )
 
 
-FIELDS: Final = GateSettings.__struct_fields__
+#: The int fields every script reads from ``fg:{G}:cfg`` since the first schema (``lua/lib.lua``
+#: ``load_cfg``), each with a lower and an upper bound (:func:`bounds`), in ``argv()`` order.
+FIELDS: Final = GateSettings.__struct_fields__[:5]
+#: The admission order's settings (``DESIGN.md``, "Admission order"), after :data:`FIELDS`.
+ADMISSION_FIELDS: Final = GateSettings.__struct_fields__[5:]
+assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
+assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
 
 
 def _default_ceiling(floor: object, default: int) -> object:
@@ -135,11 +211,14 @@ def _default_ceiling(floor: object, default: int) -> object:
 
 
 def bounds() -> dict[str, tuple[int, int]]:
-    """``{field: (lowest, highest)}`` of every setting, read from the annotations."""
+    """``{field: (lowest, highest)}`` of every field of :data:`FIELDS`, read from the
+    annotations."""
     info = msgspec.inspect.type_info(GateSettings)
     assert isinstance(info, msgspec.inspect.StructType)
     out: dict[str, tuple[int, int]] = {}
     for f in info.fields:
+        if f.name not in FIELDS:
+            continue
         t = f.type
         if isinstance(t, msgspec.inspect.Metadata):  # a description wraps the constrained type
             t = t.type
@@ -168,8 +247,34 @@ def check_ceiling(floor: int, ceiling: int) -> None:
         raise ConfigError(f"ceiling: expected >= floor ({floor}), got {ceiling}")
 
 
-def validate_gate_settings(name: str, values: dict[str, int]) -> dict[str, int]:
-    """Check the settings of gate ``name`` (every field); the error names the gate and the field.
+def check_admission(
+    max_queued_per_tenant: object, shed_below: object, tenant_weights: object
+) -> None:
+    """Raise a :class:`ConfigError` naming the field when one of the admission order's settings
+    is out of its bounds: ``max_queued_per_tenant`` None or an int in [0, MAX_QUEUED],
+    ``shed_below`` an int in [-100, 100], ``tenant_weights`` a mapping tenant name -> int in
+    [1, 1000] of at most 10,000 entries."""
+    mqpt = max_queued_per_tenant
+    if mqpt is not None and (
+        isinstance(mqpt, bool) or not isinstance(mqpt, int) or not 0 <= mqpt <= MAX_QUEUED
+    ):
+        raise ConfigError(
+            f"max_queued_per_tenant: expected None or int in [0, {MAX_QUEUED}], got {mqpt!r}"
+        )
+    if (
+        isinstance(shed_below, bool)
+        or not isinstance(shed_below, int)
+        or not MIN_PRIORITY <= shed_below <= MAX_PRIORITY
+    ):
+        raise ConfigError(
+            f"shed_below: expected int in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {shed_below!r}"
+        )
+    validate_tenant_weights(tenant_weights)
+
+
+def validate_gate_settings(name: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Check the settings of gate ``name`` (every field of :data:`FIELDS`, optionally those of
+    :data:`ADMISSION_FIELDS`); the error names the gate and the field.
 
     The client's check before it registers defaults. Returns ``values``.
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -18,6 +19,7 @@ from fleetgate.client import (
     Overloaded,
     SyncFleet,
 )
+from fleetgate.settings import GateSettings
 
 from .conftest import RedisUnderTest
 
@@ -232,12 +234,34 @@ def test_bad_gate_names_refused(name: str) -> None:
         ({"floor": 0}, "floor"),
         ({"max_queued": -1}, "max_queued"),
         ({"floor": 4, "ceiling": 2}, "ceiling"),
+        ({"max_queued_per_tenant": -1}, "max_queued_per_tenant"),
+        ({"shed_below": 101}, "shed_below"),
+        ({"tenant_weights": {"a{": 2}}, r"tenant_weights\['a\{'\]"),
+        ({"tenant_weights": {"a": 0}}, r"tenant_weights\['a'\]"),
     ],
 )
-def test_bad_gate_settings_name_the_field(settings: dict[str, int], field: str) -> None:
+def test_bad_gate_settings_name_the_field(settings: dict[str, Any], field: str) -> None:
     f = Fleet("redis://127.0.0.1:1/0")
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ConfigError, match=rf"^gate 'g': {field}: "):
         f.gate("g", **settings)
+
+
+def test_gate_takes_the_admission_settings() -> None:
+    f = Fleet("redis://127.0.0.1:1/0")
+    gate = f.gate("g", max_queued_per_tenant=5, tenant_weights={"search": 3}, shed_below=-2)
+    d = gate.defaults
+    assert (d.max_queued_per_tenant, d.shed_below, dict(d.tenant_weights)) == (5, -2, {"search": 3})
+    assert f.gate("g", shed_below=50) is gate  # the first call for a name fixes the settings
+    assert f.gate("plain").defaults == GateSettings()
+
+
+def test_sync_gate_takes_the_admission_settings(rut: RedisUnderTest) -> None:
+    with SyncFleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("sync-adm", floor=2, tenant_weights={"a": 2}, shed_below=-1)
+        d = gate.gate.defaults
+        assert (d.floor, d.shed_below, dict(d.tenant_weights)) == (2, -1, {"a": 2})
+        with pytest.raises(ConfigError, match=r"^gate 'bad': max_queued_per_tenant: "):
+            fleet.gate("bad", max_queued_per_tenant=-1)
 
 
 def test_sync_fleet_permit(rut: RedisUnderTest) -> None:
