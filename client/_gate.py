@@ -249,7 +249,7 @@ class Gate:
         self.leases: dict[str, Lease] = {}
         self.waiters: dict[str, _Waiter] = {}
         #: this gate's series of the client metrics
-        self.series = GateMetrics(runtime.metrics, name, tenants=getattr(defaults, "tenant_weights", ()))
+        self.series = GateMetrics(runtime.metrics, name, tenants=defaults.tenant_weights)
         self.last_limit = defaults.floor
         # Live pods of this gate as last counted by a heartbeat this pod trusts (0: none yet,
         # the fair share is then 1): see on_heartbeat.

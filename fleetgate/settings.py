@@ -123,11 +123,12 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def as_cfg(self) -> dict[str, int | str]:
         """The fields a publish writes: the :data:`FIELDS` of ``fg:{G}:cfg``, then
-        ``max_queued_per_tenant`` (only when set), ``shed_below`` and ``tenant_weights``
-        (encoded; the scripts keep it apart from ``cfg``)."""
+        ``max_queued_per_tenant`` (``''`` when unset: publish.lua deletes the field, so a bound
+        removed from the configuration is removed in Redis too), ``shed_below`` and
+        ``tenant_weights`` (encoded; the scripts keep it apart from ``cfg``)."""
         cfg: dict[str, int | str] = {name: getattr(self, name) for name in FIELDS}
-        if self.max_queued_per_tenant is not None:
-            cfg["max_queued_per_tenant"] = self.max_queued_per_tenant
+        mqpt = self.max_queued_per_tenant
+        cfg["max_queued_per_tenant"] = "" if mqpt is None else mqpt
         cfg["shed_below"] = self.shed_below
         cfg["tenant_weights"] = self._tenant_weights.encoded
         return cfg

@@ -5,7 +5,8 @@
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 epoch  2 ttl_ms (of the target)  3 target value, or '' to leave the target alone
 --       4 n = number of cfg fields, then n (field, value) pairs for fg:{G}:cfg (the pair
---       'tenant_weights', 'name}w}...' replaces fg:{G}:tw instead; 'schema' is never written),
+--       'tenant_weights', 'name}w}...' replaces fg:{G}:tw instead; a value '' deletes the
+--       field; 'schema' is never written),
 --       then (field, value) pairs for fg:{G}:util (the rest of ARGV)
 -- Returns {accepted, limit, stored_epoch, granted}: accepted = 0 when epoch < the epoch stored in
 --   the target (a deposed leader waking up writes nothing: not the target, not the cfg, not the
@@ -23,6 +24,8 @@ check_schema(redis.call('HGET', K_CFG, 'schema'))
 for i = 5, 4 + 2 * n_cfg, 2 do
   if ARGV[i] == 'tenant_weights' then
     store_tenant_weights(ARGV[i + 1])  -- replaced whole: fg:{G}:tw
+  elseif ARGV[i + 1] == '' then
+    redis.call('HDEL', K_CFG, ARGV[i])  -- unset in the configuration: the default applies
   elseif ARGV[i] ~= 'schema' then
     cfg_pairs[#cfg_pairs + 1] = ARGV[i]
     cfg_pairs[#cfg_pairs + 1] = ARGV[i + 1]

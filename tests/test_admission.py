@@ -23,6 +23,7 @@ from fleetgate.client import Fleet
 from fleetgate.errors import ConfigError, Overloaded
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import SCHEMA, GateScripts
+from fleetgate.settings import GateSettings
 
 from . import _admission_workers as workers
 from ._workers import wait_for
@@ -415,3 +416,18 @@ def test_schema1_gate_is_converted_with_its_waiters_in_order(
     assert r.zrange(keys.holders, 0, -1) == ["o:2"]
     assert [member_id(m) for m in r.zrange(keys.lanes, 0, -1)] == ["o:3", "o:4", "o:5"]
     assert r.zcard(keys.fair) == 1
+
+
+async def test_a_bound_removed_from_the_config_is_removed_in_redis(
+    fleet: Fleet, async_redis: aredis.Redis
+) -> None:
+    """publish.lua deletes a field sent as '' (an unset max_queued_per_tenant): the default
+    (max_queued) applies again instead of the old bound staying in Redis."""
+    keys = fleet.gate("unset").keys
+    with_bound = GateSettings(max_queued_per_tenant=3).as_cfg()
+    assert await GateScripts(async_redis).publish(keys, 1, 60_000, None, with_bound, {})
+    assert await async_redis.hget(keys.cfg, "max_queued_per_tenant") == "3"
+    without = GateSettings().as_cfg()
+    assert await GateScripts(async_redis).publish(keys, 1, 60_000, None, without, {})
+    assert await async_redis.hget(keys.cfg, "max_queued_per_tenant") is None
+    assert (await fleet.gate("unset").snapshot()).max_queued_per_tenant == 1000

@@ -18,11 +18,11 @@ import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate._redis import connect
+from fleetgate.admission import member_id
 from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.coordinator.publisher import Publisher
-from fleetgate.admission import member_id
 from fleetgate.keys import GateKeys
 from fleetgate.safety import find_bad_keys
 from fleetgate.scripts import GRANTED, PARKED, GateScripts

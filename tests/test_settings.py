@@ -128,7 +128,13 @@ def test_fields_are_the_int_fields_then_the_admission_ones() -> None:
 
 def test_as_cfg_shape() -> None:
     old = {"floor": 1, "ceiling": 512, "max_queued": 1000, "lease_ms": 10_000, "waiter_ms": 5_000}
-    assert GateSettings().as_cfg() == {**old, "shed_below": 0, "tenant_weights": ""}
+    # unset: '' (publish.lua deletes the field, so a removed bound goes from Redis too)
+    assert GateSettings().as_cfg() == {
+        **old,
+        "max_queued_per_tenant": "",
+        "shed_below": 0,
+        "tenant_weights": "",
+    }
     s = GateSettings(max_queued_per_tenant=50, shed_below=5, tenant_weights={"b": 2, "a": 9})
     assert s.as_cfg() == {
         **old,
