@@ -40,7 +40,19 @@ local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]},
   true)
 local lim = current_limit(now, cfg)
-local units = units_held()
+-- The adm fields this call needs, in one read: the extra units, and the tag of each lane asked
+-- for (a lane in the fair order has waiters: its callers park behind them, nothing else to read).
+local fields, asked = {'extra'}, {}
+for i = first, #ARGV, 3 do
+  local lane = class_lane(ARGV[i + 2])
+  if not asked[lane] then
+    asked[lane] = true
+    fields[#fields + 1] = 'f:' .. lane
+  end
+end
+local got = redis.call('HMGET', K_ADM, unpack(fields))
+for k = 2, #fields do ADM[fields[k]] = got[k] end
+local units = units_held(got[1])
 local queued = redis.call('ZCARD', K_WAITERS)
 local leases_reaped, waiters_reaped = false, false
 if units >= lim then
@@ -120,8 +132,11 @@ for i = first, #ARGV, 3 do
   else
     local blocked = false
     if queued > 0 then
-      local top = band_on_top()
-      blocked = (top ~= nil and top <= r) or lane_count(lane) > 0
+      blocked = adm_get('f:' .. lane) ~= nil  -- its lane waits in the fair order
+      if not blocked then
+        local top = band_on_top()
+        blocked = (top ~= nil and top <= r) or lane_count(lane) > 0
+      end
     end
     blocked = blocked or parked_in[lane] ~= nil
     if not blocked and units + w > lim and not leases_reaped then
@@ -153,10 +168,7 @@ for i = first, #ARGV, 3 do
         if queued >= cfg.max_queued then queued = queued - 1 end
         queued = queued + 1
         st, k = 2, queued
-        if parked_in[lane] == nil then
-          parked_in[lane], first_w[lane] = 0, w
-          lane_count(lane)  -- the lane's length before this call's parks
-        end
+        if parked_in[lane] == nil then parked_in[lane], first_w[lane] = 0, w end
         parked_in[lane] = parked_in[lane] + 1
         local t = lane_tenant(lane)
         tenant_parked[t] = (tenant_parked[t] or 0) + 1
@@ -211,14 +223,18 @@ if n_granted > 0 then
   redis.call('HINCRBY', K_STATS, 'granted', n_granted)
 end
 if n_parked > 0 then
+  -- A lane with no waiter before this call's (or none left after its evictions) enters the
+  -- fair order with its first waiter as its head: counted before this call's waiters go in.
+  local new_lanes = {}
+  for lane in pairs(parked_in) do
+    if adm_get('f:' .. lane) == nil and lane_count(lane) == 0 then
+      new_lanes[#new_lanes + 1] = lane
+    end
+  end
   redis.call('ZADD', K_LANES, unpack(members))
   redis.call('ZADD', K_WAITERS, unpack(waiting))
   redis.call('HINCRBY', K_STATS, 'parked', n_parked)
-  -- A lane with no waiter before this call's (or none left after its evictions) enters the
-  -- fair order with its first waiter as its head.
-  for lane in pairs(parked_in) do
-    if lane_count(lane) == 0 then lane_enter(lane, first_w[lane], lim) end
-  end
+  for _, lane in ipairs(new_lanes) do lane_enter(lane, first_w[lane], lim) end
 end
 if n_rejected > 0 then redis.call('HINCRBY', K_STATS, 'rejected', n_rejected) end
 if rejected_by[4] > 0 then redis.call('HINCRBY', K_STATS, 'rejected_tenant', rejected_by[4]) end

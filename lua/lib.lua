@@ -299,11 +299,13 @@ local function cost(w, t)
   return math.ceil(w * 1000 / tenant_weight(t))
 end
 
--- Units held: holders plus the extra weight of the heavy ones. A counter left by a script that
--- stopped half-way (only ever an overcount) is dropped once no lease is left.
-local function units_held()
+-- Units held: holders plus the extra weight of the heavy ones (extra: HGET adm extra if the
+-- caller read it already, false when absent). A counter left by a script that stopped half-way
+-- (only ever an overcount) is dropped once no lease is left.
+local function units_held(extra)
   local n = redis.call('ZCARD', K_HOLDERS)
-  local extra = num(redis.call('HGET', K_ADM, 'extra'), 0)
+  if extra == nil then extra = redis.call('HGET', K_ADM, 'extra') end
+  extra = num(extra, 0)
   if extra ~= 0 and n == 0 then
     redis.call('HDEL', K_ADM, 'extra')
     extra = 0
