@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -57,14 +57,22 @@ from .conftest import RedisUnderTest
 FLOOR, CEILING, MAX_QUEUED, MAX_QUEUED_PER_TENANT = 1, 6, 5, 3
 PODS = ("pa", "pb", "pc")
 TENANTS = (None, "a", "b")
-PRIORITIES = (-1, 0, 1, 2)
-WEIGHTS = (1, 1, 2, 3, 5, 5, 6, 7)  # 6 = CEILING (above most limits), 7 never grantable
+PRIORITIES = (-1, 0, 0, 1, 2)
+WEIGHTS = (1, 1, 1, 1, 2, 2, 3, 3, 5, 5, 6, 7)  # 6 = CEILING (above most limits), 7 never grantable
 TENANT_WEIGHTS = ("a}2", "", "a}2}b}3")  # the first is the gate's initial configuration
 LONG_MS = 600_000  # nothing expires by itself during a run; expiry is a rule
 SEQ0 = 1_000  # the gate's token counter at the start (so every token is predictable)
 # lib.lua's per-call bounds
 REAP_MAX, HANDOFF_MAX, READMIT_MAX = 64, 256, 16
 DROP_MAX = 2 * REAP_MAX
+
+# FLEETGATE_MODEL_MIRROR=0 checks the rules alone (not the exact state): to see that a mutation
+# of lib.lua breaks a rule, not only the mirror.
+MIRROR = os.environ.get("FLEETGATE_MODEL_MIRROR", "1") != "0"
+# Known Lua bugs (each reproduced in tests/test_admission_bugs.py): while True, the examples
+# that hit one are discarded (the model keeps the intended rule); set False once lua/ is fixed.
+# test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_scheduled
+BUG_ORPHAN_LANE = True
 
 GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY = 1, 2, 0, 3, 4, 5
 
@@ -156,6 +164,7 @@ class GateModel:
         self.granted_seq: dict[str, int] = {}  # lane -> seq of its last waiter granted
         # this acquire call's parks (not yet in Redis: lib.lua adds them at the end)
         self.pending: dict[str, list[Request]] = {}
+        self.hit_bug = ""  # the known Lua bug the last step ran into, if any
 
     # -- derived ------------------------------------------------------------------------------
 
@@ -305,8 +314,10 @@ class GateModel:
             if bound is not None and want > 8:
                 want = 8
             heads = self.lanes.get(lane, [])[: want + 1]
-            if rsv is not None and member_lane(rsv) == lane and (
-                not heads or heads[0].member != rsv
+            if (
+                rsv is not None
+                and member_lane(rsv) == lane
+                and (not heads or heads[0].member != rsv)
             ):
                 del self.rsv[r]
                 continue
@@ -390,7 +401,9 @@ class GateModel:
 
     # -- the scripts ----------------------------------------------------------------------------
 
-    def acquire(self, reqs: list[Request], releases: list[str]) -> tuple[int, list[tuple[int, ...]]]:
+    def acquire(
+        self, reqs: list[Request], releases: list[str]
+    ) -> tuple[int, list[tuple[int, ...]]]:
         released = self.remove_leases(releases)
         self.stats["released"] += released
         lim = self.limit()
@@ -429,6 +442,7 @@ class GateModel:
 
         evictions: list[str] = []
         self.pending = {}
+        recount: set[str] = set()  # lanes parked into before a waiter reap (BUG_ORPHAN_LANE)
         decided: list[tuple[int, int]] = []  # status, n
         grant_units: list[int] = []
         token_at = self.seq  # tokens of this call's grants and parks follow in request order
@@ -462,6 +476,7 @@ class GateModel:
                     waiters_reaped = True
                     reaped = self.reap_waiters()
                     if reaped > 0:
+                        recount |= set(self.pending)
                         queued -= reaped
                         if top["band"] is None:
                             top["known"] = False
@@ -500,6 +515,8 @@ class GateModel:
             self.lanes.setdefault(lane, []).extend(ws)
             if was_empty:
                 self.lane_enter(lane, ws[0].w, lim)
+                if lane in recount and BUG_ORPHAN_LANE:
+                    self.hit_bug = "BUG_ORPHAN_LANE"
         self.pending = {}
         statuses = Counter(s for s, _ in decided)
         self.stats["granted"] += statuses[GRANTED]
@@ -601,20 +618,30 @@ class GateMachine(RuleBasedStateMachine):
         self.granted_now = len(self.m.tokens) > self.n_tokens
         self.n_tokens = len(self.m.tokens)
 
-    @initialize(via_publish=st.booleans())
-    def configure(self, via_publish: bool) -> None:
+    @initialize(via_publish=st.booleans(), value=st.integers(1, CEILING))
+    def configure(self, via_publish: bool, value: int) -> None:
         """The gate's configuration: published by the coordinator, or registered by the first
-        acquire's defaults (one with no request)."""
+        acquire's defaults (one with no request); then a first target."""
         if via_publish:
-            cfg = dict(zip(("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms"),
-                           self.defaults()[:5], strict=True))
-            cfg |= {"max_queued_per_tenant": MAX_QUEUED_PER_TENANT, "shed_below": 0,
-                    "tenant_weights": "a}2"}
+            cfg = dict(
+                zip(
+                    ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms"),
+                    self.defaults()[:5],
+                    strict=True,
+                )
+            )
+            cfg |= {
+                "max_queued_per_tenant": MAX_QUEUED_PER_TENANT,
+                "shed_below": 0,
+                "tenant_weights": "a}2",
+            }
             flat = [x for kv in cfg.items() for x in kv]
             assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
             self.m.target["epoch"] = 0
         else:
             self.call("acquire", *self.defaults(), 0)
+        assert self.call("set_target", value, 0, LONG_MS)[0] == 1
+        self.m.target.update(value=value, epoch=0, expired=False)
         self.step(handed_off=True)
 
     def requests(self, data: st.DataObject, pods: list[str]) -> list[Request]:
@@ -641,7 +668,9 @@ class GateMachine(RuleBasedStateMachine):
         got = [tuple(int(x) for x in reply[i : i + 3]) for i in range(4, len(reply), 4)]
         shed_below = self.m.shed_below
         released, expected = self.m.acquire(reqs, releases)
-        assert (int(reply[3]), got) == (released, expected)
+        assume(not self.m.hit_bug)
+        if MIRROR:
+            assert (int(reply[3]), got) == (released, expected)
         for q, (status, token, _) in zip(reqs, got, strict=True):
             if q.priority < shed_below:
                 assert status != PARKED, "a sheddable request parked"
@@ -679,6 +708,7 @@ class GateMachine(RuleBasedStateMachine):
             lid = data.draw(st.sampled_from(live))
             self.r.zadd(self.keys.holders, {lid: 1})
             self.m.holders[lid] = True
+        self.step(handed_off=False)
 
     @rule(data=st.data())
     def expire_waiter(self, data: st.DataObject) -> None:
@@ -687,6 +717,7 @@ class GateMachine(RuleBasedStateMachine):
             member = data.draw(st.sampled_from(waiting))
             self.r.zadd(self.keys.waiters, {member: 1})
             self.m.expired.add(member)
+        self.step(handed_off=False)
 
     @rule(value=st.integers(0, 8), step=st.integers(-1, 1))
     def set_target(self, value: int, step: int) -> None:
@@ -725,6 +756,7 @@ class GateMachine(RuleBasedStateMachine):
         if self.m.target["value"] is not None:
             self.r.hset(self.keys.target, "expires_at", 1)
             self.m.target["expired"] = True
+        self.step(handed_off=False)
 
     @rule()
     def sweep(self) -> None:
@@ -735,7 +767,7 @@ class GateMachine(RuleBasedStateMachine):
     @rule(pod=st.sampled_from(PODS))
     def heartbeat(self, pod: str) -> None:
         """A pod renews its leases and waiters and learns of grants, losses and evictions."""
-        leases = sorted(h for h in self.m.holders if pod_of(h) == pod) + [f"{pod}:0"]
+        leases = [*sorted(h for h in self.m.holders if pod_of(h) == pod), f"{pod}:0"]
         members = sorted(self.believed[pod])
         args: list[object] = [pod, 1000, len(leases)]
         for lid in leases:
@@ -784,28 +816,41 @@ class GateMachine(RuleBasedStateMachine):
         return out
 
     @invariant()
-    def redis_agrees_with_model(self) -> None:
-        m, s = self.m, self.read()
-        assert set(s["holders"]) == set(m.holders)
-        lanes = [w.member for lane in sorted(m.lanes) for w in m.lanes[lane]]
-        assert s["lanes"] == sorted(lanes)  # every lane in exact seq order
-        assert set(s["waiters"]) == set(lanes)  # no lost waiter
-        fair = ["}".join(fair_key(lane, f)) for lane, f in m.fair.items()]
-        assert s["fair"] == sorted(fair)
-        assert {lane: int(v) for lane, v in s["big"]} == m.big
-        adm = {k: v for k, v in s["adm"].items() if k != "extra"}
-        want = {f"f:{lane}": pad20(f) for lane, f in m.fair.items()}
-        want |= {f"vt:{r}": str(v) for r, v in m.vt.items()}
-        want |= {f"rsv:{r}": member for r, member in m.rsv.items()}
-        assert adm == want
-        assert {k: int(v) for k, v in s["stats"].items()} == {k: v for k, v in m.stats.items() if v}
-        assert set(s["evicted"]) == m.evicted
-        assert s["wakes"] == {pod: m.wakes.get(pod, []) for pod in PODS}
+    def check(self) -> None:
+        """After every step, on one snapshot of Redis."""
+        s = self.read()
+        if MIRROR:
+            self.redis_agrees_with_model(s)
+        self.units_and_lanes_are_consistent(s)
+        self.work_conserving(s)
 
-    @invariant()
-    def units_and_lanes_are_consistent(self) -> None:
+    def redis_agrees_with_model(self, s: dict[str, Any]) -> None:
+        m = self.m
+        lanes = [w.member for lane in sorted(m.lanes) for w in m.lanes[lane]]
+        adm = {k: v for k, v in s["adm"].items() if k != "extra"}
+        want_adm = {f"f:{lane}": pad20(f) for lane, f in m.fair.items()}
+        want_adm |= {f"vt:{r}": str(v) for r, v in m.vt.items()}
+        want_adm |= {f"rsv:{r}": member for r, member in m.rsv.items()}
+        pairs = {
+            "holders": (set(s["holders"]), set(m.holders)),
+            "lanes": (s["lanes"], sorted(lanes)),  # each lane in exact seq order
+            "waiters": (set(s["waiters"]), set(lanes)),  # no lost waiter
+            "fair": (s["fair"], sorted("}".join(fair_key(ln, f)) for ln, f in m.fair.items())),
+            "big": ({lane: int(v) for lane, v in s["big"]}, m.big),
+            "adm": (adm, want_adm),
+            "stats": (
+                {k: int(v) for k, v in s["stats"].items()},
+                {k: v for k, v in m.stats.items() if v},
+            ),
+            "evicted": (set(s["evicted"]), m.evicted),
+            "wakes": (s["wakes"], {pod: m.wakes.get(pod, []) for pod in PODS}),
+        }
+        for name, (got, want) in pairs.items():
+            assert got == want, f"{name}: redis {got} != model {want}"
+
+    def units_and_lanes_are_consistent(self, s: dict[str, Any]) -> None:
         """The rules, read from Redis alone."""
-        s, lim = self.read(), self.m.limit()
+        lim = self.m.limit()
         weights = [weight_of(h) for h in s["holders"]]
         units = sum(weights)
         assert units == len(weights) + int(s["adm"].get("extra", 0))
@@ -835,28 +880,28 @@ class GateMachine(RuleBasedStateMachine):
         if self.default_only:
             assert set(lanes) <= {"}100"}
 
-    @invariant()
-    def work_conserving(self) -> None:
-        """After a hand-off: the top band's heads that fit under the limit do not fit in the
-        free units, or those units are reserved for a head of that band that does not."""
-        m = self.m
+    def work_conserving(self, s: dict[str, Any]) -> None:
+        """After a hand-off (after every step for default requests): the top band's heads that
+        fit under the limit do not fit in the free units, or those units are reserved for a head
+        of that band that does not. Read from Redis."""
         if not self.handed_off and not self.default_only:
             return
-        if m.expired:
+        if self.m.expired:
             return  # a dead entry holds its place until something reaps it
-        lim = m.limit()
-        free = lim - m.units()
-        heads = {lane: ws[0] for lane, ws in m.lanes.items() if ws and ws[0].w <= lim}
+        lim = self.m.limit()
+        free = lim - sum(weight_of(h) for h in s["holders"])
+        heads: dict[str, str] = {}
+        for member in s["lanes"]:
+            heads.setdefault(member_lane(member), member)
+        heads = {lane: h for lane, h in heads.items() if weight_of(h) <= lim}
         if not heads:
             return
         top = min(band(lane) for lane in heads)
-        fitting = [h.member for lane, h in heads.items() if band(lane) == top and h.w <= free]
+        fitting = [h for lane, h in heads.items() if band(lane) == top and weight_of(h) <= free]
         if not fitting:
             return
-        rsv = m.rsv.get(top)
-        reserved = rsv is not None and any(
-            h.member == rsv and h.w > free for h in heads.values()
-        )
+        rsv = s["adm"].get(f"rsv:{top}")
+        reserved = rsv in heads.values() and weight_of(rsv) > free
         assert reserved, f"idle units ({free} free) while {fitting} could be granted"
 
     def teardown(self) -> None:
@@ -876,6 +921,11 @@ SETTINGS = settings(
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
+    # FLEETGATE_MODEL_SHRINK=0: report the first failure unshrunk (shrinking a long run can take
+    # minutes, past the suite's per-test timeout)
+    phases=[
+        p for p in Phase if os.environ.get("FLEETGATE_MODEL_SHRINK") != "0" or p != Phase.shrink
+    ],
 )
 
 
