@@ -77,3 +77,50 @@ def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_schedule
     assert g.call("release", "pa:1") == 1
     assert g.call("release", "pa:4") == 1
     assert r.zscore(g.keys.holders, "pa:3") is not None, "pa:3 waits while the gate is idle"
+
+
+def test_a_batch_leaves_no_idle_unit_when_its_parks_put_a_fitting_head_first(
+    r: redis.Redis,
+) -> None:
+    """acquire.lua: within one batch a request that does not fit parks (no reservation is made:
+    only handoff reserves), and a later request of the same band parks behind it ('nobody
+    eligible waits in its band') although its lane gets the smaller tag: after the call the first
+    lane of fair has a head that fits in the free units and nothing is reserved, so a unit stays
+    idle until some later call hands off. The same two requests in two calls do not idle: the
+    second call's handoff reserves the free unit for the heavy head first."""
+    g = Gate(r, max_queued=5)
+    g.defaults[7] = "a}2"  # tenant a weighs 2: its tags grow half as fast
+    assert g.call("set_target", 2, 1, LONG_MS)[0] == 1
+    assert g.acquire(("pa:1", 0, "b")) == [1]  # 1 of 2 units held
+    # pa:2w2 does not fit (parks, tag 0 + 2000); pa:3 of tenant a parks too (tag 0 + 500)
+    assert g.acquire(("pa:2w2", 0, None), ("pa:3", 0, "a")) == [2, 2]
+    assert r.zrange(g.keys.fair, 0, 0) == ["100}00000000000000000500}a"]  # pa:3's lane first
+    assert r.hget(g.keys.adm, "rsv:100") is None  # nothing reserved
+    # pa:3 (weight 1) is the first head in the fair order and 1 unit is free: not granted
+    assert r.zscore(g.keys.holders, "pa:3") is not None, "a unit idles while pa:3 could run"
+
+
+def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
+    r: redis.Redis,
+) -> None:
+    """lib.lua/acquire.lua: a lane whose head weighs more than the limit is in big. When that head
+    expires and acquire's waiter reap removes it (wait list full), lanes_touched re-scores the lane
+    in big by its new head, which fits, but only readmit moves a lane from big to fair, and acquire
+    and release never readmit (set_target, publish, cancel and heartbeat do). Until then the lane's
+    fitting waiter is skipped: a later, lower-band request is granted before it (strict bands) and
+    the release of that request leaves the units idle (work conservation)."""
+    g = Gate(r, max_queued=2)
+    g.defaults[6] = -1  # shed_below -1: priority -1 parks/grants like any other band
+    assert g.call("set_target", 4, 1, LONG_MS)[0] == 1
+    assert g.acquire(("pa:1w4", 0, None)) == [1]  # the limit is held
+    assert g.acquire(("pa:2w5", 0, "a")) == [2]  # heavier than the limit: lane a}100 in big
+    assert g.acquire(("pa:3", 0, "a")) == [2]  # behind it (list full: 2 of 2)
+    head = r.zrange(g.keys.lanes, 0, 0)[0]
+    assert head.endswith("}pa:2w5")
+    r.zadd(g.keys.waiters, {head: 1})  # the heavy head expires
+    # A lower-band arrival finds the list full: the reap removes pa:2w5; it parks
+    assert g.acquire(("pb:4", -1, None)) == [2]
+    assert g.call("release", "pa:1w4") == 1
+    holders = set(r.zrange(g.keys.holders, 0, -1))
+    assert "pb:4" not in holders or "pa:3" in holders, "band 101 granted while pa:3 (100) waits"
+    assert "pa:3" in holders, "pa:3 (weight 1, band 100) waits while 4 units are free"
