@@ -932,8 +932,8 @@ class DefaultGateMachine(GateMachine):
     default_only = True
 
 
-# FLEETGATE_MODEL_EXAMPLES=2000 for a long hunt (the suite's run takes about 15 s)
-EXAMPLES = int(os.environ.get("FLEETGATE_MODEL_EXAMPLES", "100"))
+# FLEETGATE_MODEL_EXAMPLES=3000 for a long hunt (the default run takes about 30 s)
+EXAMPLES = int(os.environ.get("FLEETGATE_MODEL_EXAMPLES", "400"))
 SETTINGS = settings(
     max_examples=EXAMPLES,
     stateful_step_count=40,
