@@ -242,13 +242,19 @@ class GateModel:
             return
         self.fair[lane] = self.vt.get(band(lane), 0) + self.cost(w_head, lane_tenant(lane))
 
+    def left_fair(self, lane: str) -> None:
+        """A lane leaves fair; its band's virtual time goes with the band's last fair lane."""
+        del self.fair[lane]
+        if not any(band(other) == band(lane) for other in self.fair):
+            self.vt.pop(band(lane), None)
+
     def lanes_touched(self, touched: set[str]) -> None:
         for lane in touched:
             ws = self.lanes.get(lane)
             if not ws:
                 self.lanes.pop(lane, None)
                 if lane in self.fair:
-                    del self.fair[lane]
+                    self.left_fair(lane)
                 else:
                     self.big.pop(lane, None)
             elif lane not in self.fair:
@@ -261,6 +267,8 @@ class GateModel:
             self.lanes[lane] = [w for w in self.lanes[lane] if w.member != m]
             self.expired.discard(m)
             touched.add(lane)
+            if self.rsv.get(band(lane)) == m:
+                del self.rsv[band(lane)]  # its reservation goes with it
         self.lanes_touched(touched)
 
     def readmit(self, lim: int) -> None:
@@ -380,7 +388,7 @@ class GateModel:
             if vt != vt0:
                 self.vt[r] = vt
             if state != "open":
-                del self.fair[lane]
+                self.left_fair(lane)
                 if state == "big":
                     if rsv is not None and member_lane(rsv) == lane:
                         del self.rsv[r]
@@ -882,8 +890,16 @@ class GateMachine(RuleBasedStateMachine):
         assert set(fair) | set(big) <= set(lanes), "an empty lane left in fair/big"
         tags = {k[2:]: int(v) for k, v in s["adm"].items() if k.startswith("f:")}
         assert tags == fair
-        for k in s["adm"]:
-            assert k == "extra" or k[:2] in ("f:", "vt", "rs"), k
+        # nothing left of an empty lane or band: a virtual time only while its band has a lane
+        # in fair, a reservation only for the head of a lane of its band in fair, no extra of 0
+        for k, v in s["adm"].items():
+            if k.startswith("vt:"):
+                assert any(band(lane) == k[3:] for lane in fair), f"{k} of an idle band"
+            elif k.startswith("rsv:"):
+                lane = member_lane(v)
+                assert band(lane) == k[4:] and lane in fair and lanes[lane][0] == v, f"{k}={v}"
+            else:
+                assert (k == "extra" and v != "0") or k.startswith("f:"), f"adm field {k}={v}"
         assert len(s["waiters"]) <= MAX_QUEUED
         per_tenant = Counter(lane_tenant(lane) for lane, ms in lanes.items() for _ in ms)
         assert max(per_tenant.values(), default=0) <= MAX_QUEUED_PER_TENANT
