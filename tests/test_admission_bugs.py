@@ -1,0 +1,126 @@
+"""Minimal reproductions of admission-order bugs found by tests/test_scripts_model.py.
+
+Each test drives the real scripts on a real redis-server and states the rule that breaks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from fleetgate.admission import lane_class
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import SCRIPT_NAMES, script_source
+
+from .conftest import RedisUnderTest
+
+LONG_MS = 600_000
+
+
+class Gate:
+    def __init__(self, r: redis.Redis, max_queued: int, floor: int = 1, ceiling: int = 6) -> None:
+        self.r = r
+        self.keys = GateKeys.of(f"b{uuid.uuid4().hex[:8]}", "bugs")
+        self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
+        self.defaults = [floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, ""]
+
+    def call(self, name: str, *args: object) -> Any:
+        return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
+
+    def acquire(self, *reqs: tuple[str, int, str | None]) -> list[int]:
+        """reqs: (id, priority, tenant); returns the statuses."""
+        triples = [x for i, p, t in reqs for x in (i, LONG_MS, lane_class(p, t))]
+        reply = self.call("acquire", *self.defaults, 0, *triples)
+        return [int(x) for x in reply[4::4]]
+
+    def lanes(self) -> set[str]:
+        return {
+            m.split("}")[0] + "}" + m.split("}")[1] for m in self.r.zrange(self.keys.lanes, 0, -1)
+        }
+
+    def scheduled(self) -> set[str]:
+        """Lanes in fair ('<R>}<F20>}<tenant>') or big (lane)."""
+        fair = {
+            f"{f.split('}')[2]}}}{f.split('}')[0]}" for f in self.r.zrange(self.keys.fair, 0, -1)
+        }
+        return fair | set(self.r.zrange(self.keys.big, 0, -1))
+
+
+@pytest.fixture
+def r(rut: RedisUnderTest) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(rut.url, decode_responses=True)
+    yield client
+    client.close()
+
+
+def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_scheduled(
+    r: redis.Redis,
+) -> None:
+    """acquire.lua: when the wait list is full, the request loop reaps expired waiters and resets
+    the lane_len cache. A lane this call parked into *before* the reap is then counted again at
+    the end, after the ZADD of this call's parks, so it counts its own new waiter (1, not 0) and
+    never enters fair or big: its waiters are never handed a permit (only a later removal from
+    the lane, via lanes_touched, puts it in big)."""
+    g = Gate(r, max_queued=2)
+    assert g.acquire(("pa:1", 0, None)) == [1]  # holds the only unit
+    assert g.acquire(("pa:2", 0, None)) == [2]  # parks in the default lane
+    r.zadd(g.keys.waiters, {r.zrange(g.keys.lanes, 0, -1)[0]: 1})  # ... and expires
+    # One batch: 'a' parks (list 2/2), 'b' finds the list full, reaps pa:2, parks.
+    assert g.acquire(("pa:3", 0, "a"), ("pa:4", 0, "b")) == [2, 2]
+    assert g.lanes() == {"a}100", "b}100"}
+    assert g.scheduled() == g.lanes(), "every non-empty lane must be in fair or big"
+    # The consequence: with the unit free and nobody else waiting, 'a' is never granted.
+    assert g.call("release", "pa:1") == 1
+    assert g.call("release", "pa:4") == 1
+    assert r.zscore(g.keys.holders, "pa:3") is not None, "pa:3 waits while the gate is idle"
+
+
+def test_a_batch_leaves_no_idle_unit_when_its_parks_put_a_fitting_head_first(
+    r: redis.Redis,
+) -> None:
+    """acquire.lua: within one batch a request that does not fit parks (no reservation is made:
+    only handoff reserves), and a later request of the same band parks behind it ('nobody
+    eligible waits in its band') although its lane gets the smaller tag: after the call the first
+    lane of fair has a head that fits in the free units and nothing is reserved, so a unit stays
+    idle until some later call hands off. The same two requests in two calls do not idle: the
+    second call's handoff reserves the free unit for the heavy head first."""
+    g = Gate(r, max_queued=5)
+    g.defaults[7] = "a}2"  # tenant a weighs 2: its tags grow half as fast
+    assert g.call("set_target", 2, 1, LONG_MS)[0] == 1
+    assert g.acquire(("pa:1", 0, "b")) == [1]  # 1 of 2 units held
+    # pa:2w2 does not fit (parks, tag 0 + 2000); pa:3 of tenant a parks too (tag 0 + 500)
+    assert g.acquire(("pa:2w2", 0, None), ("pa:3", 0, "a")) == [2, 2]
+    assert r.zrange(g.keys.fair, 0, 0) == ["100}00000000000000000500}a"]  # pa:3's lane first
+    assert r.hget(g.keys.adm, "rsv:100") is None  # nothing reserved
+    # pa:3 (weight 1) is the first head in the fair order and 1 unit is free: not granted
+    assert r.zscore(g.keys.holders, "pa:3") is not None, "a unit idles while pa:3 could run"
+
+
+def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
+    r: redis.Redis,
+) -> None:
+    """lib.lua/acquire.lua: a lane whose head weighs more than the limit is in big. When that head
+    expires and acquire's waiter reap removes it (wait list full), lanes_touched re-scores the lane
+    in big by its new head, which fits, but only readmit moves a lane from big to fair, and acquire
+    and release never readmit (set_target, publish, cancel and heartbeat do). Until then the lane's
+    fitting waiter is skipped: a later, lower-band request is granted before it (strict bands) and
+    the release of that request leaves the units idle (work conservation)."""
+    g = Gate(r, max_queued=2)
+    g.defaults[6] = -1  # shed_below -1: priority -1 parks/grants like any other band
+    assert g.call("set_target", 4, 1, LONG_MS)[0] == 1
+    assert g.acquire(("pa:1w4", 0, None)) == [1]  # the limit is held
+    assert g.acquire(("pa:2w5", 0, "a")) == [2]  # heavier than the limit: lane a}100 in big
+    assert g.acquire(("pa:3", 0, "a")) == [2]  # behind it (list full: 2 of 2)
+    head = r.zrange(g.keys.lanes, 0, 0)[0]
+    assert head.endswith("}pa:2w5")
+    r.zadd(g.keys.waiters, {head: 1})  # the heavy head expires
+    # A lower-band arrival finds the list full: the reap removes pa:2w5; it parks
+    assert g.acquire(("pb:4", -1, None)) == [2]
+    assert g.call("release", "pa:1w4") == 1
+    holders = set(r.zrange(g.keys.holders, 0, -1))
+    assert "pb:4" not in holders or "pa:3" in holders, "band 101 granted while pa:3 (100) waits"
+    assert "pa:3" in holders, "pa:3 (weight 1, band 100) waits while 4 units are free"
