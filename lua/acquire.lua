@@ -64,15 +64,18 @@ if queued > 0 and units < lim then
   units, queued = units + granted_units, queued - removed
 end
 
--- The band of the first eligible lane (nil: none), read once, then kept by this call's parks.
-local top_band, top_known = nil, false
+-- The band of the first eligible lane (nil: none): the fair order's (read when needed, again
+-- after a reap or eviction changed it) or this call's own parks', whichever is higher.
+local fair_top, fair_known, parked_top = nil, false, nil
 local function band_on_top()
-  if not top_known then
-    top_known = true
+  if not fair_known then
+    fair_known = true
     local e = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 1)
-    if #e > 0 then top_band = string.sub(e[1], 1, 3) end
+    fair_top = nil
+    if #e > 0 then fair_top = string.sub(e[1], 1, 3) end
   end
-  return top_band
+  if parked_top and (fair_top == nil or parked_top < fair_top) then return parked_top end
+  return fair_top
 end
 -- Waiters per lane and per tenant in Redis (read once per call), and those this call parks.
 local lane_len, tenant_len, parked_in, tenant_parked, first_w = {}, {}, {}, {}, {}
@@ -108,6 +111,7 @@ local function evict(r)
   if #tail == 0 then return false end
   local id = member_id(tail[1])
   remove_waiters({tail[1]})
+  fair_known = false  -- its lane may have left the fair order
   if lane_len[lane] then lane_len[lane] = lane_len[lane] - 1 end
   local t = lane_tenant(lane)
   if tenant_len[t] then tenant_len[t] = tenant_len[t] - 1 end
@@ -159,7 +163,9 @@ for i = first, #ARGV, 3 do
         if reaped > 0 then
           queued = queued - reaped
           lane_len, tenant_len = {}, {}
-          if top_band == nil then top_known = false end
+          -- a big lane whose oversize head expired may fit now
+          readmit(lim)
+          fair_known = false
         end
       end
       if queued >= cfg.max_queued and not evict(r) then
@@ -181,8 +187,7 @@ for i = first, #ARGV, 3 do
   elseif st == 2 then
     n_parked = n_parked + 1
     -- this call's parks are eligible waiters of their band from now on
-    if w <= lim and (top_band == nil or r < top_band) then top_band = r end
-    top_known = true
+    if w <= lim and (parked_top == nil or r < parked_top) then parked_top = r end
   else
     n_rejected = n_rejected + 1
     rejected_by[st + 1] = rejected_by[st + 1] + 1
@@ -235,6 +240,9 @@ if n_parked > 0 then
   redis.call('ZADD', K_WAITERS, unpack(waiting))
   redis.call('HINCRBY', K_STATS, 'parked', n_parked)
   for _, lane in ipairs(new_lanes) do lane_enter(lane, first_w[lane], lim) end
+  -- A park of this call may have put a head that fits first (a lighter lane of a band whose
+  -- heavier head parked earlier in the call): the free units go to it now, not at the next call.
+  if units < lim then handoff(now, cfg, lim, units) end
 end
 if n_rejected > 0 then redis.call('HINCRBY', K_STATS, 'rejected', n_rejected) end
 if rejected_by[4] > 0 then redis.call('HINCRBY', K_STATS, 'rejected_tenant', rejected_by[4]) end

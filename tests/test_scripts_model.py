@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-from hypothesis import HealthCheck, Phase, assume, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -69,15 +69,6 @@ DROP_MAX = 2 * REAP_MAX
 # FLEETGATE_MODEL_MIRROR=0 checks the rules alone (not the exact state): to see that a mutation
 # of lib.lua breaks a rule, not only the mirror.
 MIRROR = os.environ.get("FLEETGATE_MODEL_MIRROR", "1") != "0"
-# Known Lua bugs (each reproduced in tests/test_admission_bugs.py): while True, the examples
-# that hit one are discarded (the model keeps the intended rule); set False once lua/ is fixed.
-# test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_scheduled
-BUG_ORPHAN_LANE = True
-# test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served
-BUG_STALE_BIG = True
-# test_a_batch_leaves_no_idle_unit_when_its_parks_put_a_fitting_head_first (while True, work
-# conservation is not checked after an acquire)
-BUG_BATCH_IDLE = True
 
 GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY = 1, 2, 0, 3, 4, 5
 
@@ -169,7 +160,6 @@ class GateModel:
         self.granted_seq: dict[str, int] = {}  # lane -> seq of its last waiter granted
         # this acquire call's parks (not yet in Redis: lib.lua adds them at the end)
         self.pending: dict[str, list[Request]] = {}
-        self.hit_bug = ""  # the known Lua bug the last step ran into, if any
 
     # -- derived ------------------------------------------------------------------------------
 
@@ -432,14 +422,19 @@ class GateModel:
             _, removed, granted_units = self.handoff(lim, units)
             units, queued = units + granted_units, queued - removed
 
-        top: dict[str, Any] = {"band": None, "known": False}
+        # acquire.lua's band_on_top: the fair order's top band (read again after a reap or an
+        # eviction) or this call's parks' highest, whichever is higher
+        top: dict[str, Any] = {"fair": None, "known": False, "parked": None}
 
         def band_on_top() -> str | None:
             if not top["known"]:
                 top["known"] = True
                 order = self.fair_order()
-                top["band"] = band(order[0]) if order else None
-            return top["band"]  # type: ignore[no-any-return]
+                top["fair"] = band(order[0]) if order else None
+            fair, parked = top["fair"], top["parked"]
+            if parked is not None and (fair is None or parked < fair):
+                return parked  # type: ignore[no-any-return]
+            return fair  # type: ignore[no-any-return]
 
         def tenant_count(t: str) -> int:
             n = sum(len(ws) for lane, ws in self.lanes.items() if lane_tenant(lane) == t)
@@ -451,14 +446,13 @@ class GateModel:
                 return False
             tail = self.lanes[order[-1]][-1]
             self.remove_waiters([tail.member])
+            top["known"] = False
             self.evicted.add(tail.id)
             evictions.append(tail.id)
             return True
 
         evictions: list[str] = []
         self.pending = {}
-        self.hit_bug = ""
-        recount: set[str] = set()  # lanes parked into before a waiter reap (BUG_ORPHAN_LANE)
         decided: list[tuple[int, int]] = []  # status, n
         grant_units: list[int] = []
         token_at = self.seq  # tokens of this call's grants and parks follow in request order
@@ -492,12 +486,9 @@ class GateModel:
                     waiters_reaped = True
                     reaped = self.reap_waiters()
                     if reaped > 0:
-                        recount |= set(self.pending)
-                        if BUG_STALE_BIG and any(w <= lim for w in self.big.values()):
-                            self.hit_bug = "BUG_STALE_BIG"
                         queued -= reaped
-                        if top["band"] is None:
-                            top["known"] = False
+                        self.readmit(lim)
+                        top["known"] = False
                 if queued >= MAX_QUEUED and not evict(r):
                     decided.append((REJECTED, MAX_QUEUED))
                 else:
@@ -506,9 +497,8 @@ class GateModel:
                     queued += 1
                     decided.append((PARKED, queued))
                     self.pending.setdefault(lane, []).append(req)
-                    if w <= lim and (top["band"] is None or r < top["band"]):
-                        top["band"] = r
-                    top["known"] = True
+                    if w <= lim and (top["parked"] is None or r < top["parked"]):
+                        top["parked"] = r
             if decided[-1][0] in (GRANTED, PARKED):
                 token_at += 1
 
@@ -533,9 +523,9 @@ class GateModel:
             self.lanes.setdefault(lane, []).extend(ws)
             if was_empty:
                 self.lane_enter(lane, ws[0].w, lim)
-                if lane in recount and BUG_ORPHAN_LANE:
-                    self.hit_bug = "BUG_ORPHAN_LANE"
         self.pending = {}
+        if parked and units < lim:
+            self.handoff(lim, units)  # a park of this call may have put a fitting head first
         statuses = Counter(s for s, _ in decided)
         self.stats["granted"] += statuses[GRANTED]
         self.stats["parked"] += statuses[PARKED]
@@ -687,7 +677,6 @@ class GateMachine(RuleBasedStateMachine):
         got = [tuple(int(x) for x in reply[i : i + 3]) for i in range(4, len(reply), 4)]
         shed_below = self.m.shed_below
         released, expected = self.m.acquire(reqs, releases)
-        assume(not self.m.hit_bug)
         if MIRROR:
             assert (int(reply[3]), got) == (released, expected)
         for q, (status, token, _) in zip(reqs, got, strict=True):
@@ -697,7 +686,7 @@ class GateMachine(RuleBasedStateMachine):
                 member = f"{q.lane}}}{pad20(token)}}}{q.id}"
                 self.members[q.id] = member
                 self.believed[pod_of(q.id)].add(member)
-        self.step(handed_off=not BUG_BATCH_IDLE)
+        self.step(handed_off=True)
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:

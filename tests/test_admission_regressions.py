@@ -1,6 +1,7 @@
-"""Minimal reproductions of admission-order bugs found by tests/test_scripts_model.py.
+"""Regression tests for admission-order bugs found by tests/test_scripts_model.py.
 
-Each test drives the real scripts on a real redis-server and states the rule that breaks.
+Each test drives the real scripts on a real redis-server through the steps that broke a rule
+before the fix, and checks the rule holds (each failed on the first schema-2 scripts).
 """
 
 from __future__ import annotations
@@ -60,11 +61,10 @@ def r(rut: RedisUnderTest) -> Iterator[redis.Redis]:
 def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_scheduled(
     r: redis.Redis,
 ) -> None:
-    """acquire.lua: when the wait list is full, the request loop reaps expired waiters and resets
-    the lane_len cache. A lane this call parked into *before* the reap is then counted again at
-    the end, after the ZADD of this call's parks, so it counts its own new waiter (1, not 0) and
-    never enters fair or big: its waiters are never handed a permit (only a later removal from
-    the lane, via lanes_touched, puts it in big)."""
+    """Was: when the wait list is full, the request loop reaps expired waiters and resets the
+    lane_len cache; a lane this call parked into *before* the reap was counted again after the
+    ZADD of this call's parks (1, not 0) and never entered fair or big: its waiters were never
+    handed a permit. Now lanes are counted before the parks go in."""
     g = Gate(r, max_queued=2)
     assert g.acquire(("pa:1", 0, None)) == [1]  # holds the only unit
     assert g.acquire(("pa:2", 0, None)) == [2]  # parks in the default lane
@@ -73,42 +73,40 @@ def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_schedule
     assert g.acquire(("pa:3", 0, "a"), ("pa:4", 0, "b")) == [2, 2]
     assert g.lanes() == {"a}100", "b}100"}
     assert g.scheduled() == g.lanes(), "every non-empty lane must be in fair or big"
-    # The consequence: with the unit free and nobody else waiting, 'a' is never granted.
+    # Both lanes are served, in tag order (a tie: by tenant name).
     assert g.call("release", "pa:1") == 1
-    assert g.call("release", "pa:4") == 1
-    assert r.zscore(g.keys.holders, "pa:3") is not None, "pa:3 waits while the gate is idle"
+    assert r.zrange(g.keys.holders, 0, -1) == ["pa:3"]
+    assert g.call("release", "pa:3") == 1
+    assert r.zrange(g.keys.holders, 0, -1) == ["pa:4"]
 
 
 def test_a_batch_leaves_no_idle_unit_when_its_parks_put_a_fitting_head_first(
     r: redis.Redis,
 ) -> None:
-    """acquire.lua: within one batch a request that does not fit parks (no reservation is made:
-    only handoff reserves), and a later request of the same band parks behind it ('nobody
-    eligible waits in its band') although its lane gets the smaller tag: after the call the first
-    lane of fair has a head that fits in the free units and nothing is reserved, so a unit stays
-    idle until some later call hands off. The same two requests in two calls do not idle: the
-    second call's handoff reserves the free unit for the heavy head first."""
+    """Was: within one batch a request that does not fit parks (only handoff reserves), and a
+    later request of the same band parks behind it although its lane gets the smaller tag: the
+    first lane of fair then had a head that fit the free unit, and the unit idled until some
+    later call handed off. Now an acquire that parked hands off before it returns."""
     g = Gate(r, max_queued=5)
     g.defaults[7] = "a}2"  # tenant a weighs 2: its tags grow half as fast
     assert g.call("set_target", 2, 1, LONG_MS)[0] == 1
     assert g.acquire(("pa:1", 0, "b")) == [1]  # 1 of 2 units held
     # pa:2w2 does not fit (parks, tag 0 + 2000); pa:3 of tenant a parks too (tag 0 + 500)
     assert g.acquire(("pa:2w2", 0, None), ("pa:3", 0, "a")) == [2, 2]
-    assert r.zrange(g.keys.fair, 0, 0) == ["100}00000000000000000500}a"]  # pa:3's lane first
-    assert r.hget(g.keys.adm, "rsv:100") is None  # nothing reserved
-    # pa:3 (weight 1) is the first head in the fair order and 1 unit is free: not granted
-    assert r.zscore(g.keys.holders, "pa:3") is not None, "a unit idles while pa:3 could run"
+    # pa:3 (weight 1, the smaller tag) was handed the free unit by the same call
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:1", "pa:3"]
+    [wake] = r.lrange(g.keys.wake("pa"), 0, -1)
+    assert wake.startswith("pa:3=")
+    assert r.zrange(g.keys.fair, 0, -1) == ["100}00000000000000002000}"]  # pa:2w2 next
 
 
 def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
     r: redis.Redis,
 ) -> None:
-    """lib.lua/acquire.lua: a lane whose head weighs more than the limit is in big. When that head
-    expires and acquire's waiter reap removes it (wait list full), lanes_touched re-scores the lane
-    in big by its new head, which fits, but only readmit moves a lane from big to fair, and acquire
-    and release never readmit (set_target, publish, cancel and heartbeat do). Until then the lane's
-    fitting waiter is skipped: a later, lower-band request is granted before it (strict bands) and
-    the release of that request leaves the units idle (work conservation)."""
+    """Was: a lane whose head weighs more than the limit is in big; when that head expired and
+    acquire's waiter reap removed it (wait list full), the lane stayed in big although its new
+    head fit (only set_target, publish, cancel and heartbeat readmitted): a later, lower-band
+    request was granted before it. Now acquire readmits after a reap."""
     g = Gate(r, max_queued=2)
     g.defaults[6] = -1  # shed_below -1: priority -1 parks/grants like any other band
     assert g.call("set_target", 4, 1, LONG_MS)[0] == 1
@@ -121,6 +119,10 @@ def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
     # A lower-band arrival finds the list full: the reap removes pa:2w5; it parks
     assert g.acquire(("pb:4", -1, None)) == [2]
     assert g.call("release", "pa:1w4") == 1
-    holders = set(r.zrange(g.keys.holders, 0, -1))
-    assert "pb:4" not in holders or "pa:3" in holders, "band 101 granted while pa:3 (100) waits"
-    assert "pa:3" in holders, "pa:3 (weight 1, band 100) waits while 4 units are free"
+    # pa:3 (priority 0) is served, first (strict bands), then pb:4 (-1) with the units left
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:3", "pb:4"]
+    tokens = {
+        w.partition("=")[0]: int(w.partition("=")[2])
+        for w in r.lrange(g.keys.wake("pa"), 0, -1) + r.lrange(g.keys.wake("pb"), 0, -1)
+    }
+    assert tokens["pa:3"] < tokens["pb:4"]
