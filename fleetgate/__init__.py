@@ -1,3 +1,3 @@
 """fleetgate: fleet-wide concurrency gates for model servers, coordinated through Redis."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
