@@ -222,6 +222,17 @@ local function adm_set(field, value)
   ADM_DIRTY[field] = true
 end
 
+-- Read the adm fields not cached yet in one HMGET.
+local function adm_prefetch(...)
+  local fields = {}
+  for _, field in ipairs({...}) do
+    if ADM[field] == nil then fields[#fields + 1] = field end
+  end
+  if #fields == 0 then return end
+  local v = redis.call('HMGET', K_ADM, unpack(fields))
+  for i, field in ipairs(fields) do ADM[field] = v[i] end
+end
+
 -- Write the cached adm fields that changed; every script that changed some calls it before it
 -- returns (and heartbeat_many before it moves to the next gate).
 local function adm_flush()
@@ -532,6 +543,7 @@ local function handoff(now, cfg, lim, units)
       local _, f2, r2 = fair_parse(top[2])
       if r2 == r then bound = f2 end
     end
+    adm_prefetch('rsv:' .. r, 'vt:' .. r)
     local rsv = adm_get('rsv:' .. r)
     if rsv then
       local rlane = member_lane(rsv)
@@ -557,6 +569,11 @@ local function handoff(now, cfg, lim, units)
       if #heads > 0 then alive = redis.call('ZMSCORE', K_WAITERS, unpack(heads)) end
       local vt0 = num(adm_get('vt:' .. r), 0)
       local vt = vt0
+      -- Alone in its band (no other eligible lane), a lane is served without moving the band's
+      -- virtual time or its own start: relative to each other, a lane that joins later (at
+      -- vt + its cost) and this one (at vt + its head's cost) are where they would be had both
+      -- moved, and a gate used with defaults writes neither tags nor times per grant.
+      local alone = bound == nil
       local last = math.min(#heads, want)
       local state = 'open'  -- what the lane is after this turn: open, big (head i), empty
       local i = 1
@@ -595,8 +612,12 @@ local function handoff(now, cfg, lim, units)
             adm_set('rsv:' .. r, nil)
             rsv = nil
           end
-          if f > vt then vt = f end
-          if i < #heads then f = vt + cost(weight_of(member_id(heads[i + 1])), t) end
+          if alone then
+            if i < #heads then f = f - cost(w, t) + cost(weight_of(member_id(heads[i + 1])), t) end
+          else
+            if f > vt then vt = f end
+            if i < #heads then f = vt + cost(weight_of(member_id(heads[i + 1])), t) end
+          end
           i = i + 1
           if free <= 0 or #grants >= HANDOFF_MAX then
             stop = true

@@ -366,9 +366,13 @@ class GateModel:
                     if rsv == m.member:
                         del self.rsv[r]
                         rsv = None
-                    vt = max(vt, f)
-                    if i + 1 < len(heads):
-                        f = vt + self.cost(heads[i + 1].w, t)
+                    if bound is None:  # alone in its band: neither vt nor its start moves
+                        if i + 1 < len(heads):
+                            f = f - self.cost(m.w, t) + self.cost(heads[i + 1].w, t)
+                    else:
+                        vt = max(vt, f)
+                        if i + 1 < len(heads):
+                            f = vt + self.cost(heads[i + 1].w, t)
                     i += 1
                     if free <= 0 or len(grants) >= HANDOFF_MAX:
                         stop = True
