@@ -44,7 +44,7 @@ def _per_gate(registry: CollectorRegistry) -> dict[str, Any]:
         "running": gauge("running", "Requests running on the engine (all clients)"),
         "waiting_capacity": gauge("waiting_capacity", "Requests waiting for engine capacity"),
         "saturated": gauge("saturated", "1 when capacity-waiting > 0"),
-        "in_flight": gauge("fleet_in_flight", "Units held fleet-wide (the leases' weights) at the last poll"),
+        "in_flight": gauge("fleet_in_flight", "Units held fleet-wide at the last poll"),
         "decisions": Counter(
             "fleetgate_coordinator_decisions",
             "Controller decisions by reason",
