@@ -29,6 +29,15 @@
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
 local n_release = tonumber(ARGV[9])
+-- A class the client library would never send is refused before anything is written: it would
+-- make lane members that sort and parse wrongly.
+for i = 10 + n_release + 2, #ARGV, 3 do
+  local cls = ARGV[i]
+  local ok = cls == '' or string.match(cls, '^%d%d%d}[^}]*$')
+  if not ok or tonumber(string.sub(cls, 1, 3) .. '0') > 2000 then
+    error('fleetgate: request class ' .. cls .. ' is not <100 - priority as 3 digits>}<tenant>')
+  end
+end
 local released = 0
 if n_release > 0 then
   released = remove_leases(ARGV, 10, 9 + n_release)
@@ -123,7 +132,7 @@ end
 
 -- Decide each request in order (n: units held, waiters, or the bound that refused it).
 local status, n, lanes = {}, {}, {}
-local n_tokens, n_granted, n_parked, n_rejected, extra = 0, 0, 0, 0, 0
+local n_granted, n_parked, n_rejected, extra = 0, 0, 0, 0
 local rejected_by = {0, 0, 0, 0, 0, 0}  -- by status + 1
 for i = first, #ARGV, 3 do
   local id, cls = ARGV[i], ARGV[i + 2]

@@ -184,7 +184,7 @@ local function current_limit(now, cfg)
 end
 
 ---------------------------------------------------------------------------------------------
--- Admission order: weights, bands, tenants (docs/admission.md has the why and the proofs).
+-- Admission order: weights, bands, tenants (docs/admission.md says why it is built so).
 --
 -- Weights live in lease ids: '<pod>:<n>' weighs 1, '<pod>:<n>w<W>' weighs W. Units held =
 -- ZCARD holders + adm.extra, extra = sum of (W - 1) over the holders: weight-1 leases never

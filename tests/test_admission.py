@@ -431,3 +431,20 @@ async def test_a_bound_removed_from_the_config_is_removed_in_redis(
     assert await GateScripts(async_redis).publish(keys, 1, 60_000, None, without, {})
     assert await async_redis.hget(keys.cfg, "max_queued_per_tenant") is None
     assert (await fleet.gate("unset").snapshot()).max_queued_per_tenant == 1000
+
+
+async def test_a_malformed_class_is_refused_before_anything_is_written(
+    async_redis: aredis.Redis, rut: RedisUnderTest
+) -> None:
+    """The scripts check what the client library would never send (a class outside 000..200,
+    a brace in the tenant): an error, and the release in the same call is not applied."""
+    keys = GateKeys.of(rut.prefix, "malformed")
+    scripts = GateScripts(async_redis)
+    d = GateSettings(floor=2, ceiling=2)
+    [held] = await scripts.acquire_many(keys, [("p:1", 1000, "")], d)
+    before = await async_redis.zrange(keys.holders, 0, -1)
+    for cls in ("201}x", "abc", "090}a}b"):
+        with pytest.raises(Exception, match="request class"):
+            await scripts.acquire_many(keys, [("p:2", 1000, cls)], d, releases=["p:1"])
+        assert await async_redis.zrange(keys.holders, 0, -1) == before == ["p:1"]
+    assert held.status == 1
