@@ -93,7 +93,7 @@ class _Ask:
 
     @classmethod
     def of(cls, weight: int, priority: int, tenant: str | None) -> _Ask:
-        if weight == 1 and priority == 0 and tenant is None and type(weight) is type(priority) is int:
+        if tenant is None and type(weight) is type(priority) is int and (weight, priority) == (1, 0):
             return _DEFAULT_ASK  # the common case, without the checks' cost
         return cls(validate_weight(weight), validate_priority(priority), validate_tenant(tenant))
 
