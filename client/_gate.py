@@ -94,7 +94,8 @@ class _Ask:
     @classmethod
     def of(cls, weight: int, priority: int, tenant: str | None) -> _Ask:
         # the common case, without the checks' cost (a bool is refused by them)
-        if tenant is None and (weight, priority) == (1, 0) and type(weight) is type(priority) is int:
+        plain = type(weight) is type(priority) is int and (weight, priority) == (1, 0)
+        if plain and tenant is None:
             return _DEFAULT_ASK
         return cls(validate_weight(weight), validate_priority(priority), validate_tenant(tenant))
 
