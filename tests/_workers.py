@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry
@@ -86,7 +87,7 @@ def map_with_probe(url: str, prefix: str, gate: str, items: int, hold_s: float, 
 
 def burst(
     url: str, prefix: str, sim_url: str, requests: int, calls: int, mode: str, cap: int
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """``requests`` concurrent findAndRerank-like requests of ``calls`` rerank calls each.
 
     mode "fleet": every call inside a permit of the fleet gate ``rerank`` (limit ``cap``);
@@ -95,8 +96,9 @@ def burst(
     """
     import httpx
 
-    async def main() -> dict[str, float]:
+    async def main() -> dict[str, Any]:
         failed_calls = failed_requests = 0
+        errors: dict[str, int] = {}  # failed requests by exception type, for the test's message
         latencies: list[float] = []
         limits = httpx.Limits(max_connections=2 * cap, max_keepalive_connections=2 * cap)
         async with httpx.AsyncClient(base_url=sim_url, limits=limits, timeout=120) as http:
@@ -129,8 +131,10 @@ def burst(
                             )
                         else:
                             await asyncio.gather(*(guarded(b) for b in passages))
-                    except Exception:
+                    except Exception as exc:
                         failed_requests += 1
+                        kind = f"{type(exc).__name__}: {exc}"[:200]
+                        errors[kind] = errors.get(kind, 0) + 1
                     latencies.append(time.monotonic() - t0)
 
                 await asyncio.gather(*(request() for _ in range(requests)))
@@ -138,6 +142,7 @@ def burst(
         return {
             "failed_calls": failed_calls,
             "failed_requests": failed_requests,
+            "errors": errors,
             "p50": latencies[len(latencies) // 2],
             "p99": latencies[int(len(latencies) * 0.99) - 1],
         }
