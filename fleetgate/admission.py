@@ -237,9 +237,8 @@ def parse_waiter_member(member: str) -> tuple[int, str | None, int, str]:
 
 def class_member(cls: str, seq: int, lease_id: str) -> str:
     """The waiter member of a call parked with lane class ``cls`` (:func:`lane_class`):
-    the same as :func:`waiter_member` of that class's priority and tenant."""
-    lane = f"{SEP}{_rank(0)}" if not cls else f"{cls[4:]}{SEP}{cls[:3]}"
-    return f"{lane}{SEP}{seq:020d}{SEP}{lease_id}"
+    :func:`waiter_member` of that class's priority and tenant."""
+    return waiter_member(*parse_lane_class(cls), seq, lease_id)
 
 
 def member_id(member: str) -> str:

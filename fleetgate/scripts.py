@@ -678,13 +678,7 @@ class LeaderScripts:
 @functools.lru_cache(maxsize=4096)
 def _encoded_argv(defaults: GateSettings) -> tuple[bytes, ...]:
     """A gate's default settings as script ARGV, encoded once (they go with every acquire)."""
-    values: list[object] = [*defaults.argv()]
-    values += [""] * (_ACQUIRE_DEFAULTS - len(values))
-    return tuple(str(v).encode() for v in values)
-
-
-# acquire.lua's ARGV before the releases: the gate's default settings
-_ACQUIRE_DEFAULTS = 8
+    return tuple(str(v).encode() for v in defaults.argv())
 
 
 def _check_batch(n: int, least: int = 1) -> None:

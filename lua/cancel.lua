@@ -16,5 +16,4 @@ elseif remove_leases({id}, 1, 1) == 1 then
   outcome = 2
 end
 local lim = settle(now, cfg)
-adm_flush()
 return {outcome, lim}

@@ -665,12 +665,12 @@ local function handoff(now, cfg, lim, units)
   return #grants, #gone, granted_units
 end
 
--- Reap, then move the wait list: the prologue of the rare transitions (cancel, target,
--- adoption, heartbeat).
+-- Reap, re-admit lanes that fit the limit now, then move the wait list: the epilogue of the
+-- rare transitions (cancel, set_target, publish). Returns (limit, grants made); handoff has
+-- written the adm fields.
 local function settle(now, cfg)
   reap(now)
   local lim = current_limit(now, cfg)
   readmit(lim)
-  handoff(now, cfg, lim)
-  return lim
+  return lim, handoff(now, cfg, lim)
 end

@@ -43,10 +43,5 @@ if value ~= '' then
 else
   redis.call('HSET', K_TARGET, 'epoch', epoch)
 end
-local cfg = load_cfg()
-local lim = current_limit(now, cfg)
-reap(now)
-readmit(lim)
-local granted = handoff(now, cfg, lim)
-adm_flush()
+local lim, granted = settle(now, load_cfg())
 return {1, lim, epoch, granted}

@@ -12,9 +12,5 @@ if stored and epoch < stored then
   return {0, current_limit(now, cfg), stored, 0}
 end
 redis.call('HSET', K_TARGET, 'value', value, 'epoch', epoch, 'expires_at', now + ttl)
-local lim = current_limit(now, cfg)
-reap(now)
-readmit(lim)
-local granted = handoff(now, cfg, lim)
-adm_flush()
+local lim, granted = settle(now, cfg)
 return {1, lim, epoch, granted}
