@@ -264,8 +264,13 @@ async def test_a_pod_that_outlived_a_prune_registers_again(
         gate = fleet.gate("g")
         await until(lambda: async_redis.sismember(registry(rut), "g"), 5, "registered")
         # What a prune leaves behind, as if this pod had been stalled for the idle period.
-        await async_redis.delete(*gate.keys.data_keys())
-        await async_redis.srem(registry(rut), "g")
+        # In one transaction: a beat between the two would re-register the gate before the
+        # SREM, which would then undo it (a race of the test, not of a prune: prune.lua never
+        # prunes a gate with a live pod).
+        async with async_redis.pipeline(transaction=True) as pipe:
+            pipe.delete(*gate.keys.data_keys())
+            pipe.srem(registry(rut), "g")
+            await pipe.execute()
         await until(lambda: async_redis.exists(gate.keys.pods), 5, "the next beat")
         # registered again by a later beat (within 0.5 s on a quiet machine; 5 s under load)
         await until(lambda: async_redis.sismember(registry(rut), "g"), 5, "registered again")
