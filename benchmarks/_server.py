@@ -112,10 +112,13 @@ def _source_version() -> str:
 
 
 def script_names() -> dict[str, str]:
-    """SHA1 of each gate script (as loaded by fleetgate.scripts) -> script name."""
-    from fleetgate.scripts import SCRIPT_NAMES, script_source
+    """What SLOWLOG names a gate script call by -> script name: the SHA1 of its EVAL source
+    (an EVALSHA) and its function of the gate library (an FCALL)."""
+    from fleetgate.scripts import SCRIPT_NAMES, gate_library, script_source
 
-    return {hashlib.sha1(script_source(n).encode()).hexdigest(): n for n in SCRIPT_NAMES}
+    names = {hashlib.sha1(script_source(n).encode()).hexdigest(): n for n in SCRIPT_NAMES}
+    names.update({f: n for n, f in gate_library().functions.items()})
+    return names
 
 
 @dataclass
@@ -135,7 +138,7 @@ def watch(
 ) -> Window:
     """Sample ZCARD holders/queue at ``hz`` and take counter deltas over [start_ns, end_ns].
 
-    Script calls slower than ``slow_us`` are collected from SLOWLOG (names by SHA)."""
+    Script calls slower than ``slow_us`` are collected from SLOWLOG (by SHA or function name)."""
     r = sync_client(url)
     r.config_set("slowlog-max-len", 10_000)
     r.config_set("slowlog-log-slower-than", slow_us)
@@ -165,7 +168,7 @@ def watch(
     for e in entries:
         cmd = e["command"]
         words = _s(cmd).split()
-        if len(words) > 1 and words[0].lower() == "evalsha":
+        if len(words) > 1 and words[0].lower() in ("evalsha", "fcall"):
             slow.setdefault(names.get(words[1], "other"), []).append(int(e["duration"]))
     r.config_set("slowlog-log-slower-than", 10_000)
     r.close()
@@ -193,6 +196,7 @@ def _sleep_until(t_ns: int) -> None:
 # Commands clients send themselves; everything else in commandstats ran inside a script.
 CLIENT_COMMANDS = frozenset(
     {"evalsha", "eval", "blpop", "ping", "hello", "client|setinfo", "script|load", "select"}
+    | {"fcall", "function|load"}
 )
 
 

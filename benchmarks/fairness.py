@@ -286,7 +286,8 @@ class PhaseData:
 
     def lua_us_per_grant(self) -> float:
         c = self.server["counters"]
-        return c.get("usec:evalsha", 0.0) / max(1.0, c.get("stat:granted", 0.0))
+        lua = c.get("usec:evalsha", 0.0) + c.get("usec:fcall", 0.0)
+        return lua / max(1.0, c.get("stat:granted", 0.0))
 
 
 def gather(phase: Phase, out: list[list[dict[str, Any]]], lo: int, hi: int, srv: Any) -> PhaseData:

@@ -117,7 +117,7 @@ def _one_size(url: str, opts: Options, n_waiters: int) -> dict[str, Any]:
         (cross if p0 != p1 else same).append((g1 - r0) / 1e6)
     handoffs = len(cross) + len(same)
     split_cmds = command_split(win)
-    evalsha = win.counters.get("calls:evalsha", 0.0)
+    evalsha = win.counters.get("calls:evalsha", 0.0) + win.counters.get("calls:fcall", 0.0)
     queued = [q for _, q in win.samples]
     return {
         "waiters": n_waiters,
@@ -134,7 +134,10 @@ def _one_size(url: str, opts: Options, n_waiters: int) -> dict[str, Any]:
         "workers_stuck_in_close": len(w.stuck),
         "client_round_trips_per_handoff": split_cmds["client"] / max(1, handoffs),
         "script_internal_cmds_per_handoff": split_cmds["internal"] / max(1, handoffs),
-        "lua_us_per_evalsha": win.counters.get("usec:evalsha", 0.0) / max(1.0, evalsha),
+        "lua_us_per_evalsha": (
+            win.counters.get("usec:evalsha", 0.0) + win.counters.get("usec:fcall", 0.0)
+        )
+        / max(1.0, evalsha),
         "slow_scripts_us": {k: sorted(v)[-20:] for k, v in win.slow.items()},
         "slow_script_counts": {k: len(v) for k, v in win.slow.items()},
         "_cdf": sorted(cross),

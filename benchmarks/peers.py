@@ -342,7 +342,7 @@ def figures(m: Measured, client_commands: frozenset[str]) -> dict[str, Any]:
         if k.startswith("calls:") and k not in ("calls:info",)
     }
     client_us = sum(c.get(f"usec:{k}", 0.0) for k in calls if k in client_commands)
-    lua_us = c.get("usec:evalsha", 0.0) + c.get("usec:eval", 0.0)
+    lua_us = c.get("usec:evalsha", 0.0) + c.get("usec:eval", 0.0) + c.get("usec:fcall", 0.0)
     # FIFO check from the clients' clocks: how far each grant's position in grant order is
     # from its position in ask order (asks stamped before the call leaves the event loop, so a
     # FIFO queue still shows some displacement when the loops lag).

@@ -1,19 +1,32 @@
-"""The gate scripts: loaded once from ``fleetgate.lua``, called by SHA, replies typed.
+"""The gate scripts: one Redis Functions library built from ``fleetgate.lua``, replies typed.
 
 Each state transition of a gate is one Lua file under ``lua/`` with a header stating its KEYS,
-ARGV and reply. ``lib.lua`` (time, limit, reaping, hand-off) is prepended to each script so those
-rules exist once. redis-py ``Script`` objects call EVALSHA and reload on NOSCRIPT by themselves.
+ARGV and reply. ``lib.lua`` (time, limit, reaping, hand-off) holds the rules they share, once.
+
+The gate scripts are loaded as one Redis Functions library (:func:`gate_library`): ``lib.lua``,
+``heartbeat_lib.lua`` and every script wrapped as a function, loaded once per server by
+``FUNCTION LOAD`` and called by ``FCALL``, so the library's ~45 closures are created once at load
+instead of at every call (an EVALSHA of ``lib.lua`` + a script re-ran lib.lua's top level: 5 µs
+of server time per call, docs/design.md). The library and its functions are named after a hash
+of its source, so two fleetgate versions in one fleet (a rolling upgrade) never replace each
+other's code. A call that finds its function missing (Redis restarted empty, a new Cluster
+primary, ``FUNCTION FLUSH``) loads the library and is sent again, once.
+
+:func:`script_source` still gives each script as one EVAL-able source (``lib.lua`` prepended),
+for tests and benchmarks; the leader scripts stay plain EVALSHA scripts.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import msgspec
+from redis.asyncio.client import Pipeline
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from fleetgate._redis import BatchCall, RedisMode, ServerUnavailable, unavailable_reply
@@ -25,6 +38,7 @@ __all__ = [
     "MAX_BATCH",
     "SCRIPT_NAMES",
     "AcquireReply",
+    "GateLibrary",
     "GateScripts",
     "HeartbeatReply",
     "HeartbeatRequest",
@@ -32,6 +46,7 @@ __all__ = [
     "ScriptCall",
     "Snapshot",
     "Utilization",
+    "gate_library",
     "script_source",
 ]
 
@@ -87,6 +102,128 @@ def script_source(name: str) -> str:
     if name in _HEARTBEAT_SCRIPTS:
         lib += "\n" + pkg.joinpath("heartbeat_lib.lua").read_text(encoding="utf-8")
     return f"{lib}\n{body}"
+
+
+# Function flags (FUNCTION LOAD): a function without flags is refused before it starts while
+# Redis is out of memory (maxmemory reached), as acquire, publish, adopt, set_target and prune
+# should be (they add state). allow-oom runs it anyway: release and cancel free memory (under
+# EVAL they ran because their first write is a removal), the heartbeat keeps the leases of work
+# that is running alive (renewals rewrite existing entries; a hand-off only grants what was
+# freed), and inspect only reads (it writes only when converting a schema-1 gate, which is
+# small), so ``fleetgate status`` works during the incident.
+FUNCTION_FLAGS: dict[str, tuple[str, ...]] = {
+    "release": ("allow-oom",),
+    "cancel": ("allow-oom",),
+    "heartbeat": ("allow-oom",),
+    "heartbeat_many": ("allow-oom",),
+    "inspect": ("allow-oom",),
+}
+# lib.lua's top level points the gate keys at KEYS[1] (the EVAL form); each library function
+# does it at its start instead (a library's top level runs once, at load, without KEYS).
+_USE_GATE = "use_gate(KEYS[1])\n"
+_HASH = "@HASH@"
+
+
+@dataclass(frozen=True)
+class GateLibrary:
+    """The gate scripts as one Redis Functions library (see the module docstring)."""
+
+    name: str  # fleetgate_<12 hex of the sha1 of the source>
+    source: str  # FUNCTION LOAD's argument
+    functions: Mapping[str, str]  # script name -> function name
+
+
+@functools.cache
+def gate_library() -> GateLibrary:
+    """The library: ``lib.lua`` and ``heartbeat_lib.lua`` once, then each gate script as
+    ``local function <name>_body(KEYS, ARGV)`` (which first points the gate keys at KEYS[1]),
+    registered as ``fg_<hash>_<name>`` with its :data:`FUNCTION_FLAGS`. The hash is the first
+    12 hex digits of the sha1 of the source (with the hash left out)."""
+    pkg = importlib.resources.files("fleetgate.lua")
+    lib = pkg.joinpath("lib.lua").read_text(encoding="utf-8")
+    if lib.count(_USE_GATE) != 1:
+        raise RuntimeError("lib.lua: expected one top-level use_gate(KEYS[1])")
+    parts = [
+        f"#!lua name=fleetgate_{_HASH}",
+        lib.replace(_USE_GATE, "", 1),
+        pkg.joinpath("heartbeat_lib.lua").read_text(encoding="utf-8"),
+    ]
+    for name in SCRIPT_NAMES:
+        body = pkg.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+        parts.append(f"local function {name}_body(KEYS, ARGV)\nuse_gate(KEYS[1])\n{body}\nend")
+    for name in SCRIPT_NAMES:
+        flags = ", ".join(f"'{f}'" for f in FUNCTION_FLAGS.get(name, ()))
+        parts.append(
+            f"redis.register_function{{function_name = 'fg_{_HASH}_{name}', "
+            f"callback = {name}_body, flags = {{{flags}}}}}"
+        )
+    template = "\n".join(parts) + "\n"
+    digest = hashlib.sha1(template.encode()).hexdigest()[:12]
+    return GateLibrary(
+        name=f"fleetgate_{digest}",
+        source=template.replace(_HASH, digest),
+        functions={name: f"fg_{digest}_{name}" for name in SCRIPT_NAMES},
+    )
+
+
+def function_missing(reply: object) -> bool:
+    """Whether ``reply`` is the error of an FCALL whose function the server does not have."""
+    return isinstance(reply, ResponseError) and "Function not found" in str(reply)
+
+
+class _Loader:
+    """Loads :func:`gate_library` on every primary behind one client: before its first call,
+    and again when a call finds its function missing."""
+
+    __slots__ = ("library", "loaded", "redis")
+
+    def __init__(self, redis: RedisMode) -> None:
+        self.redis = redis
+        self.library = gate_library()
+        self.loaded = False
+
+    async def ensure(self) -> None:
+        if not self.loaded:
+            await self.load()
+
+    async def load(self) -> None:
+        """FUNCTION LOAD (no REPLACE: a library of this name holds this very code) on each
+        primary; "already exists" is success. A refusal (OOM, NOPERM, ...) raises."""
+        client, source = self.redis.client, self.library.source
+
+        async def load_one(**target: Any) -> None:
+            try:
+                await client.execute_command("FUNCTION LOAD", source, **target)
+            except ResponseError as exc:
+                if "already exists" not in str(exc):
+                    raise
+
+        await self.redis.each_primary(load_one)
+        self.loaded = True
+
+
+class _GateFunction:
+    """One gate script as a library function, called like a redis-py ``Script``:
+    ``await f(keys=..., args=..., client=...)``; on a pipeline that only queues the FCALL (the
+    caller retries a missing function: :meth:`GateScripts._redis_batch`)."""
+
+    __slots__ = ("loader", "name")
+
+    def __init__(self, loader: _Loader, name: str) -> None:
+        self.loader = loader
+        self.name = name
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[Any], client: Any) -> Any:
+        await self.loader.ensure()
+        if isinstance(client, Pipeline):
+            return client.fcall(self.name, len(keys), *keys, *args)
+        try:
+            return await client.fcall(self.name, len(keys), *keys, *args)
+        except ResponseError as exc:
+            if not function_missing(exc):
+                raise
+        await self.loader.load()
+        return await client.fcall(self.name, len(keys), *keys, *args)
 
 
 class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -388,10 +525,13 @@ class GateScripts:
     _scripts: dict[str, Any] = field(default_factory=dict)
     redis: RedisMode = field(init=False)
 
+    _loader: _Loader = field(init=False)
+
     def __post_init__(self) -> None:
         self.redis = RedisMode(self.client)
-        for name in SCRIPT_NAMES:
-            self._scripts[name] = self.client.register_script(script_source(name))
+        self._loader = _Loader(self.redis)
+        for name, function in self._loader.library.functions.items():
+            self._scripts[name] = _GateFunction(self._loader, function)
 
     async def _run(self, call: ScriptCall[_R]) -> _R:
         try:
@@ -411,7 +551,7 @@ class GateScripts:
         Cluster) after the plain commands ``also`` (whose replies are dropped); the replies
         decoded, in order. ``raise_on_error=False``: a failed call's exception is its reply."""
         try:
-            raw = await self.redis.batch([*also, *calls], raise_on_error=raise_on_error)
+            raw = await self._redis_batch([*also, *calls], raise_on_error=raise_on_error)
         except ResponseError as exc:
             if unavailable_reply(exc):  # an outage, as for a single call
                 raise ServerUnavailable(str(exc)) from exc
@@ -420,6 +560,23 @@ class GateScripts:
             r if isinstance(r, Exception) else c.decode(r)
             for c, r in zip(calls, raw[len(also) :], strict=True)
         ]
+
+    async def _redis_batch(self, calls: Sequence[BatchCall], *, raise_on_error: bool) -> list[Any]:
+        """:meth:`RedisMode.batch`, with the calls that found their function missing (Redis
+        restarted empty mid-pipeline, say: they ran nothing) sent again once after the library
+        is loaded. ``raise_on_error``: the first failed call's exception raises."""
+        raw = await self.redis.batch(calls, raise_on_error=False)
+        missing = [i for i, r in enumerate(raw) if function_missing(r)]
+        if missing:
+            await self._loader.load()
+            again = await self.redis.batch([calls[i] for i in missing], raise_on_error=False)
+            for i, r in zip(missing, again, strict=True):
+                raw[i] = r
+        if raise_on_error:
+            for r in raw:
+                if isinstance(r, BaseException):
+                    raise r
+        return raw
 
     async def translate(self, exc: ResponseError, keys: GateKeys) -> Exception:
         """The error to raise for a Redis error reply to a script of gate ``keys``.
@@ -590,7 +747,12 @@ class GateScripts:
 
     async def _batch_raw(self, calls: Sequence[BatchCall]) -> list[Any]:
         """``calls`` as one batch; a failed call's exception is its reply; an outage raises."""
-        raw = await self.redis.batch(calls, raise_on_error=False)
+        try:
+            raw = await self._redis_batch(calls, raise_on_error=False)
+        except ResponseError as exc:  # the library could not be loaded
+            if unavailable_reply(exc):
+                raise ServerUnavailable(str(exc)) from exc
+            raise
         for r in raw:
             if isinstance(r, ResponseError) and unavailable_reply(r):
                 raise ServerUnavailable(str(r)) from r

@@ -1,5 +1,8 @@
--- fleetgate shared library: prepended to every gate script when it is loaded (scripts.py), so the
--- rules for time, limit, reaping and hand-off are written once.
+-- fleetgate shared library: the top of the gate scripts' Redis Functions library
+-- (fleetgate.scripts.gate_library; prepended to a script for EVAL by script_source), so the rules
+-- for time, limit, reaping and hand-off are written once. A library's top level runs once, at
+-- load, so nothing here may keep state across calls except through use_gate, which every call
+-- runs first.
 --
 -- KEYS[1] is the gate's base name, '<prefix>:{<gate>}' (fleetgate.keys.GateKeys.base); every key
 -- of the gate is that base plus a fixed suffix (the same names as GateKeys, checked by
@@ -20,6 +23,7 @@ local function use_gate(base)
   K_ADM, K_TW, K_EVICTED = base .. ':adm', base .. ':tw', base .. ':evicted'
   ADM, ADM_DIRTY, PHI = {}, {}, {}
 end
+-- EVAL form only: gate_library drops the next line (each library function runs it first).
 use_gate(KEYS[1])
 
 -- Expired entries removed per call, per kind. A bound keeps every call O(log n) even after a
