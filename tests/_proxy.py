@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import redis
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
 from fleetgate.proxy import ProxyConfig
 from fleetgate.tools.sim._server import run_unless_disconnected
@@ -167,3 +173,79 @@ def wait_idle(url: str, prefix: str, gate: str, timeout: float = 10.0) -> None:
         timeout,
         f"gate {gate} idle (holders, waiters now {gate_counts(url, prefix, gate)})",
     )
+
+
+# -- proxy processes ---------------------------------------------------------------------------
+
+
+def start_proxy_process(args: list[str], log_path: str, timeout: float = 20.0) -> Any:
+    """``fleetgate proxy ARGS`` as an OS process (``--listen 127.0.0.1:0`` is added unless
+    given); returns (Popen, base URL) once it printed that it listens. Its logs go to
+    ``log_path``."""
+    if "--listen" not in args and "--config" not in args:
+        args = [*args, "--listen", "127.0.0.1:0"]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetgate.cli", "proxy", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    log.close()
+    assert proc.stdout is not None
+    found: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if "listening on " in line:
+            found.append(line.rsplit("listening on ", 1)[1].strip())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found:
+        proc.kill()
+        proc.wait(5)
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-2000:]
+        raise RuntimeError(f"proxy did not start (exit {proc.returncode}): {tail}")
+    return proc, found[0]
+
+
+def stop_process(proc: Any, timeout: float = 15.0) -> int:
+    """SIGTERM, wait; SIGKILL if it does not stop. Returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return int(proc.returncode)
+
+
+def rerank_worker(url: str, prefix: str, gate: str, sim_url: str, calls: int) -> dict[str, int]:
+    """A Python service beside the proxies: ``calls`` rerank calls through ``gate.map``
+    (no retries), straight to the reranker. Returns its failures."""
+
+    async def main() -> dict[str, int]:
+        failed = 0
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
+        async with httpx.AsyncClient(base_url=sim_url, timeout=60, limits=limits) as http:
+
+            async def call(i: int) -> None:
+                nonlocal failed
+                body = {"query": {"text": "q"}, "passages": [{"text": f"p{i}"}]}
+                r = await http.post("/v1/ranking", json=body)
+                if r.status_code != 200:
+                    failed += 1
+
+            async with Fleet(url, prefix=prefix, registry=CollectorRegistry()) as fleet:
+                g = fleet.gate(gate)
+                await g.map(call, range(calls), max_in_flight=16, deadline=60, retry=False)
+        return {"failed": failed, "calls": calls}
+
+    return asyncio.run(main())

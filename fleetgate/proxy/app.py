@@ -167,6 +167,10 @@ def _discard_later(discard: Callable[[Any], Awaitable[None]], task: asyncio.Futu
     cleanup.add_done_callback(_cleanups.discard)
 
 
+def _cancel(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+
+
 def _has_dot_segment(path: str) -> bool:
     return any(seg in (".", "..") for seg in path.split("/"))
 
@@ -510,7 +514,7 @@ class ProxyApp:
         reader = asyncio.ensure_future(
             self._read_upstream(response, queue, permit, route, sent_at, ex)
         )
-        inbound.on_gone(lambda: None if reader.cancel() else None)
+        inbound.on_gone(functools.partial(_cancel, reader))
         await send(
             {
                 "type": "http.response.start",

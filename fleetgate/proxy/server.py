@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -47,6 +48,42 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server without its signal handling: uvicorn re-raises a captured SIGTERM once
+    it has shut down, which would kill the process before the fleet releases and closes.
+    :func:`serve` handles the signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+
+def _handle_signals(server: uvicorn.Server) -> Callable[[], None]:
+    """SIGTERM/SIGINT start the drain (a second one stops at once); returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+        log.info("fleetgate proxy: %s", sig.name)
+
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    def undo() -> None:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+
+    return undo
 
 
 def _uvicorn_config(app: ProxyApp, config: ProxyConfig) -> uvicorn.Config:
@@ -94,11 +131,13 @@ async def serve(
             **(fleet_options or {}),
         ) as fleet:
             app = ProxyApp(config, fleet, registry)
-            server = uvicorn.Server(_uvicorn_config(app, config))
+            server = _Server(_uvicorn_config(app, config))
             watcher = asyncio.ensure_future(_watch(server, app, url, on_ready, stop))
+            undo = _handle_signals(server)
             try:
                 await server.serve(sockets=[sock])
             finally:
+                undo()
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
                 await app.aclose()
