@@ -38,7 +38,11 @@ log = logging.getLogger("fleetgate.proxy")
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: any free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and
+    # without it a response written as headers + body waits out the caller's delayed ACK
+    # (40 ms per keep-alive request on Linux)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
