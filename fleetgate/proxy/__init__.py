@@ -10,7 +10,7 @@ Modules: :mod:`.config` (the TOML and the one-route flags), :mod:`.policy` (pure
 the ``X-Fleetgate-*`` headers, hop-by-hop headers, outcomes, ``Retry-After``), :mod:`.app` (the
 ASGI app), :mod:`.server` (uvicorn, the drain), :mod:`.metrics`. Built on the client
 (:class:`fleetgate.client.Fleet`), which never imports this package. Needs the ``proxy`` extra
-(``pip install 'fleetgate[proxy]'``: starlette, uvicorn).
+(``pip install 'fleetgate[proxy]'``: uvicorn).
 """
 
 from .app import ProxyApp

@@ -42,7 +42,7 @@ class ProxyMetrics:
             seconds=Histogram(
                 "fleetgate_proxy_request_seconds",
                 "Request latency as the caller saw it (queue wait, upstream, body), by route and "
-                "status; for a stream, until the upstream finished sending",
+                "status: until the last byte was handed to the caller's connection",
                 rs,
                 buckets=LATENCY_BUCKETS,
                 registry=registry,
