@@ -3,6 +3,7 @@
 #   docker build -t fleetgate:dev .
 #   docker run --rm fleetgate:dev --help                      # the `fleetgate` CLI
 #   docker run --rm fleetgate:dev sim vllm --host 0.0.0.0     # a vLLM simulator on :8000
+#   docker run --rm fleetgate:dev proxy --help                # gateway mode
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -17,13 +18,13 @@ COPY fleetgate ./fleetgate
 COPY client ./client
 COPY coordinator ./coordinator
 COPY lua ./lua
-RUN pip install ".[sim]" \
+RUN pip install ".[sim,proxy]" \
     && rm -rf /src \
     && useradd --system --create-home --uid 10001 fleetgate
 
 USER fleetgate
 WORKDIR /home/fleetgate
-# 9464: coordinator /metrics, 9100: worker /metrics, 8000: simulators
-EXPOSE 8000 9100 9464
+# 9464: coordinator /metrics, 9100: worker /metrics, 8000: simulators, 8080: fleetgate proxy
+EXPOSE 8000 8080 9100 9464
 ENTRYPOINT ["fleetgate"]
 CMD ["--help"]

@@ -39,6 +39,7 @@ BENCHMARKS = (
     "peers",
     "pod_cost",
     "fairness",
+    "proxy",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]

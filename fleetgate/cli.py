@@ -4,6 +4,7 @@
     fleetgate status [--json] [--watch]     leader, epoch and one line per gate (+ its queue)
     fleetgate inspect GATE                  units, lanes and their heads, holders, config
     fleetgate check                         health check: exit 0 if Redis is usable
+    fleetgate proxy --config FILE           gateway mode: an HTTP proxy taking a permit per request
     fleetgate sim vllm|rerank ...           model-server simulators for tests, demo, compose
     fleetgate worker ...                    the load generator (docker-compose's workers)
     fleetgate demo ...                      the README's demo
@@ -135,6 +136,52 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _logging_options(p)
 
 
+def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "proxy",
+        help="gateway mode: an HTTP reverse proxy taking a fleet-wide permit per request",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Forward HTTP requests to model servers, each inside a permit of its\n"
+        "route's gate: callers in any language get the fleet-wide cap, queue bound, deadline,\n"
+        "priority and tenant by pointing their base URL at the proxy.\n\n"
+        "Request headers X-Fleetgate-Priority, X-Fleetgate-Tenant, X-Fleetgate-Weight and\n"
+        "X-Fleetgate-Deadline-Ms are honoured within the route's allowed values and never\n"
+        "forwarded. A full wait list answers 429 with Retry-After, a deadline spent queued 504,\n"
+        "both with a JSON body naming the gate; upstream answers pass through unchanged.\n"
+        "The proxy serves /metrics and /healthz itself. SIGTERM stops accepting and drains\n"
+        "the requests in flight. Gate settings come from Redis (the coordinator's config).",
+        epilog="examples:\n"
+        "  fleetgate proxy --upstream http://reranker:8000 --gate rerank --listen 0.0.0.0:8080\n"
+        "  fleetgate proxy --config proxy.toml   # routes by path and model; see\n"
+        "                                        # fleetgate/proxy/example.toml\n"
+        "  curl -H 'X-Fleetgate-Deadline-Ms: 5000' http://127.0.0.1:8080/v1/ranking -d @req.json",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="proxy TOML: [proxy], [redis] and [[routes]] (path and/or model -> upstream, gate)",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address to listen on (default: the config's, else 127.0.0.1:8080; port 0 = any)",
+    )
+    p.add_argument("--upstream", metavar="URL", help="one route: forward every path to URL")
+    p.add_argument("--gate", metavar="NAME", help="one route: the gate of every request")
+    p.add_argument(
+        "--redis",
+        metavar="URL",
+        help="Redis URL (default: the config's [redis] url, else $FLEETGATE_REDIS_URL, else "
+        "redis://127.0.0.1:6379/0)",
+    )
+    p.add_argument(
+        "--prefix",
+        metavar="P",
+        help="key prefix (default: the config's, else $FLEETGATE_PREFIX, else 'fg')",
+    )
+    _logging_options(p)
+
+
 def _add_passthrough(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """sim, worker, demo: their options belong to their own parsers (see :data:`PASSTHROUGH`);
     these entries give them a line in ``fleetgate --help``."""
@@ -173,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fleetgate {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_coordinator, _add_status, _add_inspect, _add_check, _add_passthrough):
+    adders = (_add_coordinator, _add_status, _add_inspect, _add_check, _add_proxy)
+    for add in (*adders, _add_passthrough):
         add(sub)
     return parser
 
@@ -183,7 +231,7 @@ def _setup_logging(args: argparse.Namespace) -> None:
         logging.config.fileConfig(args.log_config, disable_existing_loggers=False)
         return
     level = {0: logging.WARNING, 1: logging.INFO}.get(getattr(args, "verbose", 0), logging.DEBUG)
-    if args.command == "coordinator":
+    if args.command in ("coordinator", "proxy"):  # daemons: their INFO lines (access log) show
         level = min(level, logging.INFO)
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -233,11 +281,24 @@ def _check(args: argparse.Namespace) -> int:
     return asyncio.run(commands.check(url, prefix))
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    try:
+        from fleetgate.proxy.main import run_proxy
+    except ImportError as exc:  # the extra is not installed
+        print(
+            f"fleetgate proxy: {exc}; install the extra: pip install 'fleetgate[proxy]'",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    return run_proxy(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "coordinator": _coordinator,
     "status": _status,
     "inspect": _inspect,
     "check": _check,
+    "proxy": _proxy,
 }
 
 

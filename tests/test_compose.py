@@ -29,6 +29,7 @@ SERVICES = {
     "vllm-chat",
     "reranker",
     "worker",
+    "proxy",
     "prometheus",
 }
 FLEETGATE_SERVICES = SERVICES - {"redis", "prometheus"}
@@ -162,6 +163,25 @@ def test_compose_workers_and_simulators_match_the_gates(rendered: dict[str, Any]
         if gc.has_metrics:  # the coordinator scrapes the simulator the workers call
             assert gc.metrics_urls == (f"http://{host}:{urlsplit(url).port}/metrics",)
             assert _option(sim, "--model") == [gc.model_name]
+
+
+@needs_compose
+def test_compose_proxy_gates_the_reranker_with_the_workers_gate(rendered: dict[str, Any]) -> None:
+    services, config = rendered["services"], _config()
+    argv = _argv(services["proxy"])
+    assert argv[0] == "proxy"
+    upstream = _option(argv, "--upstream")[0]
+    host = urlsplit(upstream).hostname
+    assert host == "reranker" and _argv(services[host])[:2] == ["sim", "rerank"]
+    worker = _argv(services["worker"])
+    urls = dict(zip(_option(worker, "--gate"), _option(worker, "--target-url"), strict=True))
+    (gate,) = _option(argv, "--gate")
+    assert urlsplit(urls[gate]).hostname == host  # one gate for the workers and the proxy
+    config.gate(gate)  # configured by the coordinator
+    assert _option(argv, "--redis") == [config.redis.url]
+    assert _option(argv, "--prefix") == _option(worker, "--prefix")
+    assert _option(argv, "--listen") == ["0.0.0.0:8080"]
+    assert "reranker" in services["proxy"]["depends_on"]
 
 
 def test_deploy_coordinator_toml() -> None:

@@ -14,6 +14,8 @@ The layers, bottom up:
   and the Lua package. It imports no other layer.
 * **client** (``fleetgate.client``) and **coordinator** (``fleetgate.coordinator``) — each on
   the core only; they never know about each other.
+* **proxy** (``fleetgate.proxy``: ``fleetgate proxy``, the HTTP gateway) -- on the client and
+  the core; nothing below knows it (the client never imports it).
 * **tools** (``fleetgate.tools``: simulators, redis-server launcher, load generator) and
   **testing** (``fleetgate.testing``) — on the client and the core.
 * **demo** (``fleetgate.demo``) — on anything below it.
@@ -36,11 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # layer -> the layers it must never import
 FORBIDDEN: dict[str, set[str]] = {
-    "core": {"client", "coordinator", "demo", "tools", "testing", "cli"},
-    "client": {"coordinator", "demo", "tools", "testing", "cli"},
-    "coordinator": {"client", "demo", "tools", "testing", "cli"},
-    "tools": {"coordinator", "demo", "testing", "cli"},
-    "testing": {"coordinator", "demo", "tools", "cli"},
+    "core": {"client", "coordinator", "demo", "tools", "testing", "cli", "proxy"},
+    "client": {"coordinator", "demo", "tools", "testing", "cli", "proxy"},
+    "coordinator": {"client", "demo", "tools", "testing", "cli", "proxy"},
+    "proxy": {"coordinator", "demo", "tools", "testing", "cli"},
+    "tools": {"coordinator", "demo", "testing", "cli", "proxy"},
+    "testing": {"coordinator", "demo", "tools", "cli", "proxy"},
     "demo": {"testing", "cli"},
     "cli": set(),
 }
@@ -49,6 +52,7 @@ _PREFIX_LAYERS = (
     ("fleetgate.client", "client"),
     ("fleetgate.coordinator", "coordinator"),
     ("fleetgate.demo", "demo"),
+    ("fleetgate.proxy", "proxy"),
     ("fleetgate.tools", "tools"),
     ("fleetgate.testing", "testing"),
     ("fleetgate.cli", "cli"),
@@ -205,6 +209,7 @@ def test_the_modules_are_found(graph: dict[str, set[str]]) -> None:
         "fleetgate.demo.main",
         "fleetgate.tools.load",
         "fleetgate.tools.sim.vllm",
+        "fleetgate.proxy.app",
         "fleetgate.lua",
     ):
         assert module in graph
@@ -240,6 +245,8 @@ _IN_FUNCTION = "def f():\n    {}\n"
         ("fleetgate.client._gate", _TC.format("from ..tools.sim import vllm"), "tools.sim.vllm"),
         ("fleetgate.coordinator.daemon", _TC.format("from fleetgate.client import Gate"), "client"),
         ("fleetgate.coordinator.signals", "from ..demo.main import main", "fleetgate.demo.main"),
+        ("fleetgate.client._gate", _IN_FUNCTION.format("import fleetgate.proxy.app"), "proxy"),
+        ("fleetgate.proxy.app", "from fleetgate.coordinator import config", "coordinator"),
     ],
 )
 def test_a_planted_layer_violation_is_found(module: str, source: str, wanted: str) -> None:
@@ -251,6 +258,7 @@ def test_a_planted_layer_violation_is_found(module: str, source: str, wanted: st
         "fleetgate.demo.main": "",
         "fleetgate.tools.load": "",
         "fleetgate.tools.sim.vllm": "",
+        "fleetgate.proxy.app": "",
         module: source,
     }
     pkgs = {"fleetgate.client", "fleetgate.demo"}

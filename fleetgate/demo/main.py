@@ -15,7 +15,14 @@ from pathlib import Path
 import msgspec
 
 from fleetgate.demo.live import LiveRun
-from fleetgate.demo.processes import Children, DemoError, Setup, prepare, read_worker_totals
+from fleetgate.demo.processes import (
+    Children,
+    DemoError,
+    Setup,
+    prepare,
+    read_gateway_totals,
+    read_worker_totals,
+)
 from fleetgate.demo.report import DemoRecord, Event, GateInfo, format_summary, plot, summarize
 
 __all__ = ["build_parser", "main", "run"]
@@ -142,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         _stop(args, children, rec)
         if rec is not None and setup is not None:
             rec.workers = read_worker_totals(setup.stats_paths)
+            gateway = read_gateway_totals(setup.gateway_path)
+            if gateway:
+                rec.workers["gateway"] = gateway
     if rec is not None:
         _finish(rec, out, args.quiet)
     bad = children.survivors()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ __all__ = [
     "DemoGate",
     "Setup",
     "prepare",
+    "read_gateway_totals",
     "read_worker_totals",
 ]
 
@@ -235,6 +237,8 @@ class Setup:
     stats_paths: list[Path] = field(default_factory=list)
     #: the search pod's stats file (fleetgate.demo.interactive), None before it starts
     interactive_path: Path | None = None
+    #: the non-Python caller's record (one HTTP status per line), None when curl is missing
+    gateway_path: Path | None = None
 
 
 def read_worker_totals(paths: list[Path]) -> dict[str, Any]:
@@ -443,7 +447,59 @@ def prepare(
     ]
     _start_workers(children, setup, out, args.workers, say)
     _start_search_pod(children, setup, out, args.duration, say)
+    _start_gateway(children, setup, out, say)
     return setup
+
+
+# A shell client: curl in a loop, one status code per line (no Python, no fleetgate library).
+_CURL_LOOP = (
+    'while :; do curl -s -o /dev/null -w "%{http_code}\\n" --max-time 30 '
+    '-H "Content-Type: application/json" -H "X-Fleetgate-Deadline-Ms: 20000" '
+    '--data-binary "$BODY" "$URL/v1/ranking" >> "$OUT"; sleep 0.2; done'
+)
+
+
+def _start_gateway(children: Children, setup: Setup, out: Path, say: Callable[[str], None]) -> None:
+    """Start ``fleetgate proxy`` in front of the reranker, on the workers' rerank gate, and a
+    non-Python caller through it (curl in a shell loop); skipped when curl is missing."""
+    curl = shutil.which("curl")
+    if curl is None:
+        say("  gateway      skipped: curl is not installed")
+        return
+    gate = next(g for g in GATES if g.kind == "rerank")
+    argv = [sys.executable, "-m", "fleetgate.cli", "proxy", "--upstream", setup.urls[gate.name]]
+    argv += ["--gate", gate.name, "--prefix", setup.prefix, "--listen", "127.0.0.1:0"]
+    # the Redis URL reaches it as FLEETGATE_REDIS_URL (children.env): never on a command line
+    children.spawn("proxy-1", "coordinator", argv)
+    log = children.log_dir / "proxy-1.log"
+    found: list[str] = []
+
+    def listening() -> bool:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found[:] = [ln.rsplit("listening on ", 1)[1].strip() for ln in text.splitlines()
+                    if "listening on " in ln][:1]  # fmt: skip
+        return bool(found)
+
+    _wait("proxy-1", listening, lambda: children.check_alive("proxy-1"), STARTUP_TIMEOUT)
+    record = out / "workers" / "curl.txt"
+    record.unlink(missing_ok=True)
+    passages = [{"text": f"passage {i} of the shell client"} for i in range(8)]
+    body = {"model": gate.model, "query": {"text": "gateway"}, "passages": passages}
+    env = {"BODY": msgspec.json.encode(body).decode(), "URL": found[0], "OUT": str(record)}
+    children.spawn("curl-1", "worker", ["/bin/sh", "-c", _CURL_LOOP], env)
+    setup.gateway_path = record
+    say(f"  proxy-1      {found[0]} -> {setup.urls[gate.name]} (gate {gate.name})")
+    say("  curl-1       a shell loop of curl calls through proxy-1, beside the Python workers")
+
+
+def read_gateway_totals(path: Path | None) -> dict[str, Any]:
+    """The shell client's record: requests and HTTP status codes."""
+    if path is None or not path.exists():
+        return {}
+    codes: dict[str, int] = {}
+    for line in path.read_text(errors="replace").split():
+        codes[line] = codes.get(line, 0) + 1
+    return {"requests": sum(codes.values()), "ok": codes.get("200", 0), "codes": codes}
 
 
 def _start_search_pod(

@@ -211,6 +211,7 @@ def summarize(rec: DemoRecord) -> dict[str, Any]:
         "requests_ok": rec.workers.get("requests_ok", 0),
         "worker_errors": rec.workers.get("errors", 0),
         "worker_errors_by_gate": rec.workers.get("errors_by_gate", {}),
+        "gateway": rec.workers.get("gateway", {}),
         **_interactive_summary(rec),
     }
 
@@ -272,6 +273,12 @@ def format_summary(rec: DemoRecord, out: Path) -> str:
         lines.append(
             f"  search (priority 10): {s['search_calls']} calls waited p50 {w['p50']:.0f} ms, "
             f"p99 {w['p99']:.0f} ms, max {w['max']:.0f} ms{grew} (batch at priority 0)"
+        )
+    gw = s.get("gateway") or {}
+    if gw:
+        lines.append(
+            f"  curl through fleetgate proxy (same rerank gate): {gw['requests']} requests, "
+            f"{gw['ok']} ok, status codes {gw['codes']}"
         )
     lines.append(f"  wrote {out / 'demo.png'} and {out / 'demo.json'}")
     return "\n".join(lines)

@@ -266,7 +266,9 @@ def serve_in_thread(
     and the lifespan protocol are off, logs are quiet. On exit the server stops accepting, waits up
     to ``graceful_timeout`` seconds for in-flight requests, cancels the rest and joins the thread.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only then (without it every keep-alive
+    # response waited ~40 ms for the caller's delayed ACK)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -1,0 +1,33 @@
+"""``fleetgate proxy``: an HTTP reverse proxy that takes a fleet-wide permit per forwarded
+request, so services in any language get the gate by changing one base URL.
+
+::
+
+    fleetgate proxy --upstream http://reranker:8000 --gate rerank --listen 0.0.0.0:8080
+    fleetgate proxy --config proxy.toml        # [[routes]]: path / model -> upstream, gate
+
+Modules: :mod:`.config` (the TOML and the one-route flags), :mod:`.policy` (pure decisions:
+the ``X-Fleetgate-*`` headers, hop-by-hop headers, outcomes, ``Retry-After``), :mod:`.app` (the
+ASGI app), :mod:`.server` (uvicorn, the drain), :mod:`.metrics`. Built on the client
+(:class:`fleetgate.client.Fleet`), which never imports this package. Needs the ``proxy`` extra
+(``pip install 'fleetgate[proxy]'``: uvicorn).
+"""
+
+from .app import ProxyApp
+from .config import ProxyConfig, RouteConfig, load_config, one_route
+from .policy import Ask, BadHeader, classify, parse_ask
+from .server import serve, serve_in_thread
+
+__all__ = [
+    "Ask",
+    "BadHeader",
+    "ProxyApp",
+    "ProxyConfig",
+    "RouteConfig",
+    "classify",
+    "load_config",
+    "one_route",
+    "parse_ask",
+    "serve",
+    "serve_in_thread",
+]

@@ -1,0 +1,683 @@
+"""The proxy's ASGI app: one permit of the route's gate per forwarded request.
+
+One exchange, in order (each step may answer instead of going on):
+
+1. the request head: headers within ``max_header_bytes`` (431), a path without dot segments
+   (400), a ``Content-Length`` within ``max_request_bytes`` (413), a route for the path (404);
+2. the route by the JSON body's ``model`` when routes name models (the body is read first);
+3. the ``X-Fleetgate-*`` headers -> the permit asked for (:func:`~.policy.parse_ask`; 400);
+4. the permit: ``Overloaded`` -> 429 with ``Retry-After``; the deadline while queued -> 504; a
+   caller that disconnects while queued leaves the wait list (no permit consumed);
+5. the upstream call with the rest of the deadline to its response headers (504 past it; 502
+   when it cannot be reached); its status and headers are passed through unchanged (hop-by-hop
+   headers aside), errors included;
+6. the body, streamed chunk by chunk. A reader task takes it from the upstream as fast as the
+   upstream sends and frees the permit the moment the upstream is done, while the caller's side
+   drains at the caller's pace: a slow reader never holds a permit. A caller that disconnects
+   mid-response cancels the upstream call, which frees the permit.
+
+The app never raises into the server: every failure becomes a response (or, once the response
+has started, a cut connection). No header value, query string or URL credential is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from fleetgate.client import DeadlineExceeded, Fleet, Gate, Lease, Overloaded
+from fleetgate.errors import ConfigError, FleetgateError
+
+from ._inbound import BodyTooLarge, ClientGone, Inbound
+from .config import ProxyConfig, RouteConfig
+from .metrics import ProxyMetrics
+from .policy import (
+    Ask,
+    BadHeader,
+    classify,
+    forward_request_headers,
+    forward_response_headers,
+    parse_ask,
+    retry_after,
+)
+
+__all__ = ["ProxyApp"]
+
+log = logging.getLogger("fleetgate.proxy")
+access_log = logging.getLogger("fleetgate.proxy.access")
+
+T = TypeVar("T")
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# the status logged and counted for a caller that went away (nginx's convention; never sent)
+CLIENT_CLOSED = 499
+_JSON = (b"content-type", b"application/json")
+_ENCODER = msgspec.json.Encoder()
+_END = object()  # the upstream finished sending
+# httpcore's pool spends time proportional to (requests in flight x connections) on every
+# request it assigns: 16 requests in flight on one pool cost ~25 % of the proxy's CPU. Spread
+# over a few pools, each stays small (benchmarks/burst.py's ShardedHTTP, the same finding).
+POOLS_PER_ROUTE = 8
+
+
+class _Model(msgspec.Struct):
+    model: str | None = None
+
+
+class _TooLarge(Exception):
+    """The upstream's response is larger than ``max_response_bytes``."""
+
+
+@dataclass
+class _Exchange:
+    """What the access log and the metrics say about one request."""
+
+    method: str
+    path: str
+    client: str
+    started: float = field(default_factory=time.monotonic)
+    route: str = ""
+    gate: str = ""
+    status: int = 0
+    sent: int = 0
+    wait_ms: float | None = None
+    ask: Ask | None = None
+    note: str = ""
+
+
+class _Permit:
+    """A granted lease, released once, with the call's outcome reported first when the client
+    can take it (``lease.report``: the client-observed signal, built separately)."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.done = False
+
+    async def release(self, outcome: str | None = None, latency: float | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        report = getattr(self.lease, "report", None)
+        if outcome is not None and callable(report):
+            try:
+                result = report(outcome, latency=latency)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # reporting must never cost the caller its response
+                log.debug("lease.report failed", exc_info=True)
+        await self.lease.release()
+
+
+async def _race(
+    task: asyncio.Future[T],
+    gone: asyncio.Event,
+    timeout: float | None = None,
+    discard: Callable[[T], Awaitable[None]] | None = None,
+) -> T:
+    """``task``'s result, unless the caller goes away (:class:`ClientGone`) or ``timeout``
+    passes (:class:`TimeoutError`) first: then ``task`` is cancelled and a result it produced
+    anyway is handed to ``discard`` (a lease to release, a response to close)."""
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
+    pending: set[asyncio.Future[Any]] = {task, waiter}
+    try:
+        await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this exchange is cancelled itself (the server's shutdown)
+        task.cancel()
+        if discard is not None:
+            task.add_done_callback(functools.partial(_discard_later, discard))
+        raise
+    finally:
+        waiter.cancel()
+    if task.done() and not gone.is_set():
+        return task.result()
+    task.cancel()
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        pass
+    except Exception:
+        pass  # the task failed as it was abandoned: nothing to clean
+    else:
+        if discard is not None:
+            await discard(result)
+    if gone.is_set():
+        raise ClientGone
+    raise TimeoutError
+
+
+# cleanups started from callbacks, kept referenced until they finish
+_cleanups: set[asyncio.Future[None]] = set()
+
+
+def _discard_later(discard: Callable[[Any], Awaitable[None]], task: asyncio.Future[Any]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    cleanup = asyncio.ensure_future(discard(task.result()))
+    _cleanups.add(cleanup)
+    cleanup.add_done_callback(_cleanups.discard)
+
+
+def _cancel(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+
+
+def _has_dot_segment(path: str) -> bool:
+    return any(seg in (".", "..") for seg in path.split("/"))
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The declared body length; ValueError when it is malformed or given with conflicting
+    values (a request-smuggling shape)."""
+    values = {v.strip() for k, v in headers if k == b"content-length"}
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ValueError("conflicting Content-Length headers")
+    (text,) = values
+    if not text or len(text) > 18 or not text.isdigit():
+        raise ValueError("Content-Length is not a number")
+    return int(text)
+
+
+class ProxyApp:
+    """The ASGI app of ``fleetgate proxy`` over a started :class:`~fleetgate.client.Fleet`.
+
+    ``registry`` holds the fleet's client metrics and the proxy's own (served at the config's
+    ``metrics_path``). Call :meth:`aclose` after the server stopped (closes the upstream
+    connection pools).
+    """
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        fleet: Fleet,
+        registry: CollectorRegistry,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.registry = registry
+        self.metrics = ProxyMetrics.create(registry)
+        self.draining = False
+        self._gates: dict[str, Gate] = {}
+        self._clients: list[httpx.AsyncClient] = []
+        self._pools: dict[int, list[httpx.AsyncClient]] = {}
+        self._turn = 0
+        for i, route in enumerate(config.routes):
+            self._pools[i] = [self._client(route, transport) for _ in range(POOLS_PER_ROUTE)]
+            self._clients += self._pools[i]
+        for route in config.routes:
+            self.gate(route)  # registered now: live pod of the gate, defaults in Redis
+
+    @staticmethod
+    def _client(
+        route: RouteConfig, transport: httpx.AsyncBaseTransport | None
+    ) -> httpx.AsyncClient:
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=route.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            follow_redirects=False,
+            trust_env=False,
+            transport=transport,
+        )
+        # The caller's own headers go through as they are: no defaults of httpx's added (an
+        # Accept-Encoding the caller did not send would get it a compressed body).
+        for name in ("accept", "accept-encoding", "user-agent"):
+            client.headers.pop(name, None)
+        return client
+
+    def _pick(self, route: RouteConfig) -> httpx.AsyncClient:
+        pools = self._pools[self.config.routes.index(route)]
+        self._turn = (self._turn + 1) % len(pools)
+        return pools[self._turn]
+
+    def gate(self, route: RouteConfig) -> Gate:
+        found = self._gates.get(route.gate)
+        if found is None:
+            found = self.fleet.gate(route.gate, **route.gate_defaults)
+            self._gates[route.gate] = found
+        return found
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self._clients))
+
+    # -- ASGI --------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        settings = self.config.proxy
+        if path == settings.health_path:
+            await self._health(send)
+            return
+        if path == settings.metrics_path and scope["method"] in ("GET", "HEAD"):
+            await self._send(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+            return
+        client = scope.get("client")
+        ex = _Exchange(scope["method"], path, client[0] if client else "-")
+        try:
+            await self._exchange(scope, receive, send, ex)
+        except Exception:
+            # A bug of ours: log it (no header values), answer 502 if nothing was sent yet.
+            log.exception("proxy: unexpected error on %s %s", ex.method, ex.path)
+            if ex.status == 0:
+                ex.status = 502
+                await self._error(send, 502, "proxy_error", "the proxy failed on this request", ex)
+        finally:
+            self._account(ex)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _health(self, send: Send) -> None:
+        status = 503 if self.draining else 200
+        body = {
+            "status": "draining" if self.draining else "ok",
+            "fallback": self.fleet.fallback_active,
+            "routes": [r.describe() for r in self.config.routes],
+        }
+        await self._send(send, status, _ENCODER.encode(body), "application/json")
+
+    # -- one exchange ------------------------------------------------------------------------
+
+    async def _exchange(self, scope: Scope, receive: Receive, send: Send, ex: _Exchange) -> None:
+        settings = self.config.proxy
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        head += sum(len(k) + len(v) + 4 for k, v in headers)
+        if head > settings.max_header_bytes:
+            msg = f"request line and headers exceed {settings.max_header_bytes} bytes"
+            await self._error(send, 431, "headers_too_large", msg, ex)
+            return
+        if _has_dot_segment(ex.path):
+            await self._error(send, 400, "bad_request", "the path has '.' or '..' segments", ex)
+            return
+        try:
+            declared = _content_length(headers)
+        except ValueError as exc:
+            await self._error(send, 400, "bad_request", str(exc), ex)
+            return
+        if declared is not None and declared > settings.max_request_bytes:
+            await self._too_large(send, ex)
+            return
+        routes = [r for r in self.config.routes if r.matches_path(ex.path)]
+        if not routes:
+            await self._error(send, 404, "no_route", f"no route for path {ex.path!r}", ex)
+            return
+        inbound = Inbound(receive, settings.max_request_bytes)
+        pump = asyncio.ensure_future(inbound.run())
+        try:
+            await self._routed(scope, send, ex, routes, inbound)
+        finally:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+
+    async def _routed(
+        self,
+        scope: Scope,
+        send: Send,
+        ex: _Exchange,
+        routes: list[RouteConfig],
+        inbound: Inbound,
+    ) -> None:
+        route = routes[0]
+        if route.models:
+            try:
+                body = await inbound.read_all()
+            except BodyTooLarge:
+                await self._too_large(send, ex)
+                return
+            except ClientGone:
+                ex.status = CLIENT_CLOSED
+                return
+            try:
+                model = msgspec.json.decode(body, type=_Model).model
+            except msgspec.DecodeError:
+                model = None
+            found = next((r for r in routes if not r.models or model in r.models), None)
+            if found is None:
+                shown = "no model" if model is None else f"model {model[:100]!r}"
+                msg = f"no route for path {ex.path!r} and {shown}"
+                await self._error(send, 404, "no_route", msg, ex)
+                return
+            route = found
+        ex.route, ex.gate = route.label, route.gate
+        try:
+            ask = parse_ask(scope["headers"], route)
+        except BadHeader as exc:
+            await self._error(send, 400, "bad_header", str(exc), ex)
+            return
+        ex.ask = ask
+        gauge = self.metrics.in_flight.labels(route.label)
+        gauge.inc()
+        try:
+            await self._gated(scope, send, ex, route, ask, inbound)
+        finally:
+            gauge.dec()
+
+    async def _gated(
+        self,
+        scope: Scope,
+        send: Send,
+        ex: _Exchange,
+        route: RouteConfig,
+        ask: Ask,
+        inbound: Inbound,
+    ) -> None:
+        gate = self.gate(route)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        acquire = asyncio.ensure_future(
+            gate.acquire(
+                ask.deadline_s, weight=ask.weight, priority=ask.priority, tenant=ask.tenant
+            )
+        )
+
+        async def give_back(lease: Lease) -> None:
+            await lease.release()
+
+        try:
+            lease = await _race(acquire, inbound.gone, discard=give_back)
+        except ClientGone:
+            self.metrics.disconnects.labels(route.label, "queued").inc()
+            ex.status, ex.note = CLIENT_CLOSED, "left the queue"
+            return
+        except Overloaded as exc:
+            seconds = retry_after(route.retry_after_s)
+            await self._error(
+                send, 429, "overloaded", str(exc), ex, gate=route.gate, retry_after_s=seconds
+            )
+            return
+        except DeadlineExceeded as exc:
+            msg = f"{exc} (expired while queued for a permit)"
+            await self._error(send, 504, "deadline_exceeded", msg, ex, gate=route.gate)
+            return
+        except ConfigError as exc:  # a weight above the gate's ceiling
+            await self._error(send, 400, "bad_header", str(exc), ex, gate=route.gate)
+            return
+        except FleetgateError as exc:
+            await self._error(send, 503, "unavailable", str(exc), ex, gate=route.gate)
+            return
+        ex.wait_ms = (loop.time() - t0) * 1000
+        permit = _Permit(lease)
+        try:
+            await self._forward(scope, send, ex, route, ask, inbound, permit, t0)
+        finally:
+            await permit.release()  # no-op when the upstream's end released it
+
+    async def _forward(
+        self,
+        scope: Scope,
+        send: Send,
+        ex: _Exchange,
+        route: RouteConfig,
+        ask: Ask,
+        inbound: Inbound,
+        permit: _Permit,
+        t0: float,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        remaining = ask.deadline_s - (loop.time() - t0)
+        gate = route.gate
+        deadline_msg = (
+            f"gate {gate!r}: total deadline of {ask.deadline_ms} ms exceeded before the "
+            "upstream's response headers"
+        )
+        if remaining <= 0:
+            await permit.release()
+            await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
+            return
+        client = self._pick(route)
+        target = route.upstream + (scope.get("raw_path") or scope["path"].encode()).decode(
+            "latin-1"
+        )
+        query: bytes = scope.get("query_string") or b""
+        if query:
+            target += "?" + query.decode("latin-1")
+        headers = forward_request_headers(scope["headers"], client_ip=ex.client)
+        content: Any
+        if inbound.complete and not inbound.too_large:
+            content = await inbound.read_all()
+        else:
+            content = inbound.body()
+        request = client.build_request(scope["method"], target, headers=headers, content=content)
+        sent_at = loop.time()
+
+        async def close(response: httpx.Response) -> None:
+            await response.aclose()
+
+        try:
+            response = await _race(
+                asyncio.ensure_future(client.send(request, stream=True)),
+                inbound.gone,
+                remaining,
+                discard=close,
+            )
+        except ClientGone:
+            await permit.release()
+            self.metrics.disconnects.labels(route.label, "upstream").inc()
+            ex.status, ex.note = CLIENT_CLOSED, "gone while the upstream worked"
+            return
+        except BodyTooLarge:
+            await permit.release()
+            await self._too_large(send, ex)
+            return
+        except TimeoutError:
+            await permit.release("timeout", loop.time() - sent_at)
+            self.metrics.upstream_errors.labels(route.label, "timeout").inc()
+            await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
+            return
+        except httpx.TimeoutException:  # the connect timeout
+            await permit.release("timeout", loop.time() - sent_at)
+            self.metrics.upstream_errors.labels(route.label, "connect").inc()
+            msg = f"upstream {route.upstream} did not accept a connection in time"
+            await self._error(send, 504, "upstream_timeout", msg, ex, gate=gate)
+            return
+        except httpx.HTTPError as exc:
+            await permit.release("error", loop.time() - sent_at)
+            kind = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
+            self.metrics.upstream_errors.labels(route.label, kind).inc()
+            msg = f"upstream {route.upstream} failed: {type(exc).__name__}"
+            await self._error(send, 502, "upstream_error", msg, ex, gate=gate)
+            return
+        await self._respond(send, ex, route, inbound, permit, response, sent_at)
+
+    async def _respond(
+        self,
+        send: Send,
+        ex: _Exchange,
+        route: RouteConfig,
+        inbound: Inbound,
+        permit: _Permit,
+        response: httpx.Response,
+        sent_at: float,
+    ) -> None:
+        limit = self.config.proxy.max_response_bytes
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await response.aclose()
+            await permit.release("ok", asyncio.get_running_loop().time() - sent_at)
+            self.metrics.upstream_errors.labels(route.label, "too_large").inc()
+            msg = f"the upstream's response ({declared} bytes) exceeds {limit} bytes"
+            await self._error(send, 502, "response_too_large", msg, ex, gate=route.gate)
+            return
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        reader = asyncio.ensure_future(
+            self._read_upstream(response, queue, permit, route, sent_at, ex)
+        )
+        inbound.on_gone(functools.partial(_cancel, reader))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": forward_response_headers(response.headers.raw),
+            }
+        )
+        ex.status = response.status_code
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                if not isinstance(item, bytes):
+                    # cut short (the upstream failed or the caller left): the response stays
+                    # incomplete, which the caller's HTTP client sees as a truncated body
+                    return
+                await send({"type": "http.response.body", "body": item, "more_body": True})
+                ex.sent += len(item)
+        finally:
+            if not reader.done():
+                reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read_upstream(
+        self,
+        response: httpx.Response,
+        queue: asyncio.Queue[object],
+        permit: _Permit,
+        route: RouteConfig,
+        sent_at: float,
+        ex: _Exchange,
+    ) -> None:
+        """Take the body from the upstream as fast as it comes; free the permit when it ends."""
+        limit = self.config.proxy.max_response_bytes
+        loop = asyncio.get_running_loop()
+        outcome: str | None = None
+
+        async def pull() -> None:
+            total = 0
+            async for chunk in response.aiter_raw():
+                total += len(chunk)
+                if total > limit:
+                    raise _TooLarge
+                queue.put_nowait(chunk)
+
+        try:
+            await asyncio.wait_for(pull(), route.stream_timeout_s)
+        except asyncio.CancelledError:
+            self.metrics.disconnects.labels(route.label, "response").inc()
+            ex.note = "gone mid-response"
+            queue.put_nowait(None)
+            raise
+        except (TimeoutError, asyncio.TimeoutError):
+            outcome, ex.note = "timeout", f"stream cut after {route.stream_timeout_s:g} s"
+            self.metrics.upstream_errors.labels(route.label, "timeout").inc()
+            queue.put_nowait(None)
+        except _TooLarge:
+            outcome, ex.note = "ok", f"response cut at {limit} bytes"
+            self.metrics.upstream_errors.labels(route.label, "too_large").inc()
+            queue.put_nowait(None)
+        except httpx.HTTPError as exc:
+            outcome, ex.note = "error", f"upstream failed mid-response: {type(exc).__name__}"
+            self.metrics.upstream_errors.labels(route.label, "protocol").inc()
+            queue.put_nowait(None)
+        else:
+            outcome = classify(response.status_code)
+            queue.put_nowait(_END)
+        finally:
+            await response.aclose()
+            await permit.release(outcome, loop.time() - sent_at)
+
+    # -- answers -----------------------------------------------------------------------------
+
+    @staticmethod
+    async def _send(
+        send: Send,
+        status: int,
+        body: bytes,
+        content_type: str,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        headers = [
+            (b"content-type", content_type.encode("latin-1")),
+            (b"content-length", str(len(body)).encode()),
+            *(extra or []),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _error(
+        self,
+        send: Send,
+        status: int,
+        kind: str,
+        message: str,
+        ex: _Exchange,
+        *,
+        gate: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        """A JSON error of the proxy's own: ``{"error": {"type", "message", "gate", ...}}``."""
+        error: dict[str, Any] = {"type": kind, "message": message}
+        extra: list[tuple[bytes, bytes]] = []
+        if gate is not None:
+            error["gate"] = gate
+            extra.append((b"x-fleetgate-gate", gate.encode("utf-8")))
+        if retry_after_s is not None:
+            error["retry_after_s"] = retry_after_s
+            extra.append((b"retry-after", str(retry_after_s).encode()))
+        body = _ENCODER.encode({"error": error})
+        ex.status = status
+        ex.note = ex.note or kind
+        await self._send(send, status, body, "application/json", extra)
+
+    async def _too_large(self, send: Send, ex: _Exchange) -> None:
+        limit = self.config.proxy.max_request_bytes
+        msg = f"the request body exceeds {limit} bytes"
+        await self._error(send, 413, "body_too_large", msg, ex)
+
+    def _account(self, ex: _Exchange) -> None:
+        seconds = time.monotonic() - ex.started
+        status = str(ex.status or CLIENT_CLOSED)
+        self.metrics.requests.labels(ex.route, status).inc()
+        self.metrics.seconds.labels(ex.route, status).observe(seconds)
+        if not self.config.proxy.access_log or not access_log.isEnabledFor(logging.INFO):
+            return
+        ask = ex.ask
+        wait = "-" if ex.wait_ms is None else f"{ex.wait_ms:.1f}ms"
+        cls = (
+            f" priority={ask.priority} tenant={ask.tenant or '-'} weight={ask.weight}"
+            if ask is not None
+            else ""
+        )
+        # The path only: a query string may carry a key. Header values are never logged.
+        access_log.info(
+            '%s "%s %s" %s %dB %.1fms route=%s gate=%s wait=%s%s%s',
+            ex.client,
+            ex.method,
+            ex.path[:200].encode("unicode_escape").decode("ascii"),
+            status,
+            ex.sent,
+            seconds * 1000,
+            ex.route or "-",
+            ex.gate or "-",
+            wait,
+            cls,
+            f" ({ex.note})" if ex.note else "",
+        )

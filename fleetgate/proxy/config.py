@@ -1,0 +1,381 @@
+"""The proxy's configuration: one TOML file (or the one-route CLI flags), decoded into frozen
+msgspec structs.
+
+Shape (``example.toml`` next to this module shows every key with its default)::
+
+    [redis]      url, prefix
+    [proxy]      listen, max_request_bytes, max_response_bytes, max_header_bytes,
+                 drain_seconds, access_log, metrics_path, health_path
+    [[routes]]   path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
+                 min_priority, max_priority, tenant, tenants, weight, max_weight,
+                 stream_timeout_s, connect_timeout_s, retry_after_s, gate_defaults
+
+A request goes to the first route whose ``path`` is a prefix of its path (on a ``/`` boundary)
+and, when the route lists ``models``, whose JSON body names one of them in ``model``. Every
+problem is a :class:`~fleetgate.errors.ConfigError` naming the field, e.g.
+``routes[1].upstream: expected an http:// or https:// URL without credentials, got 'ftp://x'``.
+Environment: ``FLEETGATE_REDIS_URL`` and ``FLEETGATE_PREFIX`` fill ``[redis]`` when the file does
+not set them (the CLI's ``--redis``/``--prefix`` win over both).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import msgspec
+from msgspec import Meta
+
+from fleetgate._redis import validate_redis_url
+from fleetgate.admission import MAX_PRIORITY, MIN_PRIORITY, validate_tenant
+from fleetgate.errors import ConfigError
+from fleetgate.keys import validate_gate_name, validate_prefix
+from fleetgate.settings import GateSettings
+
+__all__ = [
+    "ProxyConfig",
+    "ProxySettings",
+    "RedisSettings",
+    "RouteConfig",
+    "load_config",
+    "one_route",
+    "parse_listen",
+]
+
+Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
+Millis = Annotated[int, Meta(ge=1, le=86_400_000)]
+Seconds = Annotated[float, Meta(gt=0, le=86_400)]
+MiB = 1024 * 1024
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 in brackets) -> (host, port); port 0 binds any free port."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isascii() or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"expected 'host:port' with a port 0-65535, got {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def validate_upstream(url: object) -> str:
+    """An ``http(s)://host[:port][/base]`` URL with no credentials, query or fragment; returned
+    without a trailing slash."""
+    shown = url if isinstance(url, str) else type(url).__name__
+    problem = "expected an http:// or https:// URL without credentials, query or fragment"
+    if not isinstance(url, str):
+        raise ConfigError(f"{problem}, got {shown!r}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ConfigError(f"{problem}, got an unparsable URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{problem}, got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        # never echo it: the user part may hold a token
+        raise ConfigError(f"{problem}: credentials in the URL are refused (set them as headers)")
+    if parts.query or parts.fragment or any(c.isspace() for c in url):
+        raise ConfigError(f"{problem}, got {url!r}")
+    return url.rstrip("/")
+
+
+def _field(name: str, exc: ConfigError) -> ConfigError:
+    return ConfigError(f"{name}: {exc}")
+
+
+class RedisSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the gates live."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "fg"
+
+    def __post_init__(self) -> None:
+        for name, check, value in (
+            ("url", validate_redis_url, self.url),
+            ("prefix", validate_prefix, self.prefix),
+        ):
+            try:
+                check(value)
+            except ConfigError as exc:
+                raise _field(name, exc) from None
+
+
+class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The listener and the limits every route shares."""
+
+    listen: str = "127.0.0.1:8080"
+    #: a larger request body gets 413 (before a permit is taken when Content-Length says so)
+    max_request_bytes: Annotated[int, Meta(ge=1, le=1024 * MiB)] = 16 * MiB
+    #: a larger upstream response is cut: 502 before its headers were sent, else the connection
+    #: is closed (the permit is freed either way)
+    max_response_bytes: Annotated[int, Meta(ge=1, le=16 * 1024 * MiB)] = 256 * MiB
+    #: request line and headers together; more gets 431
+    max_header_bytes: Annotated[int, Meta(ge=1024, le=MiB)] = 32 * 1024
+    #: on SIGTERM: stop accepting, then wait this long for requests in flight
+    drain_seconds: Annotated[float, Meta(ge=0, le=3600)] = 30.0
+    access_log: bool = True
+    #: the proxy's own endpoints; never forwarded
+    metrics_path: str = "/metrics"
+    health_path: str = "/healthz"
+
+    def __post_init__(self) -> None:
+        try:
+            parse_listen(self.listen)
+        except ConfigError as exc:
+            raise _field("listen", exc) from None
+        for name in ("metrics_path", "health_path"):
+            value = getattr(self, name)
+            if not value.startswith("/") or any(c.isspace() or c == "?" for c in value):
+                raise ConfigError(f"{name}: expected a path starting with '/', got {value!r}")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
+class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One route: which requests (path prefix, models) go to which upstream through which gate,
+    and what a caller may ask for in the ``X-Fleetgate-*`` headers."""
+
+    upstream: str
+    gate: str
+    path: str = "/"
+    #: the ``route`` label of the proxy's metrics and the access log; default: path (+ models)
+    name: str = ""
+    #: the JSON body's ``model`` must be one of these; empty = any body
+    models: tuple[str, ...] = ()
+    #: X-Fleetgate-Deadline-Ms when absent; a larger asked value is clamped to max_deadline_ms
+    deadline_ms: Millis = 30_000
+    max_deadline_ms: Millis | None = None
+    #: X-Fleetgate-Priority when absent; asked values are clamped to [min_priority, max_priority]
+    priority: Priority = 0
+    min_priority: Priority | None = None
+    max_priority: Priority | None = None
+    #: the tenant when the header is absent ("" = the default tenant) or names no allowed one
+    tenant: str = ""
+    #: tenants a caller may pick with X-Fleetgate-Tenant; ["*"] = any valid name
+    tenants: tuple[str, ...] = ()
+    #: X-Fleetgate-Weight when absent; asked values are clamped to [1, max_weight]
+    weight: Annotated[int, Meta(ge=1)] = 1
+    max_weight: Annotated[int, Meta(ge=1)] | None = None
+    #: a streamed (or any) response body must be complete this long after its headers
+    stream_timeout_s: Seconds = 600.0
+    connect_timeout_s: Seconds = 10.0
+    #: Retry-After of a 429 (integer seconds, at least 1)
+    retry_after_s: Annotated[int, Meta(ge=1, le=3600)] = 1
+    #: the gate's settings registered only if Redis has none (as Fleet.gate's keyword arguments)
+    gate_defaults: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[str, Any]] = [
+            ("upstream", lambda: validate_upstream(self.upstream)),
+            ("gate", lambda: validate_gate_name(self.gate)),
+            ("path", lambda: _check_path(self.path)),
+            ("tenant", lambda: validate_tenant(self.tenant or None)),
+            ("name", lambda: _check_name(self.name)),
+        ]
+        for i, t in enumerate(self.tenants):
+            if t != "*":
+                checks.append((f"tenants[{i}]", lambda t=t: validate_tenant(t)))
+        checks.append(
+            ("gate_defaults", lambda: GateSettings.for_gate(self.gate, **self.gate_defaults))
+        )
+        for name, check in checks:
+            try:
+                check()
+            except ConfigError as exc:
+                raise _field(name, exc) from None
+            except TypeError as exc:  # an unknown keyword of gate_defaults
+                raise ConfigError(f"{name}: {exc}") from None
+        msgspec.structs.force_setattr(self, "upstream", validate_upstream(self.upstream))
+        lo, hi = self.priority_range
+        if not lo <= self.priority <= hi:
+            raise ConfigError(
+                f"priority: {self.priority} is outside [min_priority, max_priority] = [{lo}, {hi}]"
+            )
+        if self.weight > self.weight_cap:
+            raise ConfigError(f"weight: {self.weight} is above max_weight {self.weight_cap}")
+        if self.deadline_ms > self.deadline_cap_ms:
+            raise ConfigError(
+                f"deadline_ms: {self.deadline_ms} is above max_deadline_ms {self.deadline_cap_ms}"
+            )
+
+    @property
+    def priority_range(self) -> tuple[int, int]:
+        """[min, max] a caller may ask for (both default to ``priority``: the header is
+        ignored unless the route opens a range)."""
+        lo = self.priority if self.min_priority is None else self.min_priority
+        hi = self.priority if self.max_priority is None else self.max_priority
+        return lo, hi
+
+    @property
+    def weight_cap(self) -> int:
+        return self.weight if self.max_weight is None else self.max_weight
+
+    @property
+    def deadline_cap_ms(self) -> int:
+        return self.deadline_ms if self.max_deadline_ms is None else self.max_deadline_ms
+
+    @property
+    def any_tenant(self) -> bool:
+        return "*" in self.tenants
+
+    def matches_path(self, path: str) -> bool:
+        """Whether ``path`` is under this route's prefix (``/v1`` matches ``/v1`` and
+        ``/v1/x``, not ``/v10``)."""
+        p = self.path
+        return p == "/" or path == p or path.startswith(p if p.endswith("/") else p + "/")
+
+    @property
+    def label(self) -> str:
+        """The route's name in metrics and logs."""
+        if self.name:
+            return self.name
+        return f"{self.path} {','.join(self.models)}" if self.models else self.path
+
+    def describe(self) -> str:
+        models = f" models={list(self.models)}" if self.models else ""
+        return f"{self.path}{models} -> {self.upstream} via gate {self.gate!r}"
+
+
+def _check_name(name: str) -> None:
+    if len(name) > 100 or not name.isprintable():
+        raise ConfigError(f"expected at most 100 printable characters, got {name[:40]!r}")
+
+
+_PATH = re.compile(r"^/[!-~]*$")  # printable ASCII, no spaces
+
+
+def _check_path(path: str) -> None:
+    if not _PATH.match(path) or "?" in path or "#" in path:
+        raise ConfigError(f"expected a path prefix starting with '/', got {path!r}")
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The whole configuration; see the module docstring."""
+
+    routes: tuple[RouteConfig, ...]
+    redis: RedisSettings = msgspec.field(default_factory=RedisSettings)
+    proxy: ProxySettings = msgspec.field(default_factory=ProxySettings)
+
+    def __post_init__(self) -> None:
+        if not self.routes:
+            raise ConfigError("routes: at least one [[routes]] entry is needed")
+        own = {self.proxy.metrics_path, self.proxy.health_path}
+        for i, r in enumerate(self.routes):
+            if r.path in own:
+                raise ConfigError(f"routes[{i}].path: {r.path!r} is the proxy's own endpoint")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Any:
+        """Validate a decoded mapping; ``FLEETGATE_REDIS_URL``/``FLEETGATE_PREFIX`` from ``env``
+        fill ``[redis]`` keys the mapping leaves out."""
+        data = dict(raw)
+        env = os.environ if env is None else env
+        redis = data.get("redis", {})
+        if isinstance(redis, dict):
+            redis = dict(redis)
+            for var, key in (("FLEETGATE_REDIS_URL", "url"), ("FLEETGATE_PREFIX", "prefix")):
+                if env.get(var) and key not in redis:
+                    redis[key] = env[var]
+            data["redis"] = redis
+        try:
+            return msgspec.convert(data, type=cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(str(exc))) from None
+
+    @classmethod
+    def from_toml_text(
+        cls, text: str | bytes, *, source: str = "<config>", env: Mapping[str, str] | None = None
+    ) -> ProxyConfig:
+        try:
+            raw = msgspec.toml.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(_one_line(f"{source}: invalid TOML: {exc}")) from None
+        config: ProxyConfig = cls.from_mapping(raw, env)
+        return config
+
+    def with_overrides(
+        self, *, listen: str | None = None, redis: str | None = None, prefix: str | None = None
+    ) -> ProxyConfig:
+        """The CLI's ``--listen``, ``--redis`` and ``--prefix`` over the file's values."""
+        proxy, rs = self.proxy, self.redis
+        try:
+            if listen is not None:
+                proxy = ProxySettings(**{**msgspec.structs.asdict(proxy), "listen": listen})
+        except ConfigError as exc:
+            raise ConfigError(f"proxy.{exc}") from None
+        try:
+            if redis is not None or prefix is not None:
+                rs = RedisSettings(url=redis or rs.url, prefix=prefix or rs.prefix)
+        except ConfigError as exc:
+            raise ConfigError(f"redis.{exc}") from None
+        return msgspec.structs.replace(self, proxy=proxy, redis=rs)
+
+
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> ProxyConfig:
+    """Read and validate the TOML file at ``path``."""
+    try:
+        text = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{os.fspath(path)}: config file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{os.fspath(path)}: cannot read config file: {exc.strerror}") from None
+    return ProxyConfig.from_toml_text(text, source=os.fspath(path), env=env)
+
+
+def one_route(
+    *,
+    upstream: str,
+    gate: str,
+    listen: str | None = None,
+    redis: str | None = None,
+    prefix: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ProxyConfig:
+    """The configuration of ``fleetgate proxy --upstream URL --gate NAME`` (every path)."""
+    raw: dict[str, Any] = {"routes": [{"upstream": upstream, "gate": gate}]}
+    if listen is not None:
+        raw["proxy"] = {"listen": listen}
+    redis_table = {k: v for k, v in (("url", redis), ("prefix", prefix)) if v is not None}
+    if redis_table:
+        raw["redis"] = redis_table
+    config: ProxyConfig = ProxyConfig.from_mapping(raw, env)
+    return config
+
+
+# -------------------------------------------------------------------------------- error text
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_OWN = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?): (.*)$", re.DOTALL)
+_NAMED = re.compile(r"^Object (missing required|contains unknown) field `([^`]+)`$")
+
+
+def _explain(message: str) -> str:
+    """msgspec's ``Expected `int` >= 1 - at `$.routes[0].weight``` as
+    ``routes[0].weight: expected int >= 1``; our own ``field: problem`` from a ``__post_init__``
+    gets its path in front."""
+    m = _AT.match(message)
+    msg, path = (m.group("msg"), m.group("path") or "") if m else (message, "")
+    named, own = _NAMED.match(msg), _OWN.match(msg)
+    if named:
+        what = "missing required field" if named.group(1) == "missing required" else "unknown field"
+        path, msg = f"{path}.{named.group(2)}", what
+    elif own:
+        path, msg = f"{path}.{own.group(1)}", own.group(2)
+    else:
+        msg = msg.replace("`object`", "table").replace("`", "")
+        msg = msg[:1].lower() + msg[1:]
+    shown = path.lstrip(".")
+    return _one_line(f"{shown}: {msg}" if shown else msg)
+
+
+def _one_line(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

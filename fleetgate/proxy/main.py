@@ -1,0 +1,59 @@
+"""``fleetgate proxy``'s run: the configuration from ``--config`` and the flags, then serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from fleetgate.errors import ConfigError
+
+from .config import ProxyConfig, load_config, one_route
+from .server import serve
+
+__all__ = ["config_from_args", "run_proxy"]
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    """``--config FILE`` (with ``--listen``/``--redis``/``--prefix`` over its values), or the
+    one route of ``--upstream URL --gate NAME``."""
+    one = (args.upstream, args.gate)
+    if args.config:
+        if any(one):
+            raise ConfigError(
+                "--upstream/--gate define a route of their own: put it in the --config file's "
+                "[[routes]] instead"
+            )
+        return load_config(args.config).with_overrides(
+            listen=args.listen, redis=args.redis, prefix=args.prefix
+        )
+    if not all(one):
+        raise ConfigError("give --config FILE, or both --upstream URL and --gate NAME")
+    try:
+        return one_route(
+            upstream=args.upstream,
+            gate=args.gate,
+            listen=args.listen,
+            redis=args.redis,
+            prefix=args.prefix,
+        )
+    except ConfigError as exc:  # name the flag, not the TOML field
+        text = str(exc).replace("routes[0].upstream", "--upstream")
+        text = text.replace("routes[0].gate", "--gate").replace("proxy.listen", "--listen")
+        text = text.replace("redis.url", "--redis").replace("redis.prefix", "--prefix")
+        raise ConfigError(text) from None
+
+
+def run_proxy(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; 0 after a clean drain."""
+    config = config_from_args(args)
+
+    def ready(url: str) -> None:
+        print(f"fleetgate proxy: listening on {url}", flush=True)
+
+    try:
+        asyncio.run(serve(config, on_ready=ready))
+    except OSError as exc:  # the listen address is taken or not ours
+        print(f"fleetgate proxy: cannot listen on {config.proxy.listen}: {exc}", file=sys.stderr)
+        return 1
+    return 0

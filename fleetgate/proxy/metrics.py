@@ -1,0 +1,71 @@
+"""The proxy's own metrics (prometheus-client), beside the client metrics of its fleet.
+
+Both live in the registry the proxy is given, which ``/metrics`` serves. Labels: ``route`` is the
+route's label (its ``name``, else its path; ``""`` for requests no route took), ``status`` the
+HTTP status the caller got -- both bounded: routes come from the configuration, statuses are
+three digits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["LATENCY_BUCKETS", "ProxyMetrics"]
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProxyMetrics:
+    requests: Counter
+    seconds: Histogram
+    in_flight: Gauge
+    disconnects: Counter
+    upstream_errors: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> ProxyMetrics:
+        """The proxy's metrics, registered in ``registry`` (never the global one by accident:
+        the caller names it)."""
+        rs = ("route", "status")
+        return cls(
+            requests=Counter(
+                "fleetgate_proxy_requests",
+                "Requests answered, by route and the status the caller got",
+                rs,
+                registry=registry,
+            ),
+            seconds=Histogram(
+                "fleetgate_proxy_request_seconds",
+                "Request latency as the caller saw it (queue wait, upstream, body), by route and "
+                "status: until the last byte was handed to the caller's connection",
+                rs,
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            in_flight=Gauge(
+                "fleetgate_proxy_in_flight",
+                "Requests being handled (queued for a permit or forwarded), by route",
+                ("route",),
+                registry=registry,
+            ),
+            disconnects=Counter(
+                "fleetgate_proxy_client_disconnects",
+                "Callers that went away before their response was complete, by route and phase "
+                "(queued: left the wait list; upstream: the call was cancelled; response: the "
+                "stream was cut), the permit freed each time",
+                ("route", "phase"),
+                registry=registry,
+            ),
+            upstream_errors=Counter(
+                "fleetgate_proxy_upstream_errors",
+                "Calls that got no complete response from the upstream, by route and kind "
+                "(connect, timeout, protocol, too_large)",
+                ("route", "kind"),
+                registry=registry,
+            ),
+        )

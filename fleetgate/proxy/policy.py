@@ -1,0 +1,217 @@
+"""What the proxy decides about one request and one response, as pure functions (no I/O).
+
+* :func:`parse_ask`: the ``X-Fleetgate-*`` headers -> the permit to ask for (:class:`Ask`),
+  validated (a malformed value is a :class:`BadHeader`: 400) and clamped to what the route
+  allows (a caller never gets above ``max_priority``, a tenant the route does not list, a weight
+  above ``max_weight`` or a deadline above ``max_deadline_ms``);
+* :func:`forward_request_headers` / :func:`forward_response_headers`: RFC 9110 section 7.6.1 --
+  ``Connection`` and every header it names, ``Proxy-Connection``, ``Keep-Alive``, ``TE``,
+  ``Transfer-Encoding``, ``Upgrade`` are hop-by-hop and never forwarded; the ``X-Fleetgate-*``
+  headers are the proxy's and stop here; ``Via`` is added (section 7.6.3);
+* :func:`classify`: a response status or an error -> the outcome reported for the
+  client-observed signal (``ok``, ``overloaded``, ``timeout``, ``error``);
+* :func:`retry_after`: the ``Retry-After`` value of a 429 (integer seconds, at least 1).
+
+Header names arrive as ASGI gives them: lower-case bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from fleetgate.admission import MAX_PRIORITY, MIN_PRIORITY
+from fleetgate.keys import name_problem
+
+from .config import RouteConfig
+
+__all__ = [
+    "FLEETGATE_HEADERS",
+    "HOP_BY_HOP",
+    "Ask",
+    "BadHeader",
+    "Outcome",
+    "classify",
+    "forward_request_headers",
+    "forward_response_headers",
+    "parse_ask",
+    "retry_after",
+]
+
+Headers = Sequence[tuple[bytes, bytes]]
+Outcome = Literal["ok", "overloaded", "timeout", "error"]
+
+PRIORITY: Final = b"x-fleetgate-priority"
+TENANT: Final = b"x-fleetgate-tenant"
+WEIGHT: Final = b"x-fleetgate-weight"
+DEADLINE: Final = b"x-fleetgate-deadline-ms"
+FLEETGATE_HEADERS: Final = frozenset({PRIORITY, TENANT, WEIGHT, DEADLINE})
+
+#: RFC 9110 7.6.1 (plus Proxy-Authorization/-Authenticate: meant for this hop, never forwarded)
+HOP_BY_HOP: Final = frozenset(
+    {
+        b"connection",
+        b"proxy-connection",
+        b"keep-alive",
+        b"te",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+    }
+)
+VIA: Final = (b"via", b"1.1 fleetgate")
+#: the longest deadline a header may name (a day), and the longest number we parse
+MAX_DEADLINE_MS: Final = 86_400_000
+_MAX_DIGITS: Final = 12
+
+
+class BadHeader(ValueError):
+    """A malformed ``X-Fleetgate-*`` header: the message names it and says what is expected."""
+
+    def __init__(self, header: bytes, problem: str) -> None:
+        self.header = header.decode("latin-1").title()
+        super().__init__(f"{self.header}: {problem}")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """The permit one request asks for, after the route's policy."""
+
+    priority: int
+    tenant: str | None
+    weight: int
+    deadline_ms: int
+
+    @property
+    def deadline_s(self) -> float:
+        return self.deadline_ms / 1000.0
+
+
+def _single(headers: Headers, name: bytes) -> str | None:
+    found: str | None = None
+    for key, value in headers:
+        if key == name:
+            if found is not None:
+                raise BadHeader(name, "given more than once")
+            found = value.decode("latin-1").strip(" \t")
+    return found
+
+
+def _int(name: bytes, text: str, what: str) -> int:
+    body = text[1:] if text[:1] in ("-", "+") else text
+    if not body or len(body) > _MAX_DIGITS or not (body.isascii() and body.isdigit()):
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise BadHeader(name, f"expected {what}, got {shown!r}")
+    return int(text)
+
+
+def parse_ask(headers: Headers, route: RouteConfig) -> Ask:
+    """The :class:`Ask` of a request to ``route`` (absent headers take the route's defaults).
+
+    Malformed values (not an integer, a priority outside [-100, 100], a weight < 1, a deadline
+    <= 0 or above a day, a tenant that is no valid name, a header given twice) raise
+    :class:`BadHeader`. Well-formed values beyond the route's allowance are clamped: priority
+    to [min_priority, max_priority], weight to [1, max_weight], the deadline to
+    max_deadline_ms, and a tenant the route does not allow becomes the route's tenant.
+    """
+    priority = route.priority
+    text = _single(headers, PRIORITY)
+    if text is not None:
+        asked = _int(PRIORITY, text, f"an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]")
+        if not MIN_PRIORITY <= asked <= MAX_PRIORITY:
+            raise BadHeader(PRIORITY, f"expected an integer in [-100, 100], got {asked}")
+        lo, hi = route.priority_range
+        priority = min(max(asked, lo), hi)
+
+    weight = route.weight
+    text = _single(headers, WEIGHT)
+    if text is not None:
+        asked = _int(WEIGHT, text, "an integer >= 1")
+        if asked < 1:
+            raise BadHeader(WEIGHT, f"expected an integer >= 1, got {asked}")
+        weight = min(asked, route.weight_cap)
+
+    deadline = route.deadline_ms
+    text = _single(headers, DEADLINE)
+    if text is not None:
+        asked = _int(DEADLINE, text, f"milliseconds in [1, {MAX_DEADLINE_MS}]")
+        if not 1 <= asked <= MAX_DEADLINE_MS:
+            expected = f"expected milliseconds in [1, {MAX_DEADLINE_MS}], got {asked}"
+            raise BadHeader(DEADLINE, expected)
+        deadline = min(asked, route.deadline_cap_ms)
+
+    tenant: str | None = route.tenant or None
+    text = _single(headers, TENANT)
+    if text is not None:
+        problem = name_problem(text, "tenant")
+        if problem:
+            raise BadHeader(TENANT, problem)
+        if route.any_tenant or text in route.tenants:
+            tenant = text
+    return Ask(priority=priority, tenant=tenant, weight=weight, deadline_ms=deadline)
+
+
+def _connection_tokens(headers: Headers) -> set[bytes]:
+    names: set[bytes] = set()
+    for key, value in headers:
+        if key == b"connection":
+            names.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return names
+
+
+def forward_request_headers(
+    headers: Headers, *, client_ip: str | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The headers to send upstream: hop-by-hop, ``Host`` (the upstream's is set by the HTTP
+    client) and ``X-Fleetgate-*`` removed; ``Via`` added, the caller's address appended to
+    ``X-Forwarded-For``."""
+    drop = HOP_BY_HOP | FLEETGATE_HEADERS | _connection_tokens(headers) | {b"host"}
+    out = [(k, v) for k, v in headers if k not in drop]
+    if client_ip:
+        prior = [v for k, v in out if k == b"x-forwarded-for"]
+        out = [(k, v) for k, v in out if k != b"x-forwarded-for"]
+        chain = b", ".join([*prior, client_ip.encode("latin-1")])
+        out.append((b"x-forwarded-for", chain))
+    out.append(VIA)
+    return out
+
+
+def forward_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The upstream's response headers for the caller: hop-by-hop removed (the server framing
+    the response to the caller sets its own ``Transfer-Encoding``), ``Via`` added. The body is
+    forwarded byte for byte, so ``Content-Length`` and ``Content-Encoding`` stay true."""
+    items = [(k.lower(), v) for k, v in headers]
+    drop = HOP_BY_HOP | _connection_tokens(items)
+    return [*((k, v) for k, v in items if k not in drop), VIA]
+
+
+def classify(status: int | None, *, timed_out: bool = False) -> Outcome:
+    """The outcome of one forwarded call for the client-observed signal.
+
+    ``status`` None means no response (a connection or protocol error): ``error``, or
+    ``timeout`` when the call ran out of time. 429, 503 and 529 are the server saying it is
+    overloaded; 408 and 504 are time-outs; other 5xx are errors. Everything else -- 2xx, 3xx
+    and the caller's own 4xx -- is ``ok``: the server served it, and a bad request says nothing
+    about its load.
+    """
+    if timed_out:
+        return "timeout"
+    if status is None:
+        return "error"
+    if status in (429, 503, 529):
+        return "overloaded"
+    if status in (408, 504):
+        return "timeout"
+    if status >= 500:
+        return "error"
+    return "ok"
+
+
+def retry_after(seconds: float) -> int:
+    """``Retry-After`` in integer seconds (RFC 9110 10.2.3), rounded up, at least 1."""
+    if not seconds > 0 or math.isinf(seconds):
+        return 1
+    return max(1, math.ceil(seconds))

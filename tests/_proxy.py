@@ -1,0 +1,251 @@
+"""Helpers of the proxy tests: a test upstream that records what it saw, proxy configs, and
+polling Redis for a gate's holders and waiters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import redis
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fleetgate.client import Fleet
+from fleetgate.keys import GateKeys
+from fleetgate.proxy import ProxyConfig
+from fleetgate.tools.sim._server import run_unless_disconnected
+
+
+@dataclass
+class UpstreamLog:
+    """What the test upstream saw: arrival order, concurrency, cancellations."""
+
+    arrivals: list[str] = field(default_factory=list)
+    running: int = 0
+    peak: int = 0
+    cancelled: int = 0
+    finished: int = 0
+    headers: list[dict[str, str]] = field(default_factory=list)
+    sse_sent: list[float] = field(default_factory=list)
+    stream_done: list[float] = field(default_factory=list)
+
+
+def upstream_app(hold_s: float = 0.05) -> Starlette:
+    """``/work?tag=T&ms=M``: records T, holds M ms (default ``hold_s``), answers JSON;
+    ``/echo``: the request's headers and body; ``/status/N``: status N with a body and a header
+    of its own; ``/sse?n=N&ms=M``: N events M ms apart; ``/hang``: never answers (counts the
+    cancellation); ``/big?mb=N``: N MiB at once."""
+    state = UpstreamLog()
+
+    async def work(request: Request) -> Response:
+        tag = request.query_params.get("tag", "")
+        ms = float(request.query_params.get("ms", hold_s * 1000))
+        await request.body()
+        state.arrivals.append(tag)
+        state.running += 1
+        state.peak = max(state.peak, state.running)
+        try:
+            await asyncio.sleep(ms / 1000)
+        except asyncio.CancelledError:
+            state.cancelled += 1
+            raise
+        finally:
+            state.running -= 1
+        state.finished += 1
+        return JSONResponse({"tag": tag})
+
+    async def echo(request: Request) -> Response:
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # the proxy cut a body that grew too large
+            state.cancelled += 1
+            return Response(status_code=499)
+        state.headers.append({k: v for k, v in request.headers.items()})
+        url = request.url
+        seen = {"headers": dict(request.headers.items()), "body": body.decode()}
+        return JSONResponse({**seen, "path": url.path, "query": url.query})
+
+    async def status(request: Request) -> Response:
+        code = int(request.path_params["code"])
+        return Response(
+            b'{"upstream": "said so"}',
+            status_code=code,
+            headers={"x-upstream": "yes", "retry-after": "7"},
+            media_type="application/json",
+        )
+
+    async def sse(request: Request) -> Response:
+        n = int(request.query_params.get("n", "5"))
+        ms = float(request.query_params.get("ms", "100"))
+
+        async def events() -> Any:
+            state.running += 1
+            state.peak = max(state.peak, state.running)
+            try:
+                for i in range(n):
+                    state.sse_sent.append(time.monotonic())
+                    yield f"data: {json.dumps({'i': i})}\n\n".encode()
+                    await asyncio.sleep(ms / 1000)
+                yield b"data: [DONE]\n\n"
+                state.stream_done.append(time.monotonic())
+            except asyncio.CancelledError:
+                state.cancelled += 1
+                raise
+            finally:
+                state.running -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def hang(request: Request) -> Response:
+        await request.body()
+        state.running += 1
+        try:
+            finished, _ = await run_unless_disconnected(request, asyncio.sleep(3600))
+        finally:
+            state.running -= 1
+        state.cancelled += not finished
+        return Response()
+
+    async def big(request: Request) -> Response:
+        mb = int(request.query_params.get("mb", "1"))
+        return Response(b"x" * (mb * 1024 * 1024), media_type="application/octet-stream")
+
+    async def health(request: Request) -> Response:
+        return Response()
+
+    app = Starlette(
+        routes=[
+            Route("/work", work, methods=["GET", "POST"]),
+            Route("/echo", echo, methods=["GET", "POST", "PUT"]),
+            Route("/status/{code}", status, methods=["GET", "POST"]),
+            Route("/sse", sse, methods=["GET", "POST"]),
+            Route("/hang", hang, methods=["GET", "POST"]),
+            Route("/big", big, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )
+    app.state.log = state
+    return app
+
+
+def proxy_config(
+    redis_url: str, prefix: str, upstream: str, gate: str = "g", **route: Any
+) -> ProxyConfig:
+    """One route over every path to ``upstream`` through ``gate``; ``proxy`` (a dict) sets
+    ``[proxy]`` keys, the rest are route keys."""
+    proxy = {"listen": "127.0.0.1:0", "drain_seconds": 5.0, **route.pop("proxy", {})}
+    routes = route.pop("routes", None) or [{"upstream": upstream, "gate": gate, **route}]
+    raw = {"redis": {"url": redis_url, "prefix": prefix}, "proxy": proxy, "routes": routes}
+    config: ProxyConfig = ProxyConfig.from_mapping(raw, env={})
+    return config
+
+
+def gate_counts(url: str, prefix: str, gate: str) -> tuple[int, int]:
+    """(holders, waiters) of ``gate`` in Redis."""
+    keys = GateKeys.of(prefix, gate)
+    with redis.Redis.from_url(url) as r:
+        return int(r.zcard(keys.holders)), int(r.zcard(keys.waiters))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def wait_idle(url: str, prefix: str, gate: str, timeout: float = 10.0) -> None:
+    """Wait until the gate has no holder and no waiter (every permit came back)."""
+    wait_until(
+        lambda: gate_counts(url, prefix, gate) == (0, 0),
+        timeout,
+        f"gate {gate} idle (holders, waiters now {gate_counts(url, prefix, gate)})",
+    )
+
+
+# -- proxy processes ---------------------------------------------------------------------------
+
+
+def start_proxy_process(args: list[str], log_path: str, timeout: float = 20.0) -> Any:
+    """``fleetgate proxy ARGS`` as an OS process (``--listen 127.0.0.1:0`` is added unless
+    given); returns (Popen, base URL) once it printed that it listens. Its logs go to
+    ``log_path``."""
+    if "--listen" not in args and "--config" not in args:
+        args = [*args, "--listen", "127.0.0.1:0"]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetgate.cli", "proxy", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
+    log.close()
+    assert proc.stdout is not None
+    found: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if "listening on " in line:
+            found.append(line.rsplit("listening on ", 1)[1].strip())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found:
+        proc.kill()
+        proc.wait(5)
+        with open(log_path, errors="replace") as f:
+            tail = f.read()[-2000:]
+        raise RuntimeError(f"proxy did not start (exit {proc.returncode}): {tail}")
+    return proc, found[0]
+
+
+def stop_process(proc: Any, timeout: float = 15.0) -> int:
+    """SIGTERM, wait; SIGKILL if it does not stop. Returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return int(proc.returncode)
+
+
+def rerank_worker(url: str, prefix: str, gate: str, sim_url: str, calls: int) -> dict[str, int]:
+    """A Python service beside the proxies: ``calls`` rerank calls through ``gate.map``
+    (no retries), straight to the reranker. Returns its failures."""
+
+    async def main() -> dict[str, int]:
+        failed = 0
+        limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
+        async with httpx.AsyncClient(base_url=sim_url, timeout=60, limits=limits) as http:
+
+            async def call(i: int) -> None:
+                nonlocal failed
+                body = {"query": {"text": "q"}, "passages": [{"text": f"p{i}"}]}
+                r = await http.post("/v1/ranking", json=body)
+                if r.status_code != 200:
+                    failed += 1
+
+            async with Fleet(url, prefix=prefix, registry=CollectorRegistry()) as fleet:
+                g = fleet.gate(gate)
+                await g.map(call, range(calls), max_in_flight=16, deadline=60, retry=False)
+        return {"failed": failed, "calls": calls}
+
+    return asyncio.run(main())
