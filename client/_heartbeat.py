@@ -85,9 +85,6 @@ class Heartbeat:
         sent_at = asyncio.get_running_loop().time()
         pod_ttl_ms = int(max(10.0, 10 * rt.heartbeat_interval) * 1000)
         renewals = [g.renewal() for g in gates]
-        unlisted = [g for g in gates if not g.in_registry]
-        if unlisted:
-            await self._list_in_registry(unlisted)
         requests = [
             HeartbeatRequest(
                 g.keys,
@@ -114,7 +111,17 @@ class Heartbeat:
             if isinstance(reply, Exception):
                 rt.background_error("heartbeat", reply, g.name)
             else:
+                if reply.pod_new:
+                    g.in_registry = False  # first beat, or the gate was pruned or wiped
                 g.on_heartbeat(reply, renewal, sent_at)
+        # Listed after the beat that made this pod a live pod of the gate, never before: a
+        # prune never deletes a gate with a live pod, and a prune that came before this beat
+        # made it create the pod's entry anew (pod_new), so the gate is listed again here.
+        # Listed before the beat, a prune between the SADD and the beat left the gate out of
+        # the registry while in use (its pod_new taken for the first registration).
+        unlisted = [g for g in gates if not g.in_registry]
+        if unlisted:
+            await self._list_in_registry(unlisted)
 
     async def _list_in_registry(self, gates: list[Gate]) -> None:
         # The registry lives outside the gates' slots: a separate command (one for all), once

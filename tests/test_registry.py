@@ -276,6 +276,38 @@ async def test_a_pod_that_outlived_a_prune_registers_again(
         await until(lambda: async_redis.sismember(registry(rut), "g"), 5, "registered again")
 
 
+async def test_a_prune_just_before_the_first_beat_leaves_the_gate_registered(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    """A prune that lands after the pod decided to beat a new gate but before the beat reached
+    Redis: the gate must be listed once the pod is live. (The client listed the gate before the
+    beat, so that beat's pod_new looked like the first registration and the prune's SREM left
+    a gate in use unlisted for good: the flake of the test above, deterministically.)"""
+    keys = GateKeys.of(rut.prefix, "g")
+    async with Fleet(
+        rut.url, prefix=rut.prefix, registry=CollectorRegistry(), heartbeat_interval=0.1
+    ) as fleet:
+        scripts = fleet.runtime.scripts
+        beat = scripts.heartbeats
+        pruned = False
+
+        async def prune_then_beat(*args: Any, **kwargs: Any) -> Any:
+            nonlocal pruned
+            if not pruned:  # the first beat: what a prune leaves behind, just before it
+                pruned = True
+                async with async_redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(*keys.data_keys())
+                    pipe.srem(registry(rut), "g")
+                    await pipe.execute()
+            return await beat(*args, **kwargs)
+
+        scripts.heartbeats = prune_then_beat  # type: ignore[method-assign]
+        fleet.gate("g")
+        await until(lambda: async_redis.exists(keys.pods), 5, "the first beat")
+        await until(lambda: async_redis.sismember(registry(rut), "g"), 5, "registered")
+        assert pruned
+
+
 async def test_registry_and_prune_on_cluster(cluster_rut: RedisUnderTest) -> None:
     """The same on Redis Cluster: the registry read undecoded, one prune script per gate (each
     in its own slot), SREM and the re-check across slots."""

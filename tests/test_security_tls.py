@@ -31,7 +31,7 @@ from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.errors import ConfigError
 from fleetgate.keys import GateKeys
-from fleetgate.tools.redisproc import RedisProcess, free_port
+from fleetgate.tools.redisproc import RedisProcess
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,9 @@ class TlsRedis(RedisProcess):
                 "--tls-cluster", "yes",
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", "nodes.conf",
-                "--cluster-port", str(free_port()),
+                "--cluster-port", "{cluster_port}",
             ]  # fmt: skip
-        super().__init__(extra_args=extra)
-        self.extra_args = [a.replace("{port}", str(self.port)) for a in self.extra_args]
+        super().__init__(extra_args=extra)  # {port}, {cluster_port}: filled in at each start
 
     def tls_url(self, *, client_cert: bool = True, ca: Path | None = None) -> str:
         flag = "&cluster=1" if self.cluster else ""

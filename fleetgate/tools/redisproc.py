@@ -2,6 +2,11 @@
 
 A private server listens on a free loopback port, keeps nothing on disk and is waited for by
 PING, never by sleeping. It can be killed and restarted on the same port for fault tests.
+
+A port from :func:`free_port` was free a moment ago only: by the time the server binds it, another
+process (a server of a concurrent test run, an outgoing connection) may hold it. A server whose
+ports were picked here therefore starts again on fresh ports when a bind fails, and the server
+that answers the readiness PING must be ours (its ``process_id``), not whoever holds the port.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["RedisClusterProcess", "RedisProcess", "RedisServerMissing", "free_port"]
+__all__ = ["PortTaken", "RedisClusterProcess", "RedisProcess", "RedisServerMissing", "free_port"]
 
 INSTALL_HINT = (
     "redis-server was not found on PATH. Install Redis 7 (Debian/Ubuntu: "
@@ -62,19 +67,39 @@ def wait_for_ping(
                 log = logfile.read_text(errors="replace")[-2000:] if logfile.exists() else ""
                 raise RuntimeError(f"{what} exited with {proc.returncode}: {log}")
             try:
-                if client.ping():
+                # The server that answers must be ours, not whoever held the port before it
+                # (ours then fails its bind and exits: the caller may retry on another port).
+                if client.ping() and (proc is None or _pid_of(client) == proc.pid):
                     return
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):  # not up yet, or not a Redis
                 pass
-            if time.monotonic() > end:
+            if time.monotonic() > end and (proc is None or proc.poll() is None):
                 raise TimeoutError(f"{what} on port {port} not ready in {timeout}s")
             time.sleep(0.02)
     finally:
         client.close()
 
 
+def _pid_of(client: redis.Redis) -> int | None:
+    try:
+        return int(client.info("server")["process_id"])
+    except (redis.RedisError, KeyError, ValueError):
+        return None
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind one of its ports (``Address already in use``)."""
+
+
 class RedisProcess:
-    """One private redis-server process on 127.0.0.1."""
+    """One private redis-server process on 127.0.0.1.
+
+    ``extra_args`` may name ``{port}`` (this server's port) and ``{cluster_port}`` (a free port
+    picked for the cluster bus). Ports picked here (``port`` None) are picked again when the
+    first start finds one taken; a given ``port`` is used as given.
+    """
+
+    START_ATTEMPTS = 5
 
     def __init__(
         self,
@@ -87,8 +112,13 @@ class RedisProcess:
         if binary is None:
             raise RedisServerMissing(INSTALL_HINT)
         self.binary = binary
+        self._pick_ports = port is None
         self.port = port or free_port()
         self.extra_args = list(extra_args or [])
+        self.cluster_port: int | None = (
+            free_port() if any("{cluster_port}" in a for a in self.extra_args) else None
+        )
+        self._started = False  # a restart keeps the ports (clients reconnect to them)
         # Linux: the server gets SIGTERM when the process that started it dies, even by SIGKILL
         # (the demo must not leave an orphan redis-server behind).
         self.die_with_parent = die_with_parent
@@ -100,7 +130,34 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisProcess:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING (on fresh ports if one was taken)."""
+        attempts = self.START_ATTEMPTS if self._pick_ports and not self._started else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start(timeout)
+            except PortTaken:
+                if attempt == attempts:
+                    raise
+                self.port = free_port()
+                if self.cluster_port is not None:
+                    self.cluster_port = free_port()
+            else:
+                self._started = True
+                return self
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _args(self) -> list[str]:
+        subst = {"{port}": str(self.port), "{cluster_port}": str(self.cluster_port)}
+        out = []
+        for arg in self.extra_args:
+            for key, value in subst.items():
+                arg = arg.replace(key, value)
+            out.append(arg)
+        return out
+
+    def _start(self, timeout: float) -> None:
+        log = self.dir / "redis.log"
+        log.unlink(missing_ok=True)  # redis appends: a failed attempt's lines are not this one's
         args = [
             self.binary,
             "--port", str(self.port),
@@ -110,7 +167,7 @@ class RedisProcess:
             "--dir", str(self.dir),
             "--logfile", str(self.dir / "redis.log"),
             "--maxmemory-policy", "noeviction",
-            *self.extra_args,
+            *self._args(),
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             args,
@@ -118,8 +175,15 @@ class RedisProcess:
             stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
-        self.wait_ready(timeout)
-        return self
+        try:
+            self.wait_ready(timeout)
+        except RuntimeError as exc:
+            if self.proc.poll() is not None and "Address already in use" in (
+                log.read_text(errors="replace") if log.exists() else ""
+            ):
+                self.proc = None
+                raise PortTaken(str(exc)) from exc
+            raise
 
     def wait_ready(self, timeout: float) -> None:
         wait_for_ping(self.port, self.proc, self.dir / "redis.log", timeout, "redis-server")
@@ -174,7 +238,7 @@ class RedisClusterProcess:
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", "2000",
                     # An explicit bus port: the default (port + 10000) may be taken or > 65535.
-                    "--cluster-port", str(free_port()),
+                    "--cluster-port", "{cluster_port}",
                 ]
             )
             for _ in range(masters)

@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 import redis
 
-from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess, RedisServerMissing, free_port
+from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess, RedisServerMissing
 
 ROOT = Path(__file__).resolve().parents[2]
 # Worker processes timestamp with the wall clock; this process' timelines are monotonic.
@@ -543,7 +543,7 @@ class ReplicatedCluster:
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", str(node_timeout_ms),
-                    "--cluster-port", str(free_port()),
+                    "--cluster-port", "{cluster_port}",
                     # A replica must not refuse to fail over because its link to a killed
                     # master was briefly stale.
                     "--cluster-replica-validity-factor", "0",
