@@ -77,8 +77,9 @@ class _GoLocal(Exception):
 
 
 # One call of a gate's batch: (lease id, wait ms, class) acquires, (lease id, None, report)
-# releases (report: fleetgate.observed.encode_report, "" for none). The weight is in the lease id (fleetgate.admission.weighted_id), the priority and
-# tenant in the class (fleetgate.admission.lane_class).
+# releases (report: fleetgate.observed.encode_report, "" for none). The weight is in the lease
+# id (fleetgate.admission.weighted_id), the priority and tenant in the class
+# (fleetgate.admission.lane_class).
 _Call = tuple[str, int | None, str]
 
 # The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.

@@ -15,7 +15,9 @@ def report_many(url: str, prefix: str, gate: str, calls: int, seed: int) -> dict
     """Run ``calls`` permits (up to 8 at once) each reporting a random outcome and latency;
     return what they reported, summed as the obs hash counts it."""
     rng = random.Random(seed)
-    plan = [(rng.choice(OUTCOMES), rng.choice([None, rng.uniform(0.0005, 90.0)])) for _ in range(calls)]
+    plan = [
+        (rng.choice(OUTCOMES), rng.choice([None, rng.uniform(0.0005, 90.0)])) for _ in range(calls)
+    ]
 
     async def main() -> None:
         async with Fleet(url, prefix=prefix, registry=CollectorRegistry()) as fleet:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -24,15 +25,26 @@ from fleetgate.observed import (
 def test_bounds_are_geometric_from_1ms_to_a_minute() -> None:
     assert BOUNDS[0] == pytest.approx(0.001)
     assert BOUNDS[-1] == pytest.approx(65.536)
-    for lo, hi in zip(BOUNDS, BOUNDS[1:], strict=False):
-        assert hi / lo == pytest.approx(2 ** 0.25)
+    for lo, hi in itertools.pairwise(BOUNDS):
+        assert hi / lo == pytest.approx(2**0.25)
     assert OVERFLOW == len(BOUNDS) == 65
 
 
 @pytest.mark.parametrize(
     ("latency", "bucket"),
-    [(0.0, 0), (-1.0, 0), (0.0005, 0), (0.001, 0), (0.0010001, 1), (0.002, 4), (1.0, 40),
-     (65.536, 64), (65.6, 65), (1e9, 65), (math.inf, 65)],
+    [
+        (0.0, 0),
+        (-1.0, 0),
+        (0.0005, 0),
+        (0.001, 0),
+        (0.0010001, 1),
+        (0.002, 4),
+        (1.0, 40),
+        (65.536, 64),
+        (65.6, 65),
+        (1e9, 65),
+        (math.inf, 65),
+    ],
 )
 def test_bucket_of(latency: float, bucket: int) -> None:
     assert bucket_of(latency) == bucket
@@ -60,7 +72,13 @@ def test_tally_sums_reports_into_hincrby_pairs() -> None:
     got = dict(zip(pairs[::2], pairs[1::2], strict=True))
     b = f"b{bucket_of(0.1)}"
     assert got == {
-        "ok": 3, "lat_n": 2, "lat_us": 200_000, b: 2, "overloaded": 1, "timeout": 1, "error": 1
+        "ok": 3,
+        "lat_n": 2,
+        "lat_us": 200_000,
+        b: 2,
+        "overloaded": 1,
+        "timeout": 1,
+        "error": 1,
     }
     assert tally([]) == [] and tally(["", ""]) == []
 
@@ -78,12 +96,29 @@ def test_reading_parse_and_delta() -> None:
     first = Reading.parse(raw, at=100.0)
     assert (first.ok, first.overloaded, first.lat_n, first.buckets) == (10, 2, 10, {40: 10})
     assert first.calls == 12 and first.mean_latency == pytest.approx(0.1)
-    raw2 = {"ok": "25", "overloaded": "2", "timeout": "1", "lat_n": "25", "lat_us": "2500000",
-            "b40": "20", "b41": "5", "junk": "x", "b99": "3", "error": "nope"}
+    raw2 = {
+        "ok": "25",
+        "overloaded": "2",
+        "timeout": "1",
+        "lat_n": "25",
+        "lat_us": "2500000",
+        "b40": "20",
+        "b41": "5",
+        "junk": "x",
+        "b99": "3",
+        "error": "nope",
+    }
     second = Reading.parse(raw2, at=102.0)
     w = delta(first, second)
     assert w is not None
-    assert (w.ok, w.overloaded, w.timeout, w.error, w.lat_n, w.lat_us) == (15, 0, 1, 0, 15, 1_500_000)
+    assert (w.ok, w.overloaded, w.timeout, w.error, w.lat_n, w.lat_us) == (
+        15,
+        0,
+        1,
+        0,
+        15,
+        1_500_000,
+    )
     assert w.buckets == {40: 10, 41: 5}
     assert w.seconds == pytest.approx(2.0)
     assert w.busy == pytest.approx(0.75)  # 1.5 s of latency over 2 s
@@ -117,7 +152,11 @@ def test_typical_latency_prefers_the_exact_mean_in_the_quantile_bucket() -> None
     w = Reading(ok=100, lat_n=100, lat_us=100 * 200_000, buckets={bucket_of(0.2): 100})
     assert typical_latency(w) == pytest.approx(0.2)
     # a mean pulled away by a slow tail: the interpolated median stands
-    w = Reading(ok=100, lat_n=100, lat_us=90 * 10_000 + 10 * 30_000_000,
-                buckets={bucket_of(0.01): 90, bucket_of(30.0): 10})
+    w = Reading(
+        ok=100,
+        lat_n=100,
+        lat_us=90 * 10_000 + 10 * 30_000_000,
+        buckets={bucket_of(0.01): 90, bucket_of(30.0): 10},
+    )
     assert bucket_of(typical_latency(w) or 0) == bucket_of(0.01)
     assert typical_latency(Reading()) is None

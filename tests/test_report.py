@@ -183,7 +183,9 @@ async def test_map_retried_overload_is_reported_as_overload(
         attempts["n"] += 1
         req = httpx.Request("GET", "http://m/")
         if attempts["n"] == 1:
-            raise httpx.HTTPStatusError("busy", request=req, response=httpx.Response(503, request=req))
+            raise httpx.HTTPStatusError(
+                "busy", request=req, response=httpx.Response(503, request=req)
+            )
         return httpx.Response(200, request=req)
 
     await fleet.gate("retried", floor=1).map(flaky, [1])
