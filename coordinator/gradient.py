@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from fleetgate.errors import ConfigError
-from fleetgate.observed import Reading, typical_latency
+from fleetgate.observed import Reading, median_error, typical_latency
 
 from .controller import ControllerParams, Decision, Reason
 
@@ -84,6 +84,9 @@ class GradientParams(msgspec.Struct, frozen=True):
     measure_factor: float = 0.5
     #: polls without a window (no reading to difference) before a reset to the floor
     unknown_reset_polls: int = 3
+    #: a window counts toward the no-load latency only if the target moved by no more than
+    #: this fraction since a p50 before it began (see _settled)
+    settle_change: float = 0.2
 
     def __post_init__(self) -> None:
         if self.floor < 1 or self.ceiling < self.floor:
@@ -148,6 +151,8 @@ class GradientState(msgspec.Struct, frozen=True, tag_field="kind", tag="latency"
     resume: int | None = None
     measured: float | None = None
     unknown_streak: int = 0
+    #: ``now`` of the last step that moved the target by more than ``settle_change``
+    moved_at: float | None = None
 
     @classmethod
     def initial(cls, params: GradientParams) -> GradientState:
@@ -202,6 +207,20 @@ def step_latency(
 ) -> GradientDecision:
     """Advance one latency-driven gate by one poll. Pure: same inputs, same decision.
 
+    (:func:`_step` decides; this notes when the target moved by much, see :func:`_settled`.)
+    """
+    d = _step(state, view, p, now)
+    old = max(1, state.target)
+    if abs(d.target - old) > p.settle_change * old:
+        d = msgspec.structs.replace(d, state=msgspec.structs.replace(d.state, moved_at=now))
+    return d
+
+
+def _step(
+    state: GradientState, view: LatencyView | None, p: GradientParams, now: float
+) -> GradientDecision:
+    """Advance one latency-driven gate by one poll.
+
     In order: an unknown window holds (unpublished; reset after ``unknown_reset_polls``);
     overload or timeout outcomes cut; a no-load measurement under way continues; no latency
     window holds; otherwise slow start or the gradient step, after a due re-measurement.
@@ -221,6 +240,10 @@ def step_latency(
     state = msgspec.structs.replace(state, unknown_streak=0)
     w = view.outcomes
     p50 = typical_latency(view.latency) if view.latency is not None else None
+    # The median's standard error (seconds): the no-load estimate takes p50 + 2 se (a minimum
+    # of noisy medians would sink below the truth and read every later median as a queue),
+    # a queue must exceed the buffer by 2 se to end slow start, and the gradient reads p50 - se.
+    se = p50 * median_error(view.latency) if p50 is not None and view.latency else 0.0
 
     congested = w.overloaded + w.timeout
     if congested > 0:
@@ -241,29 +264,32 @@ def step_latency(
         return GradientDecision(new, cut, reason, True, True, p50)
 
     if state.measuring:
-        return _measure(state, p50, p)
+        return _measure(state, None if p50 is None else p50 + 2 * se, p, p50)
     if p50 is None:
         # Nothing published until the callers report: a gate nobody reports for stays at its
         # floor exactly as a fixed gate does (no target in its status).
         untouched = state.no_load is None and target == p.floor
         return GradientDecision(state, target, Reason.HOLD_IDLE, not untouched, False, p50)
 
-    no_load = p50 if state.no_load is None else min(state.no_load, p50)
+    candidate = p50 + 2 * se
+    no_load = state.no_load
+    if no_load is None or (candidate < no_load and _settled(state, view, p50)):
+        no_load = candidate
     floor_streak = state.floor_streak + 1 if target <= p.floor else 0
     since = state.since_measure + 1
     if floor_streak >= p.floor_polls:
         # At the floor for a while: the latency seen there is the new baseline (a server
         # that became slower per call would otherwise hold the gate at the floor for ever).
-        no_load, floor_streak, since = p50, 0, 0
+        no_load, floor_streak, since = candidate, 0, 0
     state = msgspec.structs.replace(
         state, no_load=no_load, floor_streak=floor_streak, since_measure=since
     )
     if since >= p.remeasure_polls and target > p.floor:
-        return _start_measuring(state, p)
+        return _start_measuring(state, p, now)
 
     loads = [v for v in (view.in_flight, view.latency.busy if view.latency else None) if v]
     near_full = bool(loads) and max(loads) >= p.near_full * target
-    queueing = p50 > (1 + p.buffer) * no_load
+    queueing = p50 - 2 * se > (1 + p.buffer) * no_load
     if state.slow_start and not queueing:
         if not near_full:
             return GradientDecision(state, target, Reason.HOLD_IDLE, True, False, p50)
@@ -271,7 +297,8 @@ def step_latency(
         new = msgspec.structs.replace(state, target=grown)
         return GradientDecision(new, grown, _grew(grown, target), True, False, p50)
 
-    gradient = min(1 + p.buffer, max(p.min_gradient, (1 + p.buffer) * no_load / p50))
+    seen = max(no_load, p50 - se)
+    gradient = min(1 + p.buffer, max(p.min_gradient, (1 + p.buffer) * no_load / seen))
     wanted = _clamp(target * gradient + p.headroom, p)
     if wanted > target and not near_full:
         # App-limited (Gradient2's guard): the fleet does not use the target it has.
@@ -291,23 +318,39 @@ def _grew(new: int, old: int) -> Reason:
     return Reason.CLAMP if new == old else Reason.INCREASE
 
 
-def _start_measuring(state: GradientState, p: GradientParams) -> GradientDecision:
+def _settled(state: GradientState, view: LatencyView, p50: float) -> bool:
+    """Whether the latency window began a p50 after the target last moved by much.
+
+    Right after a step up, the calls that complete first are the short ones (the new callers
+    started together), so a window then reads low: with 2 s calls and 2 s polls, a slow start
+    saw medians of 1.2-1.5 s for a true 1.8 s and the gate then held 40 % of the capacity
+    (benchmarks/latency.py). Such windows update the p50, never the no-load latency.
+    """
+    if state.moved_at is None or view.latency is None:
+        return True
+    began = view.latency.at - view.latency.seconds
+    return began >= state.moved_at + p50
+
+
+def _start_measuring(state: GradientState, p: GradientParams, now: float) -> GradientDecision:
     """Lower the target for a few polls to see the latency without our queue."""
     low = _clamp(state.target * p.measure_factor, p)
     no_load = state.no_load or 0.0
     polls = 2 + math.ceil(no_load / p.poll_interval)  # one to drain, one clean, + slow calls
     new = msgspec.structs.replace(
-        state, target=low, measuring=polls, resume=state.target, measured=None
+        state, target=low, measuring=polls, resume=state.target, measured=None, moved_at=now
     )
     return GradientDecision(new, low, Reason.MEASURE, True, False, None)
 
 
-def _measure(state: GradientState, p50: float | None, p: GradientParams) -> GradientDecision:
-    """A measurement poll: keep the lowest p50; at the end it becomes the no-load latency and
-    the target returns to where it was."""
+def _measure(
+    state: GradientState, sample: float | None, p: GradientParams, p50: float | None
+) -> GradientDecision:
+    """A measurement poll: keep the lowest sample (p50 + 2 se); at the end it becomes the
+    no-load latency and the target returns to where it was."""
     measured = state.measured
-    if p50 is not None:
-        measured = p50 if measured is None else min(measured, p50)
+    if sample is not None:
+        measured = sample if measured is None else min(measured, sample)
     left = state.measuring - 1
     if left > 0:
         new = msgspec.structs.replace(state, measuring=left, measured=measured)

@@ -36,6 +36,7 @@ __all__ = [
     "bucket_of",
     "delta",
     "encode_report",
+    "median_error",
     "quantile",
     "tally",
     "typical_latency",
@@ -200,13 +201,26 @@ def quantile(buckets: Mapping[int, int], q: float) -> float | None:
 
 
 def typical_latency(window: Reading, q: float = 0.5) -> float | None:
-    """The window's ``q``-quantile latency, sharpened: when the exact mean lies in the bucket
-    of the quantile, the mean (a bucket is 19 % wide; a latency spread over no more than that
-    is better described by its exact mean than by a point interpolated inside it)."""
+    """The window's ``q``-quantile latency, sharpened for a tight distribution: when every
+    latency lies in two adjacent buckets (a spread of at most ~40 %), the exact mean, which a
+    point interpolated inside a 19 %-wide bucket describes worse. A wider spread keeps the
+    quantile (a mean would follow the tail)."""
     estimate = quantile(window.buckets, q)
     mean = window.mean_latency
+    used = [i for i, n in window.buckets.items() if n > 0]
     if estimate is None or mean is None or not math.isfinite(mean):
         return estimate
-    if bucket_of(estimate) == bucket_of(mean):
+    if max(used) - min(used) <= 1 and OVERFLOW not in used:
         return mean
     return estimate
+
+
+def median_error(window: Reading) -> float:
+    """The relative standard error of the window's median latency: 1.2533 sigma / sqrt(n), with
+    sigma (of the log latency) from the interquartile range (ln(p75 / p25) / 1.349). A median
+    of 10 calls is a guess; of 1,000 a measurement. 0 without a spread or samples."""
+    n = sum(window.buckets.values())
+    p25, p75 = quantile(window.buckets, 0.25), quantile(window.buckets, 0.75)
+    if n <= 0 or not p25 or not p75 or p75 <= p25:
+        return 0.0
+    return 1.2533 * math.log(p75 / p25) / 1.349 / math.sqrt(n)
