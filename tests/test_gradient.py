@@ -221,3 +221,18 @@ def test_signal_config_field() -> None:
     gates = {"gates": [{"name": "g", "floor": 2}]}
     off = Config.from_mapping(gates, env={"FLEETGATE_ADAPTIVE": "0"})
     assert not GradientParams.for_gate(off.gates[0], off.coordinator).adaptive
+
+
+def test_growth_waits_for_a_window_that_saw_the_current_target() -> None:
+    """A window whose calls began before the last change does not show its queue yet: no
+    increase on it (a cut never waits); nor does it lower the no-load latency after a big move."""
+    state = GradientState(target=100, no_load=0.2, slow_start=False, changed_at=10.0, moved_at=10.0)
+    stale = window(200, 0.19, at=11.0)  # began at 9.0, before the change at 10.0
+    d = step_latency(state, LatencyView(stale, stale, 100.0), P, 11.0)
+    assert (d.target, d.reason) == (100, Reason.HOLD_COOLDOWN)
+    assert d.state.no_load == 0.2  # unsettled: the low median is not taken
+    slow = window(200, 0.4, at=11.0)
+    assert step_latency(state, LatencyView(slow, slow, 100.0), P, 11.0).reason == Reason.DECREASE
+    fresh = window(200, 0.2, at=14.0)  # began at 12.0 >= 10.0 + p50
+    d = step_latency(state, LatencyView(fresh, fresh, 100.0), P, 14.0)
+    assert (d.target, d.reason, d.state.changed_at) == (111, Reason.INCREASE, 14.0)
