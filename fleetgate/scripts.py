@@ -346,6 +346,15 @@ class Utilization(msgspec.Struct, frozen=True, kw_only=True):
     metrics_url: str | None = None
     reason: str | None = None
     server: str | None = None
+    #: "latency" for a gate driven by the client-observed signal (else None: metrics or fixed)
+    signal: str | None = None
+    #: the last poll's median call latency and the estimated no-load latency (seconds)
+    latency_p50: float | None = None
+    latency_no_load: float | None = None
+    #: calls reported by releases during the last poll, and the overloads/timeouts among them
+    obs_calls: float | None = None
+    obs_overloaded: float | None = None
+    obs_timeout: float | None = None
 
     @classmethod
     def parse(cls, util: Mapping[str, str]) -> Utilization:
@@ -358,6 +367,12 @@ class Utilization(msgspec.Struct, frozen=True, kw_only=True):
             metrics_url=util.get("metrics_url") or None,
             reason=util.get("reason") or None,
             server=util.get("server") or None,
+            signal=util.get("signal") or None,
+            latency_p50=_float(util.get("latency_p50")),
+            latency_no_load=_float(util.get("latency_no_load")),
+            obs_calls=_float(util.get("obs_calls")),
+            obs_overloaded=_float(util.get("obs_overloaded")),
+            obs_timeout=_float(util.get("obs_timeout")),
         )
 
 

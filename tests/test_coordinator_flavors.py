@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -21,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.keys import GateKeys
+from fleetgate.status import format_status, gather_status
 from fleetgate.tools.sim import serve_in_thread
 from fleetgate.tools.sim.flavors import FLAVORS
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
@@ -192,8 +195,17 @@ ceiling = 64
                 await asyncio.gather(*tasks)
             util = await async_redis.hgetall(keys.util)
             obs = await async_redis.hgetall(keys.obs)
+            status = await gather_status(async_redis, rut.prefix)
     assert targets and max(targets) >= 8, targets  # grew past the floor to the capacity
     # and came back near it, far below the ceiling (64): a FIFO of 8, 503 past 8 more waiting
     assert 4 <= targets[-1] <= 24, (targets, sorted(util.items()))
     assert util["signal"] == "latency" and util["latency_no_load"] != ""
+    # `fleetgate status` shows what drives the gate
+    [row] = [g for g in status.gates if g.name == name]
+    assert row.signal == "latency" and row.latency_no_load is not None and row.latency_no_load > 0
+    assert row.obs_calls is not None
+    assert re.search(
+        r"observed: latency p50 \d+ ms, no-load \d+ ms; last poll \d+ calls",
+        format_status(status, time.time()),
+    )
     assert int(obs["ok"]) > 100 and int(obs["lat_n"]) == int(obs["ok"])
