@@ -109,6 +109,30 @@ async def async_redis(rut: RedisUnderTest) -> AsyncIterator[aredis.Redis]:
     await client.aclose()
 
 
+@pytest.fixture(autouse=True)
+def _leaks_fail_the_leaking_test() -> Iterator[None]:
+    """Collect the young garbage after every test, so a leak fails the test that leaks.
+
+    A connection, transport or socket left open is reported (a ResourceWarning, an error under
+    ``filterwarnings = error``) only when the garbage collector frees it: without this, in
+    whichever later test the collector happens to run. This fixture is set up before, so torn
+    down after, the test's other function-scoped fixtures (its event loop included); pytest then
+    reports the warning as an error in this test's teardown. Only the young generations: a full
+    collection costs ~30 ms a test; what got old during the test is collected at the end of
+    its file (:func:`_leaks_fail_the_leaking_file`).
+    """
+    yield
+    gc.collect(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _leaks_fail_the_leaking_file() -> Iterator[None]:
+    """A full collection after the file's last test and its module-scoped fixtures (servers,
+    event loops on threads): a leak fails that last test, never one of another file."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture
 def no_gc_during_test() -> Iterator[None]:
     """Collect dead background tasks after the test, not in the middle of it.

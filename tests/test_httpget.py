@@ -7,6 +7,7 @@ Hostile servers (slow-loris, 100 MB bodies, gzip bombs, redirect loops, header f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import ssl
 import threading
@@ -78,8 +79,10 @@ class _Raw:
         self.responses: list[bytes] = []
         self.close_after = False
         self.url = ""
+        self.handlers: set[asyncio.Task[None]] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.handlers.add(asyncio.current_task())  # type: ignore[arg-type]
         self.connections += 1
         try:
             while True:
@@ -95,6 +98,16 @@ class _Raw:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()  # TLS: the close_notify exchange needs loop turns
+
+    async def shut(self, server: asyncio.Server) -> None:
+        """Close ``server`` and wait for its connections to close (Python 3.11's
+        ``wait_closed`` does not): a socket still closing when the test's loop closes leaks."""
+        server.close()
+        await server.wait_closed()
+        if self.handlers:
+            await asyncio.wait(self.handlers, timeout=5)
 
 
 @pytest.fixture
@@ -105,8 +118,7 @@ async def raw() -> AsyncIterator[_Raw]:
     try:
         yield state
     finally:
-        server.close()
-        await server.wait_closed()
+        await state.shut(server)
 
 
 def _ok(body: bytes, extra: str = "") -> bytes:
@@ -207,8 +219,7 @@ async def test_https_verifies_the_server(tmp_path: Path) -> None:
         refused = await stranger.get(url, timeout=5, max_bytes=1024)
         await stranger.aclose()
     finally:
-        server.close()
-        await server.wait_closed()
+        await state.shut(server)
     assert ok.ok and ok.text == "tls ok"
     assert (
         not refused.ok
