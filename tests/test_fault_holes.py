@@ -188,6 +188,7 @@ async def test_heartbeat_adopts_leases_the_gate_lost_before_they_expired(
     a = await scripts.acquire(keys, "p:1", 1000, d)
     b = await scripts.acquire(keys, "p:2", 1000, d)
     await r.flushall()  # a restart without persistence
+    await asyncio.sleep(0.005)  # the renewal below must land in a later millisecond than the grant
     hb = await scripts.heartbeat(
         keys, "p", 10_000, [("p:1", a.expires_at), ("p:2", 0)], [], max_token=b.token, defaults=d
     )
