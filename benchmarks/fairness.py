@@ -416,8 +416,9 @@ class TenantBench(Bench):
         self.n = 0
 
     def acq_args(self, wid: str, *more: str) -> list[Any]:  # type: ignore[override]
-        """acquire.lua's ARGV (8 default settings left to the stored config, no releases)."""
-        args: list[Any] = ["", "", "", "", "", "", "", "", 0]
+        """acquire.lua's ARGV (8 default settings left to the stored config, no releases, no
+        reports)."""
+        args: list[Any] = ["", "", "", "", "", "", "", "", 0, 0]
         for i in (wid, *more):
             args += [i, HOUR_MS, self.cls()]
         return args
@@ -444,7 +445,7 @@ class TenantBench(Bench):
 
         def go() -> None:
             for _ in range(m):
-                self.s["release"](keys=self.keys, args=[self.holder])
+                self.s["release"](keys=self.keys, args=[0, self.holder])
                 self.holder = self.r.zrange(self.gate.holders, 0, 0)[0]
                 self.s["acquire"](keys=self.keys, args=self.acq_args(self.new_id()))
 
@@ -461,7 +462,7 @@ class TenantBench(Bench):
                 args = self.acq_args(wid)
                 reply = self.s["acquire"](keys=self.keys, args=args)
                 assert int(reply[4]) == 2, reply
-                self.s["cancel"](keys=self.keys, args=[wid, class_member(args[11], reply[5], wid)])
+                self.s["cancel"](keys=self.keys, args=[wid, class_member(args[12], reply[5], wid)])
 
         usec, calls = self._lua(go)
         assert calls == 2 * m, f"a script call failed: {calls} calls, {m} cycles"

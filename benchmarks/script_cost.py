@@ -72,8 +72,8 @@ class Bench:
 
     @staticmethod
     def acq_args(wid: str) -> list[Any]:
-        # 8 default settings, no release, one request of the default class
-        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", 0, wid, HOUR_MS, ""]
+        # 8 default settings, no release, no report, one request of the default class
+        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", 0, 0, wid, HOUR_MS, ""]
 
     def note_parked(self, ids: list[str], replies: list[Any]) -> None:
         for wid, reply in zip(ids, replies, strict=True):
@@ -127,7 +127,7 @@ class Bench:
         for _ in range(m):
             wid = self.new_id()
             ids.append(wid)
-            calls += [("release", [self.holder]), ("acquire", self.acq_args(wid))]
+            calls += [("release", [0, self.holder]), ("acquire", self.acq_args(wid))]
             self.holder = self.queue.popleft()
             self.members.pop(self.holder, None)
             self.queue.append(wid)
