@@ -10,7 +10,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +119,32 @@ def script_names() -> dict[str, str]:
     names = {hashlib.sha1(script_source(n).encode()).hexdigest(): n for n in SCRIPT_NAMES}
     names.update({f: n for n, f in gate_library().functions.items()})
     return names
+
+
+class LibraryFunction:
+    """A gate script as the client runs it, a function of the gate library called by FCALL
+    (``fleetgate.scripts.gate_library``), with the call shape of a redis-py ``Script``:
+    ``f(keys=..., args=..., client=None)`` (a pipeline as ``client`` queues the call)."""
+
+    def __init__(self, r: redis.Redis, function: str) -> None:
+        self.r, self.function = r, function
+
+    def __call__(self, keys: list[str], args: list[Any], client: Any = None) -> Any:
+        return (client or self.r).fcall(self.function, len(keys), *keys, *args)
+
+
+def library_functions(r: redis.Redis, names: Iterable[str]) -> dict[str, LibraryFunction]:
+    """The gate library loaded on ``r`` (once: FUNCTION LOAD before any timed frame) and the
+    functions of ``names``. Their server time is ``cmdstat_fcall`` in INFO commandstats."""
+    from fleetgate.scripts import gate_library
+
+    lib = gate_library()
+    try:
+        r.function_load(lib.source)
+    except redis.ResponseError as exc:
+        if "already exists" not in str(exc):
+            raise
+    return {n: LibraryFunction(r, lib.functions[n]) for n in names}
 
 
 @dataclass

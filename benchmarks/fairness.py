@@ -23,7 +23,7 @@ permit ``HOLD_S`` (sleeping, as a model call would wait for its server).
   unit utilisation >= 0.9; weight-16 p99 wait <= 3 x weight-1 p99. FIFO here is today's
   count-based gate: every call asks weight 1, so the units really in use (the external counter)
   are not bounded by the limit at all.
-* ``cost``: server time of the scripts (INFO commandstats ``evalsha`` usec, as
+* ``cost``: server time of the scripts (INFO commandstats ``fcall`` usec of the gate library, as
   ``benchmarks/script_cost.py`` measures it, its :class:`~benchmarks.script_cost.Bench` reused)
   per grant cycle (release -> hand-off to the fair head -> a fresh caller parks, queue length
   unchanged) and per park + cancel, with one tenant and with 1,000 tenants (``min(n, 1000)``), at
@@ -47,7 +47,15 @@ from fleetgate.keys import GateKeys
 from fleetgate.scripts import script_source
 
 from ._common import Flavor, Headline, Options, figure, log, percentiles, save, table
-from ._server import PREFIX, configure_gate, delta, private_redis, redis_counters, sync_client
+from ._server import (
+    PREFIX,
+    configure_gate,
+    delta,
+    library_functions,
+    private_redis,
+    redis_counters,
+    sync_client,
+)
 from ._workers import Sync, Workers, worker_fleet
 from .script_cost import Bench
 
@@ -434,9 +442,9 @@ class TenantBench(Bench):
             self.n += len(ids)
 
     def _lua(self, fn: Any) -> tuple[float, int]:
-        a = self.r.info("commandstats")["cmdstat_evalsha"]
+        a = self.r.info("commandstats").get("cmdstat_fcall", {"usec": 0, "calls": 0})
         fn()
-        b = self.r.info("commandstats")["cmdstat_evalsha"]
+        b = self.r.info("commandstats")["cmdstat_fcall"]
         return float(b["usec"] - a["usec"]), int(b["calls"] - a["calls"])
 
     def grant_cycles(self, m: int) -> float:
@@ -480,9 +488,7 @@ def measure_cost(url: str, opts: Options) -> dict[str, Any]:
     sizes = (10, 100, 1_000, 10_000, 100_000)
     rounds, m = opts.pick((20, 25), (4, 15))
     r = redis.Redis.from_url(url, decode_responses=True)
-    scripts = {n: r.register_script(script_source(n)) for n in ("acquire", "release", "cancel")}
-    for sc in scripts.values():
-        r.script_load(sc.script)  # no NOSCRIPT round inside a timed frame
+    scripts = library_functions(r, ("acquire", "release", "cancel"))
     benches: dict[tuple[int, int], TenantBench] = {}
     for n in sizes:
         for tenants in sorted({1, min(n, 1000)}):

@@ -10,9 +10,11 @@ visit two pipelines of 50 pairs that leave n unchanged:
   head waiter (the lane from `fair`, its head from `lanes`, ZREM x2, ZADD, RPUSH + PEXPIRE of its
   pod's wake list), and a fresh id parks at the tail.
 
-Each pipeline is framed by INFO commandstats, so the ``evalsha`` usec delta is the server time
-of exactly those scripts (their internal commands included), free of client and network noise;
-every size runs the same batch shape, so CPU caches and frequency are alike. Figures are medians
+The scripts run as the client runs them: functions of the gate library (FUNCTION LOAD once, an
+FCALL per call; ``fleetgate.scripts.gate_library``). Each pipeline is framed by INFO
+commandstats, so the ``fcall`` usec delta is the server time of exactly those scripts (their
+internal commands included), free of client and network noise; every size runs the same batch
+shape, so CPU caches and frequency are alike. Figures are medians
 over the pipelines (robust to the server being preempted by other processes). Growth factor =
 µs at the largest n / µs at n=10 (target <= 1.5, i.e. O(log n)). At the largest n the heartbeat
 is timed too, carrying k of one pod's waiters (its cost is O(k log n)), and every round times
@@ -32,7 +34,6 @@ import redis
 
 from fleetgate.admission import class_member
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import script_source
 
 from ._common import (
     Headline,
@@ -44,6 +45,7 @@ from ._common import (
 )
 from ._server import (
     configure_gate,
+    library_functions,
     private_redis,
 )
 
@@ -84,13 +86,11 @@ class Bench:
         return f"fake{self.seq % PODS}:{self.seq}"
 
     def timed(self, calls: Iterable[tuple[str, list[Any]]]) -> tuple[float, int]:
-        """Run script calls in one pipeline framed by INFO; (evalsha usec, calls) in between."""
+        """Run script calls in one pipeline framed by INFO; (fcall usec, calls) in between."""
         usec, n, _ = self.timed_replies(calls)
         return usec, n
 
-    def timed_replies(
-        self, calls: Iterable[tuple[str, list[Any]]]
-    ) -> tuple[float, int, list[Any]]:
+    def timed_replies(self, calls: Iterable[tuple[str, list[Any]]]) -> tuple[float, int, list[Any]]:
         """:meth:`timed`, and the calls' replies."""
         with self.r.pipeline(transaction=False) as p:
             p.info("commandstats")
@@ -100,7 +100,7 @@ class Bench:
                 n += 1
             p.info("commandstats")
             out = p.execute()
-        a, b = out[0]["cmdstat_evalsha"], out[-1]["cmdstat_evalsha"]
+        a, b = out[0]["cmdstat_fcall"], out[-1]["cmdstat_fcall"]
         assert b["calls"] - a["calls"] == n, "a script call failed"
         return float(b["usec"] - a["usec"]), n, out[1:-1]
 
@@ -159,10 +159,7 @@ def _measure(url: str, opts: Options) -> dict[str, Any]:
     sizes = (10, 100, 1_000, 10_000, 100_000)
     rounds = opts.pick(100, 20)
     r = redis.Redis.from_url(url, decode_responses=True)
-    scripts = {
-        n: r.register_script(script_source(n))
-        for n in ("acquire", "release", "cancel", "heartbeat", "inspect")
-    }
+    scripts = library_functions(r, ("acquire", "release", "cancel", "heartbeat", "inspect"))
     benches: dict[int, Bench] = {}
     for n in sizes:
         keys = configure_gate(
@@ -247,7 +244,7 @@ def run(opts: Options) -> list[Headline]:
         ax[0][1].plot(list(hb), list(hb.values()), "o-")
         ax[0][1].set_xlabel(f"waiters carried by one heartbeat (queue {res['heartbeat_queue']:,})")
         ax[0][1].set_ylabel("server µs per heartbeat")
-        fig.suptitle("gate script cost (INFO commandstats, evalsha usec/call)")
+        fig.suptitle("gate script cost (INFO commandstats, fcall usec/call)")
         save(NAME, opts, rp.url, res, text, fig)
     worst = max(growth.values())
     return [
