@@ -244,3 +244,24 @@ def test_python_dash_m_help() -> None:
         check=False,
     )
     assert done.returncode == 0 and "--queue-size" in done.stdout
+
+
+async def test_a_caller_gone_before_its_body_counts_as_aborted(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A caller that hangs up before its body arrived (an ungated burst's timeouts): counted as
+    aborted, no ASGI error logged (it was 'Exception in ASGI application' with a traceback)."""
+    srv = serve(concurrency=4)
+    host, port = srv.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/ranking HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model":'
+    )
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.close()
+    await writer.wait_closed()
+    async with httpx.AsyncClient(base_url=srv.url, timeout=10) as client:
+        await wait_stats(client, aborted=1)
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]

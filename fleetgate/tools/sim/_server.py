@@ -23,7 +23,7 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.datastructures import State
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -157,7 +157,7 @@ async def read_json_object(request: Request) -> dict[str, Any] | None:
     """Decode the body as a JSON object; ``None`` when it is not valid JSON or not an object."""
     try:
         body = msgspec.json.decode(await request.body())
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, ClientDisconnect):  # a caller gone before its body: no answer
         return None
     return body if isinstance(body, dict) else None
 

@@ -22,7 +22,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -227,6 +227,9 @@ def build_app(config: RerankSimConfig | None = None) -> Starlette:
     async def ranking(request: Request) -> Response:
         try:
             body = _DECODER.decode(await request.body())
+        except ClientDisconnect:  # the caller gave up before its body arrived: nobody to answer
+            sim.count("aborted")
+            return Response(status_code=499)
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             sim.count("bad_request")
             return error_response(400, f"invalid ranking request: {exc}", "BadRequestError")
