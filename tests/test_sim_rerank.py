@@ -253,7 +253,7 @@ async def test_a_caller_gone_before_its_body_counts_as_aborted(
     aborted, no ASGI error logged (it was 'Exception in ASGI application' with a traceback)."""
     srv = serve(concurrency=4)
     host, port = srv.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+    _reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
         b"POST /v1/ranking HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b'Content-Length: 1000\r\n\r\n{"model":'
