@@ -45,7 +45,8 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
     """``/work?tag=T&ms=M``: records T, holds M ms (default ``hold_s``), answers JSON;
     ``/echo``: the request's headers and body; ``/status/N``: status N with a body and a header
     of its own; ``/sse?n=N&ms=M``: N events M ms apart; ``/hang``: never answers (counts the
-    cancellation); ``/big?mb=N``: N MiB at once."""
+    cancellation); ``/big?mb=N``: N MiB at once; ``/cookie?v=V``: sets the cookie
+    ``session=V``."""
     state = UpstreamLog()
 
     async def work(request: Request) -> Response:
@@ -124,6 +125,10 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
     async def health(request: Request) -> Response:
         return Response()
 
+    async def cookie(request: Request) -> Response:
+        value = request.query_params.get("v", "")
+        return Response(b"{}", headers={"set-cookie": f"session={value}; Path=/"})
+
     app = Starlette(
         routes=[
             Route("/work", work, methods=["GET", "POST"]),
@@ -133,6 +138,7 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
             Route("/hang", hang, methods=["GET", "POST"]),
             Route("/big", big, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/cookie", cookie, methods=["GET"]),
         ]
     )
     app.state.log = state

