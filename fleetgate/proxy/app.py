@@ -30,8 +30,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
-import httpx
+import httpcore
 import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -72,6 +73,13 @@ _END = object()  # the upstream finished sending
 # request it assigns: 16 requests in flight on one pool cost ~25 % of the proxy's CPU. Spread
 # over a few pools, each stays small (benchmarks/burst.py's ShardedHTTP, the same finding).
 POOLS_PER_ROUTE = 8
+# what httpcore raises when the upstream cannot be reached or breaks the protocol
+_UPSTREAM_ERRORS = (
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.TimeoutException,
+    httpcore.UnsupportedProtocol,
+)
 
 
 class _Model(msgspec.Struct):
@@ -80,6 +88,48 @@ class _Model(msgspec.Struct):
 
 class _TooLarge(Exception):
     """The upstream's response is larger than ``max_response_bytes``."""
+
+
+class _Upstream:
+    """One route's upstream: httpcore connection pools used directly. No HTTP client on top
+    (httpx's ``AsyncClient`` kept a cookie jar shared by every caller, logged each URL with
+    its query string at INFO, and cost a third of the proxy's CPU in request and response
+    models): the caller's headers go through as they are, nothing is added but ``Host``,
+    the framing and ``Via``/``X-Forwarded-For``."""
+
+    def __init__(self, route: RouteConfig) -> None:
+        parts = urlsplit(route.upstream)
+        assert parts.hostname is not None  # validate_upstream
+        self.scheme = parts.scheme.encode("ascii")
+        self.host = parts.hostname.encode("idna")
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.authority = parts.netloc.encode("idna")
+        self.base = parts.path.encode("ascii")  # no trailing slash (validate_upstream)
+        self.extensions = {
+            "timeout": {"connect": route.connect_timeout_s, "read": None, "write": None}
+        }
+        self.pools = [
+            httpcore.AsyncConnectionPool(
+                max_connections=None, max_keepalive_connections=64, keepalive_expiry=5.0
+            )
+            for _ in range(POOLS_PER_ROUTE)
+        ]
+        self._turn = 0
+
+    def pool(self) -> httpcore.AsyncConnectionPool:
+        self._turn = (self._turn + 1) % len(self.pools)
+        return self.pools[self._turn]
+
+    def request(
+        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], content: Any
+    ) -> httpcore.Request:
+        url = httpcore.URL(scheme=self.scheme, host=self.host, port=self.port, target=target)
+        return httpcore.Request(
+            method, url, headers=headers, content=content, extensions=self.extensions
+        )
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(p.aclose() for p in self.pools))
 
 
 @dataclass
@@ -206,8 +256,6 @@ class ProxyApp:
         config: ProxyConfig,
         fleet: Fleet,
         registry: CollectorRegistry,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -215,36 +263,9 @@ class ProxyApp:
         self.metrics = ProxyMetrics.create(registry)
         self.draining = False
         self._gates: dict[str, Gate] = {}
-        self._clients: list[httpx.AsyncClient] = []
-        self._pools: dict[int, list[httpx.AsyncClient]] = {}
-        self._turn = 0
-        for i, route in enumerate(config.routes):
-            self._pools[i] = [self._client(route, transport) for _ in range(POOLS_PER_ROUTE)]
-            self._clients += self._pools[i]
+        self._upstreams = {id(route): _Upstream(route) for route in config.routes}
         for route in config.routes:
             self.gate(route)  # registered now: live pod of the gate, defaults in Redis
-
-    @staticmethod
-    def _client(
-        route: RouteConfig, transport: httpx.AsyncBaseTransport | None
-    ) -> httpx.AsyncClient:
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=route.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            follow_redirects=False,
-            trust_env=False,
-            transport=transport,
-        )
-        # The caller's own headers go through as they are: no defaults of httpx's added (an
-        # Accept-Encoding the caller did not send would get it a compressed body).
-        for name in ("accept", "accept-encoding", "user-agent"):
-            client.headers.pop(name, None)
-        return client
-
-    def _pick(self, route: RouteConfig) -> httpx.AsyncClient:
-        pools = self._pools[self.config.routes.index(route)]
-        self._turn = (self._turn + 1) % len(pools)
-        return pools[self._turn]
 
     def gate(self, route: RouteConfig) -> Gate:
         found = self._gates.get(route.gate)
@@ -254,7 +275,7 @@ class ProxyApp:
         return found
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self._clients))
+        await asyncio.gather(*(u.aclose() for u in self._upstreams.values()))
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -462,28 +483,34 @@ class ProxyApp:
             await permit.release()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        client = self._pick(route)
-        target = route.upstream + (scope.get("raw_path") or scope["path"].encode()).decode(
-            "latin-1"
-        )
+        upstream = self._upstreams[id(route)]
+        target = upstream.base + (scope.get("raw_path") or scope["path"].encode())
         query: bytes = scope.get("query_string") or b""
         if query:
-            target += "?" + query.decode("latin-1")
+            target += b"?" + query
         headers = forward_request_headers(scope["headers"], client_ip=ex.client)
         content: Any
         if inbound.complete and not inbound.too_large:
             content = await inbound.read_all()
+            # the body is all here: its length is the framing (the caller's Content-Length,
+            # checked to be one number, said the same or the body was chunked)
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
+            if content or any(k == b"content-length" for k, _ in scope["headers"]):
+                headers.append((b"content-length", str(len(content)).encode()))
         else:
             content = inbound.body()
-        request = client.build_request(scope["method"], target, headers=headers, content=content)
+            if not any(k == b"content-length" for k, _ in headers):
+                headers.append((b"transfer-encoding", b"chunked"))
+        headers.insert(0, (b"host", upstream.authority))
+        request = upstream.request(scope["method"].encode("ascii"), target, headers, content)
         sent_at = loop.time()
 
-        async def close(response: httpx.Response) -> None:
+        async def close(response: httpcore.Response) -> None:
             await response.aclose()
 
         try:
             response = await _race(
-                asyncio.ensure_future(client.send(request, stream=True)),
+                asyncio.ensure_future(upstream.pool().handle_async_request(request)),
                 inbound.gone,
                 remaining,
                 discard=close,
@@ -502,15 +529,15 @@ class ProxyApp:
             self.metrics.upstream_errors.labels(route.label, "timeout").inc()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        except httpx.TimeoutException:  # the connect timeout
+        except (httpcore.ConnectTimeout, httpcore.PoolTimeout):
             await permit.release("timeout", loop.time() - sent_at)
             self.metrics.upstream_errors.labels(route.label, "connect").inc()
             msg = f"upstream {route.upstream} did not accept a connection in time"
             await self._error(send, 504, "upstream_timeout", msg, ex, gate=gate)
             return
-        except httpx.HTTPError as exc:
+        except _UPSTREAM_ERRORS as exc:
             await permit.release("error", loop.time() - sent_at)
-            kind = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
+            kind = "connect" if isinstance(exc, httpcore.ConnectError) else "protocol"
             self.metrics.upstream_errors.labels(route.label, kind).inc()
             msg = f"upstream {route.upstream} failed: {type(exc).__name__}"
             await self._error(send, 502, "upstream_error", msg, ex, gate=gate)
@@ -524,11 +551,14 @@ class ProxyApp:
         route: RouteConfig,
         inbound: Inbound,
         permit: _Permit,
-        response: httpx.Response,
+        response: httpcore.Response,
         sent_at: float,
     ) -> None:
         limit = self.config.proxy.max_response_bytes
-        declared = response.headers.get("content-length", "")
+        declared = next(
+            (v.decode("latin-1") for k, v in response.headers if k.lower() == b"content-length"),
+            "",
+        )
         if declared.isdigit() and int(declared) > limit:
             await response.aclose()
             await permit.release("ok", asyncio.get_running_loop().time() - sent_at)
@@ -544,11 +574,11 @@ class ProxyApp:
         await send(
             {
                 "type": "http.response.start",
-                "status": response.status_code,
-                "headers": forward_response_headers(response.headers.raw),
+                "status": response.status,
+                "headers": forward_response_headers(response.headers),
             }
         )
-        ex.status = response.status_code
+        ex.status = response.status
         try:
             while True:
                 item = await queue.get()
@@ -568,7 +598,7 @@ class ProxyApp:
 
     async def _read_upstream(
         self,
-        response: httpx.Response,
+        response: httpcore.Response,
         queue: asyncio.Queue[object],
         permit: _Permit,
         route: RouteConfig,
@@ -582,7 +612,7 @@ class ProxyApp:
 
         async def pull() -> None:
             total = 0
-            async for chunk in response.aiter_raw():
+            async for chunk in response.aiter_stream():
                 total += len(chunk)
                 if total > limit:
                     raise _TooLarge
@@ -603,12 +633,12 @@ class ProxyApp:
             outcome, ex.note = "ok", f"response cut at {limit} bytes"
             self.metrics.upstream_errors.labels(route.label, "too_large").inc()
             queue.put_nowait(None)
-        except httpx.HTTPError as exc:
+        except _UPSTREAM_ERRORS as exc:
             outcome, ex.note = "error", f"upstream failed mid-response: {type(exc).__name__}"
             self.metrics.upstream_errors.labels(route.label, "protocol").inc()
             queue.put_nowait(None)
         else:
-            outcome = classify(response.status_code)
+            outcome = classify(response.status)
             queue.put_nowait(_END)
         finally:
             await response.aclose()
