@@ -101,3 +101,15 @@ def test_no_log_line_has_the_query_string(
     text = "\n".join(r.getMessage() for r in caplog.records if r.threadName == "fleetgate-proxy")
     assert "/echo" in text and "sk-secret-in-query" not in text
     wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
+    """The upstream's Date passes through; uvicorn added a second one to every response."""
+    with _proxy(rut, upstream) as url:
+        answer = _raw(url, b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert _status(answer) == 200 and head.count(b"\r\ndate:") == 1, head
+        answer = _raw(url, b"GET /nowhere/.. HTTP/1.1\r\nHost: x\r\n\r\n")  # the proxy's own
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert _status(answer) == 400 and head.count(b"\r\ndate:") == 1, head
+    wait_idle(rut.url, rut.prefix, "g")

@@ -23,6 +23,7 @@ has started, a cut connection). No header value, query string or URL credential 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import functools
 import inspect
 import logging
@@ -223,6 +224,19 @@ def _discard_later(discard: Callable[[Any], Awaitable[None]], task: asyncio.Futu
 
 def _cancel(task: asyncio.Future[Any]) -> None:
     task.cancel()
+
+
+_date: tuple[int, bytes] = (0, b"")
+
+
+def _http_date() -> bytes:
+    """The ``Date`` of the proxy's own answers (and of upstream answers without one): RFC 9110
+    6.6.1; uvicorn's is off, it added a second ``Date`` to every upstream answer."""
+    global _date
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, email.utils.formatdate(now, usegmt=True).encode("ascii"))
+    return _date[1]
 
 
 def _has_dot_segment(path: str) -> bool:
@@ -571,13 +585,10 @@ class ProxyApp:
             self._read_upstream(response, queue, permit, route, sent_at, ex)
         )
         inbound.on_gone(functools.partial(_cancel, reader))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": forward_response_headers(response.headers),
-            }
-        )
+        headers = forward_response_headers(response.headers)
+        if not any(k == b"date" for k, _ in headers):
+            headers.append((b"date", _http_date()))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         ex.status = response.status
         try:
             while True:
@@ -655,6 +666,7 @@ class ProxyApp:
         extra: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         headers = [
+            (b"date", _http_date()),
             (b"content-type", content_type.encode("latin-1")),
             (b"content-length", str(len(body)).encode()),
             *(extra or []),

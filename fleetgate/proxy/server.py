@@ -105,6 +105,7 @@ def _uvicorn_config(app: ProxyApp, config: ProxyConfig) -> uvicorn.Config:
         timeout_graceful_shutdown=max(1, round(settings.drain_seconds)),
         timeout_keep_alive=75,
         server_header=False,
+        date_header=False,  # the upstream's passes through; the app dates its own answers
     )
 
 
