@@ -4,12 +4,14 @@ polling Redis for a gate's holders and waiters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +145,47 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
     )
     app.state.log = state
     return app
+
+
+@contextlib.contextmanager
+def counting_upstream() -> Iterator[tuple[str, list[int]]]:
+    """A bare HTTP/1.1 server on loopback that answers every request ``200 {}`` at once and
+    counts the connections it accepted: yields (base URL, [connections, requests])."""
+    counts = [0, 0]
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        counts[0] += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                counts[1] += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main(stop: asyncio.Event) -> None:
+        async with await asyncio.start_server(handle, sock=sock):
+            await stop.wait()
+
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(stop),), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", counts
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(5)
+        loop.close()
+        sock.close()
 
 
 def proxy_config(

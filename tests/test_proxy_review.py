@@ -15,7 +15,7 @@ from fleetgate.proxy import serve_in_thread
 from fleetgate.tools.sim._server import Served
 from fleetgate.tools.sim._server import serve_in_thread as serve_app
 
-from ._proxy import UpstreamLog, proxy_config, upstream_app, wait_idle
+from ._proxy import UpstreamLog, counting_upstream, proxy_config, upstream_app, wait_idle
 from .conftest import RedisUnderTest
 from .test_proxy import _raw, _status
 
@@ -112,4 +112,17 @@ def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
         answer = _raw(url, b"GET /nowhere/.. HTTP/1.1\r\nHost: x\r\n\r\n")  # the proxy's own
         head = answer.partition(b"\r\n\r\n")[0].lower()
         assert _status(answer) == 400 and head.count(b"\r\ndate:") == 1, head
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_upstream_connections_are_reused(rut: RedisUnderTest) -> None:
+    """Once the body was forwarded the handler cancelled its reader while the reader was
+    returning the connection to the pool: every request opened a new connection (and the
+    call's outcome was never reported)."""
+    with counting_upstream() as (up, counts):
+        config = proxy_config(rut.url, rut.prefix, up)
+        with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=10) as http:
+            for _ in range(40):
+                assert http.post("/x", content=b"{}").status_code == 200
+    assert counts[1] == 40 and counts[0] <= 8, counts  # 8 pools per route
     wait_idle(rut.url, rut.prefix, "g")

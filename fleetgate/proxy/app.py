@@ -590,20 +590,25 @@ class ProxyApp:
             headers.append((b"date", _http_date()))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         ex.status = response.status
+        ended = False  # the reader is done with the upstream (it closes and releases now)
         try:
             while True:
                 item = await queue.get()
                 if item is _END:
+                    ended = True
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
                 if not isinstance(item, bytes):
                     # cut short (the upstream failed or the caller left): the response stays
                     # incomplete, which the caller's HTTP client sees as a truncated body
+                    ended = True
                     return
                 await send({"type": "http.response.body", "body": item, "more_body": True})
                 ex.sent += len(item)
         finally:
-            if not reader.done():
+            # Never cancel a reader that is closing the response and releasing the permit: a
+            # cancel there dropped the connection instead of pooling it and lost the outcome.
+            if not ended and not reader.done():
                 reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
