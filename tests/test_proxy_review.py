@@ -55,7 +55,7 @@ def test_a_request_target_not_starting_with_a_slash_is_refused(
             assert _status(answer) == 400, (target, answer[:300])
         # absolute-form: refused, or (an HTTP parser that takes its path) the upstream's path
         _raw(url, f"GET http://{hostport}/echo HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    assert _log(elsewhere).headers == [] and _log(upstream).headers == []
+    assert _log(elsewhere).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
 
@@ -70,8 +70,7 @@ def test_content_length_with_transfer_encoding_is_refused(
             b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
         )
         answer = _raw(url, data)
-        assert _status(answer) == 400, answer[:300]
-        assert b"Transfer-Encoding" in answer
+        assert _status(answer) == 400, answer[:300]  # the proxy's (h11) or httptools' own
     assert _log(upstream).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
