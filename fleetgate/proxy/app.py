@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import httpcore
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetgate.client import DeadlineExceeded, Fleet, Gate, Lease, Overloaded
@@ -278,6 +278,8 @@ class ProxyApp:
         self.draining = False
         self._gates: dict[str, Gate] = {}
         self._upstreams = {id(route): _Upstream(route) for route in config.routes}
+        self._gauges: dict[str, Gauge] = {}
+        self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         for route in config.routes:
             self.gate(route)  # registered now: live pod of the gate, defaults in Redis
 
@@ -418,7 +420,9 @@ class ProxyApp:
             await self._error(send, 400, "bad_header", str(exc), ex)
             return
         ex.ask = ask
-        gauge = self.metrics.in_flight.labels(route.label)
+        gauge = self._gauges.get(route.label)
+        if gauge is None:
+            gauge = self._gauges[route.label] = self.metrics.in_flight.labels(route.label)
         gauge.inc()
         try:
             await self._gated(scope, send, ex, route, ask, inbound)
@@ -712,8 +716,17 @@ class ProxyApp:
     def _account(self, ex: _Exchange) -> None:
         seconds = time.monotonic() - ex.started
         status = str(ex.status or CLIENT_CLOSED)
-        self.metrics.requests.labels(ex.route, status).inc()
-        self.metrics.seconds.labels(ex.route, status).observe(seconds)
+        # the labelled children, looked up once (prometheus-client takes a lock per lookup)
+        key = (ex.route, status)
+        children = self._children.get(key)
+        if children is None:
+            children = (
+                self.metrics.requests.labels(ex.route, status),
+                self.metrics.seconds.labels(ex.route, status),
+            )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
         if not self.config.proxy.access_log or not access_log.isEnabledFor(logging.INFO):
             return
         ask = ex.ask
