@@ -147,10 +147,17 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
     return app
 
 
+def _ok(head: bytes) -> tuple[bytes, bool]:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", False
+
+
 @contextlib.contextmanager
-def counting_upstream() -> Iterator[tuple[str, list[int]]]:
-    """A bare HTTP/1.1 server on loopback that answers every request ``200 {}`` at once and
-    counts the connections it accepted: yields (base URL, [connections, requests])."""
+def counting_upstream(
+    reply: Callable[[bytes], tuple[bytes, bool]] = _ok,
+) -> Iterator[tuple[str, list[int]]]:
+    """A bare HTTP/1.1 server on loopback that counts the connections it accepted and the
+    requests it read: yields (base URL, [connections, requests]). ``reply(head)`` gives the
+    bytes to answer a request's head with (default ``200 {}``) and whether to close then."""
     counts = [0, 0]
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -166,7 +173,11 @@ def counting_upstream() -> Iterator[tuple[str, list[int]]]:
                         length = int(line.split(b":")[1])
                 await reader.readexactly(length)
                 counts[1] += 1
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                answer, close = reply(head)
+                writer.write(answer)
+                if close:
+                    await writer.drain()
+                    break
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

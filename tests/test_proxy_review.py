@@ -5,6 +5,7 @@ refused, no log line carries a query string, and a drain cut short frees every p
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,4 +125,60 @@ def test_upstream_connections_are_reused(rut: RedisUnderTest) -> None:
             for _ in range(40):
                 assert http.post("/x", content=b"{}").status_code == 200
     assert counts[1] == 40 and counts[0] <= 8, counts  # 8 pools per route
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def _scripted(head: bytes) -> tuple[bytes, bool]:
+    """Answers by path: the framings an upstream may use, and two it must not."""
+    path = head.split(b" ", 2)[1]
+    if path == b"/chunked":
+        return (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            False,
+        )
+    if path == b"/until-close":  # no length: the body ends with the connection
+        return b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it", True
+    if path == b"/head":
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", False
+    if path == b"/continue":
+        return b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", False
+    if path == b"/extra":  # a second, unasked-for answer behind the first
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}" + (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nforged"
+        ), False
+    if path == b"/garbage":
+        return b"NOT HTTP AT ALL\r\n\r\n", True
+    return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", False
+
+
+def test_upstream_framings_pass_through_and_bad_ones_get_502(rut: RedisUnderTest) -> None:
+    with counting_upstream(_scripted) as (up, counts):
+        config = proxy_config(rut.url, rut.prefix, up)
+        with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=10) as http:
+            for _ in range(3):
+                assert http.get("/chunked").content == b"hello"
+                assert http.get("/until-close").content == b"all of it"
+                r = http.head("/head")
+                assert r.status_code == 200 and r.headers["content-length"] == "5"
+                assert http.get("/continue").content == b"ok"
+                assert http.get("/extra").content == b"{}"
+                # the forged answer never reaches anyone: the connection was not reused
+                assert [http.get("/x").content for _ in range(3)] == [b"{}"] * 3
+                r = http.get("/garbage")
+                assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+            assert http.get("/x").content == b"{}"
+    assert counts[1] == 3 * 9 + 1
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_a_body_still_arriving_is_streamed_upstream(rut: RedisUnderTest, upstream: Served) -> None:
+    def chunks() -> Iterator[bytes]:
+        for i in range(50):
+            time.sleep(0.002)
+            yield f"{i:04d}".encode()
+
+    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+        seen = http.post("/echo", content=chunks()).json()
+        assert seen["body"] == "".join(f"{i:04d}" for i in range(50))
+        assert seen["headers"].get("transfer-encoding") == "chunked"
     wait_idle(rut.url, rut.prefix, "g")

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import httpcore
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -42,6 +41,7 @@ from fleetgate.client import DeadlineExceeded, Fleet, Gate, Lease, Overloaded
 from fleetgate.errors import ConfigError, FleetgateError
 
 from ._inbound import BodyTooLarge, ClientGone, Inbound
+from ._upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamError, UpstreamResponse
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
 from .policy import (
@@ -70,17 +70,6 @@ CLIENT_CLOSED = 499
 _JSON = (b"content-type", b"application/json")
 _ENCODER = msgspec.json.Encoder()
 _END = object()  # the upstream finished sending
-# httpcore's pool spends time proportional to (requests in flight x connections) on every
-# request it assigns: 16 requests in flight on one pool cost ~25 % of the proxy's CPU. Spread
-# over a few pools, each stays small (benchmarks/burst.py's ShardedHTTP, the same finding).
-POOLS_PER_ROUTE = 8
-# what httpcore raises when the upstream cannot be reached or breaks the protocol
-_UPSTREAM_ERRORS = (
-    httpcore.NetworkError,
-    httpcore.ProtocolError,
-    httpcore.TimeoutException,
-    httpcore.UnsupportedProtocol,
-)
 
 
 class _Model(msgspec.Struct):
@@ -91,46 +80,16 @@ class _TooLarge(Exception):
     """The upstream's response is larger than ``max_response_bytes``."""
 
 
-class _Upstream:
-    """One route's upstream: httpcore connection pools used directly. No HTTP client on top
-    (httpx's ``AsyncClient`` kept a cookie jar shared by every caller, logged each URL with
-    its query string at INFO, and cost a third of the proxy's CPU in request and response
-    models): the caller's headers go through as they are, nothing is added but ``Host``,
-    the framing and ``Via``/``X-Forwarded-For``."""
+class _Route:
+    """What forwarding to one route's upstream needs, computed once."""
 
     def __init__(self, route: RouteConfig) -> None:
         parts = urlsplit(route.upstream)
         assert parts.hostname is not None  # validate_upstream
-        self.scheme = parts.scheme.encode("ascii")
-        self.host = parts.hostname.encode("idna")
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
         self.authority = parts.netloc.encode("idna")
         self.base = parts.path.encode("ascii")  # no trailing slash (validate_upstream)
-        self.extensions = {
-            "timeout": {"connect": route.connect_timeout_s, "read": None, "write": None}
-        }
-        self.pools = [
-            httpcore.AsyncConnectionPool(
-                max_connections=None, max_keepalive_connections=64, keepalive_expiry=5.0
-            )
-            for _ in range(POOLS_PER_ROUTE)
-        ]
-        self._turn = 0
-
-    def pool(self) -> httpcore.AsyncConnectionPool:
-        self._turn = (self._turn + 1) % len(self.pools)
-        return self.pools[self._turn]
-
-    def request(
-        self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], content: Any
-    ) -> httpcore.Request:
-        url = httpcore.URL(scheme=self.scheme, host=self.host, port=self.port, target=target)
-        return httpcore.Request(
-            method, url, headers=headers, content=content, extensions=self.extensions
-        )
-
-    async def aclose(self) -> None:
-        await asyncio.gather(*(p.aclose() for p in self.pools))
+        self.upstream = Upstream(parts.scheme, parts.hostname, port, route.connect_timeout_s)
 
 
 @dataclass
@@ -277,7 +236,7 @@ class ProxyApp:
         self.metrics = ProxyMetrics.create(registry)
         self.draining = False
         self._gates: dict[str, Gate] = {}
-        self._upstreams = {id(route): _Upstream(route) for route in config.routes}
+        self._routes = {id(route): _Route(route) for route in config.routes}
         self._gauges: dict[str, Gauge] = {}
         self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         for route in config.routes:
@@ -291,7 +250,8 @@ class ProxyApp:
         return found
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(u.aclose() for u in self._upstreams.values()))
+        for r in self._routes.values():
+            r.upstream.close()
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -501,7 +461,7 @@ class ProxyApp:
             await permit.release()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        upstream = self._upstreams[id(route)]
+        upstream = self._routes[id(route)]
         target = upstream.base + (scope.get("raw_path") or scope["path"].encode())
         query: bytes = scope.get("query_string") or b""
         if query:
@@ -520,15 +480,15 @@ class ProxyApp:
             if not any(k == b"content-length" for k, _ in headers):
                 headers.append((b"transfer-encoding", b"chunked"))
         headers.insert(0, (b"host", upstream.authority))
-        request = upstream.request(scope["method"].encode("ascii"), target, headers, content)
+        method = scope["method"].encode("ascii")
         sent_at = loop.time()
 
-        async def close(response: httpcore.Response) -> None:
+        async def close(response: UpstreamResponse) -> None:
             await response.aclose()
 
         try:
             response = await _race(
-                asyncio.ensure_future(upstream.pool().handle_async_request(request)),
+                asyncio.ensure_future(upstream.upstream.send(method, target, headers, content)),
                 inbound.gone,
                 remaining,
                 discard=close,
@@ -547,15 +507,15 @@ class ProxyApp:
             self.metrics.upstream_errors.labels(route.label, "timeout").inc()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        except (httpcore.ConnectTimeout, httpcore.PoolTimeout):
+        except ConnectTimedOut:
             await permit.release("timeout", loop.time() - sent_at)
             self.metrics.upstream_errors.labels(route.label, "connect").inc()
             msg = f"upstream {route.upstream} did not accept a connection in time"
             await self._error(send, 504, "upstream_timeout", msg, ex, gate=gate)
             return
-        except _UPSTREAM_ERRORS as exc:
+        except UpstreamError as exc:
             await permit.release("error", loop.time() - sent_at)
-            kind = "connect" if isinstance(exc, httpcore.ConnectError) else "protocol"
+            kind = "connect" if isinstance(exc, ConnectFailed) else "protocol"
             self.metrics.upstream_errors.labels(route.label, kind).inc()
             msg = f"upstream {route.upstream} failed: {type(exc).__name__}"
             await self._error(send, 502, "upstream_error", msg, ex, gate=gate)
@@ -569,7 +529,7 @@ class ProxyApp:
         route: RouteConfig,
         inbound: Inbound,
         permit: _Permit,
-        response: httpcore.Response,
+        response: UpstreamResponse,
         sent_at: float,
     ) -> None:
         limit = self.config.proxy.max_response_bytes
@@ -618,7 +578,7 @@ class ProxyApp:
 
     async def _read_upstream(
         self,
-        response: httpcore.Response,
+        response: UpstreamResponse,
         queue: asyncio.Queue[object],
         permit: _Permit,
         route: RouteConfig,
@@ -632,7 +592,7 @@ class ProxyApp:
 
         async def pull() -> None:
             total = 0
-            async for chunk in response.aiter_stream():
+            async for chunk in response.aiter():
                 total += len(chunk)
                 if total > limit:
                     raise _TooLarge
@@ -653,7 +613,7 @@ class ProxyApp:
             outcome, ex.note = "ok", f"response cut at {limit} bytes"
             self.metrics.upstream_errors.labels(route.label, "too_large").inc()
             queue.put_nowait(None)
-        except _UPSTREAM_ERRORS as exc:
+        except UpstreamError as exc:
             outcome, ex.note = "error", f"upstream failed mid-response: {type(exc).__name__}"
             self.metrics.upstream_errors.labels(route.label, "protocol").inc()
             queue.put_nowait(None)
