@@ -182,3 +182,12 @@ def test_a_body_still_arriving_is_streamed_upstream(rut: RedisUnderTest, upstrea
         assert seen["body"] == "".join(f"{i:04d}" for i in range(50))
         assert seen["headers"].get("transfer-encoding") == "chunked"
     wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_the_metrics_path_is_never_forwarded(rut: RedisUnderTest, upstream: Served) -> None:
+    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+        r = http.post("/metrics", content=b"x")
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+        assert http.get("/metrics").status_code == 200
+    assert _log(upstream).headers == []
+    wait_idle(rut.url, rut.prefix, "g")

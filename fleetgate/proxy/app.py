@@ -266,8 +266,14 @@ class ProxyApp:
         if path == settings.health_path:
             await self._health(send)
             return
-        if path == settings.metrics_path and scope["method"] in ("GET", "HEAD"):
-            await self._send(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+        if path == settings.metrics_path:  # the proxy's own: never forwarded
+            if scope["method"] in ("GET", "HEAD"):
+                await self._send(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+            else:
+                body = _ENCODER.encode(
+                    {"error": {"type": "method_not_allowed", "message": "GET or HEAD only"}}
+                )
+                await self._send(send, 405, body, "application/json", [(b"allow", b"GET, HEAD")])
             return
         client = scope.get("client")
         ex = _Exchange(scope["method"], path, client[0] if client else "-")
