@@ -4,6 +4,7 @@ refused, no log line carries a query string, and a drain cut short frees every p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -12,11 +13,20 @@ from typing import Any
 import httpx
 import pytest
 
+from fleetgate.client import Fleet
 from fleetgate.proxy import serve_in_thread
 from fleetgate.tools.sim._server import Served
 from fleetgate.tools.sim._server import serve_in_thread as serve_app
 
-from ._proxy import UpstreamLog, counting_upstream, proxy_config, upstream_app, wait_idle
+from ._proxy import (
+    UpstreamLog,
+    counting_upstream,
+    gate_counts,
+    proxy_config,
+    upstream_app,
+    wait_idle,
+    wait_until,
+)
 from .conftest import RedisUnderTest
 from .test_proxy import _raw, _status
 
@@ -191,3 +201,34 @@ def test_the_metrics_path_is_never_forwarded(rut: RedisUnderTest, upstream: Serv
         assert http.get("/metrics").status_code == 200
     assert _log(upstream).headers == []
     wait_idle(rut.url, rut.prefix, "g")
+
+
+async def test_a_request_still_queued_when_the_drain_ends_gets_503(
+    rut: RedisUnderTest, upstream: Served, fleet: Fleet
+) -> None:
+    """uvicorn cancels what is still running once the drain's time is up, and answered a
+    cancelled request 500 (text, "Internal Server Error"): now a 503 naming the gate, and the
+    request leaves the wait list."""
+    gate = fleet.gate("g", floor=1)
+    proxy = _proxy(rut, upstream, gate_defaults={"floor": 1}, proxy={"drain_seconds": 1})
+    url = proxy.__enter__()
+    stopping: asyncio.Future[Any] | None = None
+    try:
+        async with gate.permit(deadline=30), httpx.AsyncClient(base_url=url, timeout=20) as http:
+            call = asyncio.ensure_future(http.post("/work?tag=late", content=b"{}"))
+            await asyncio.to_thread(
+                wait_until, lambda: gate_counts(rut.url, rut.prefix, "g")[1] == 1, 5, "parked"
+            )
+            stopping = asyncio.ensure_future(asyncio.to_thread(proxy.__exit__, None, None, None))
+            r = await call
+    finally:
+        if stopping is None:
+            proxy.__exit__(None, None, None)
+        else:
+            await stopping
+    assert r.status_code == 503, (r.status_code, r.text[:200])
+    error = r.json()["error"]
+    assert error["type"] == "shutting_down" and error["gate"] == "g"
+    assert _log(upstream).arrivals == []
+    await fleet.flush()
+    await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")

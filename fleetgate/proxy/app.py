@@ -279,6 +279,14 @@ class ProxyApp:
         ex = _Exchange(scope["method"], path, client[0] if client else "-")
         try:
             await self._exchange(scope, receive, send, ex)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when the drain's time is up, and answers 500 to a
+            # cancelled request that sent nothing: say what happened instead (the exchange has
+            # left the wait list or released its permit on the way out)
+            if not self.draining or ex.status != 0:
+                raise
+            msg = "the proxy is shutting down: the drain ended before this request's answer"
+            await self._error(send, 503, "shutting_down", msg, ex, gate=ex.gate or None)
         except Exception:
             # A bug of ours: log it (no header values), answer 502 if nothing was sent yet.
             log.exception("proxy: unexpected error on %s %s", ex.method, ex.path)
