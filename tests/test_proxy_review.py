@@ -5,6 +5,7 @@ refused, no log line carries a query string, and a drain cut short frees every p
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -232,3 +233,32 @@ async def test_a_request_still_queued_when_the_drain_ends_gets_503(
     assert _log(upstream).arrivals == []
     await fleet.flush()
     await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
+    rut: RedisUnderTest, upstream: Served, parser: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``curl --http2 http://...`` asks to upgrade to h2c, body included. The proxy upgrades
+    nothing (RFC 9110 7.8: a server may ignore Upgrade): it forwards a plain request without the
+    Upgrade headers. httptools took everything after such a head for the new protocol: the body
+    was dropped and the upstream got Content-Length: 0."""
+    if parser == "h11":
+        monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
+    with _proxy(rut, upstream) as url:
+        for _ in range(2):
+            answer = _raw(
+                url,
+                b"POST /echo?x=1 HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nContent-Length: 5\r\n\r\nhello",
+            )
+            assert _status(answer) == 200, answer[:300]
+            seen = json.loads(answer.partition(b"\r\n\r\n")[2])
+            assert seen["body"] == "hello" and seen["query"] == "x=1"
+            assert "upgrade" not in seen["headers"] and "http2-settings" not in seen["headers"]
+        answer = _raw(
+            url,
+            b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+        )
+        assert _status(answer) == 200, answer[:300]
+    wait_idle(rut.url, rut.prefix, "g")

@@ -72,19 +72,29 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
     parser costs a fraction of h11's per request), with the head-size guard h11 has built in;
     else ``"h11"``."""
     try:
-        import httptools  # noqa: F401
+        import httptools
+        from uvicorn.protocols.http.h11_impl import H11Protocol
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return "h11"
 
     class GuardedHttpTools(HttpToolsProtocol):
-        """httptools has no limit on a request's head: one that grows past
-        ``h11_max_incomplete_event_size`` before its end gets 431 and the connection closes
-        (h11 would answer 400). Heads within it reach the app, which answers 431 above
-        ``max_header_bytes`` with its JSON body."""
+        """uvicorn's httptools protocol, mended twice:
+
+        * httptools has no limit on a request's head: one that grows past
+          ``h11_max_incomplete_event_size`` before its end gets 431 and the connection closes
+          (h11 would answer 400). Heads within it reach the app, which answers 431 above
+          ``max_header_bytes`` with its JSON body.
+        * After a head asking to upgrade (``Connection: upgrade``, ``Upgrade: h2c``, as
+          ``curl --http2`` sends), httptools hands every following byte to the new protocol:
+          the request's body was dropped. The proxy upgrades nothing, so such a connection is
+          handed to uvicorn's h11 protocol, head and all, which serves it as plain HTTP/1.1 (the
+          app drops the Upgrade headers).
+        """
 
         _head = 0
         _in_head = True
+        _upgrade = False
 
         def data_received(self, data: bytes) -> None:
             if self._in_head:
@@ -101,15 +111,50 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
                     self.transport.close()
                     self._in_head = False
                     return
-            super().data_received(data)
+            # HttpToolsProtocol.data_received, but for the upgrade
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade as exc:  # the head asked to upgrade
+                if self._upgrade:
+                    self._to_h11(data[exc.args[0] :] if exc.args else b"")
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            if self.parser.should_upgrade():
+                self._upgrade = True  # no cycle, no app: h11 starts over with this head
+                return
             super().on_headers_complete()
 
+        def on_body(self, body: bytes) -> None:
+            if not self._upgrade:
+                super().on_body(body)
+
         def on_message_complete(self) -> None:
+            if self._upgrade:
+                return
             super().on_message_complete()
             self._in_head, self._head = True, 0
+
+        def _to_h11(self, after_head: bytes) -> None:
+            h11_protocol = H11Protocol(
+                config=self.config, server_state=self.server_state, app_state=self.app_state
+            )
+            self.connections.discard(self)
+            self._unset_keepalive_if_required()
+            h11_protocol.connection_made(self.transport)
+            self.transport.set_protocol(h11_protocol)
+            # the head again (it follows a complete exchange, or none), then what came after it
+            version = self.parser.get_http_version().encode("ascii")
+            head = [self.parser.get_method(), b" ", self.url, b" HTTP/", version, b"\r\n"]
+            for name, value in self.headers:
+                head += [name, b": ", value, b"\r\n"]
+            head.append(b"\r\n")
+            h11_protocol.data_received(b"".join(head) + after_head)
 
     return GuardedHttpTools
 
