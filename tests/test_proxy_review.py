@@ -250,7 +250,8 @@ def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
             answer = _raw(
                 url,
                 b"POST /echo?x=1 HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
-                b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nContent-Length: 5\r\n\r\nhello",
+                b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nContent-Length: 5\r\n"
+                b"\r\nhello",
             )
             assert _status(answer) == 200, answer[:300]
             seen = json.loads(answer.partition(b"\r\n\r\n")[2])
