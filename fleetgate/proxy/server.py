@@ -259,7 +259,9 @@ async def _watch(
         await asyncio.sleep(0.01)
     for route in app.config.routes:
         log.info("route %s", route.describe())
-    log.info("fleetgate proxy listening on %s", url)
+    parser = "h11" if server.config.http == "h11" else "httptools"
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    log.info("fleetgate proxy listening on %s (%s, %s loop)", url, parser, loop)
     if on_ready is not None:
         on_ready(url)
     while not server.should_exit:
