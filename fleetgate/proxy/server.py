@@ -261,7 +261,8 @@ async def _watch(
         log.info("route %s", route.describe())
     parser = "h11" if server.config.http == "h11" else "httptools"
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
-    log.info("fleetgate proxy listening on %s (%s, %s loop)", url, parser, loop)
+    log.info("fleetgate proxy: HTTP parser %s, %s event loop", parser, loop)
+    log.info("fleetgate proxy listening on %s", url)  # the last word: the URL (demo reads it)
     if on_ready is not None:
         on_ready(url)
     while not server.should_exit:
