@@ -35,6 +35,7 @@ BENCHMARKS = (
     "script_cost",
     "burst",
     "ramp",
+    "latency",
     "coordinator_scale",
     "peers",
     "pod_cost",

@@ -32,6 +32,7 @@ from fleetgate.admission import (
 )
 from fleetgate.errors import ConfigError, FleetgateError, LeaseLost, Overloaded
 from fleetgate.keys import GateKeys
+from fleetgate.observed import tally
 from fleetgate.scripts import (
     GRANTED,
     MAX_BATCH,
@@ -51,6 +52,7 @@ from ._deadline import Deadline
 from ._local import LocalPermits
 from ._map import Fn, RetryPolicy, batched, merge_indexed, run_map
 from ._metrics import ClassMetrics, ClientMetrics, GateMetrics
+from ._report import Reporting
 from ._runtime import OUTAGE_ERRORS, Runtime
 from ._wakes import WakeListeners
 
@@ -74,9 +76,10 @@ class _GoLocal(Exception):
     """Redis became unreachable while parked: continue under the local fair-share bound."""
 
 
-# One call of a gate's batch: (lease id, wait ms, class) acquires, (lease id, None, "")
-# releases. The weight is in the lease id (fleetgate.admission.weighted_id), the priority and
-# tenant in the class (fleetgate.admission.lane_class).
+# One call of a gate's batch: (lease id, wait ms, class) acquires, (lease id, None, report)
+# releases (report: fleetgate.observed.encode_report, "" for none). The weight is in the lease
+# id (fleetgate.admission.weighted_id), the priority and tenant in the class
+# (fleetgate.admission.lane_class).
 _Call = tuple[str, int | None, str]
 
 # The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.
@@ -107,7 +110,7 @@ class _Ask:
 _DEFAULT_ASK = _Ask()
 
 
-class Lease:
+class Lease(Reporting):
     """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
 
     ``token`` is a fencing token, monotonic per gate in grant order; ``weight`` the units it
@@ -147,6 +150,7 @@ class Lease:
         self._is_lost = False
         self._lost: asyncio.Event | None = None
         self._released = False
+        self._granted_at = time.monotonic()  # the default latency of report() counts from here
 
     @property
     def lost(self) -> asyncio.Event:
@@ -545,15 +549,18 @@ class Gate:
         """One batch of the gate's calls: its releases, then its acquires, in one script call
         (release.lua alone when there is nothing to acquire)."""
         releases = [lease_id for lease_id, wait_ms, _ in calls if wait_ms is None]
+        observed = tally(report for _, wait_ms, report in calls if wait_ms is None)
         requests = [
             (lease_id, wait_ms, cls) for lease_id, wait_ms, cls in calls if wait_ms is not None
         ]
         scripts = self.runtime.scripts
         if not requests:
-            await scripts.release_many(self.keys, releases)
+            await scripts.release_many(self.keys, releases, observed)
             return [None] * len(calls)
         replies = iter(
-            await scripts.acquire_many(self.keys, requests, self.defaults, releases=releases)
+            await scripts.acquire_many(
+                self.keys, requests, self.defaults, releases=releases, observed=observed
+            )
         )
         return [None if wait_ms is None else next(replies) for _, wait_ms, _ in calls]
 
@@ -665,7 +672,7 @@ class Gate:
             lease.series().drop(lease.weight)
         if self.runtime.fallback_active:
             self.runtime.spawn(self.wake_local())
-        answer = self._calls.submit((lease.id, None, ""))
+        answer = self._calls.submit((lease.id, None, lease._report))  # report: see _report.py
         answer.add_done_callback(functools.partial(self._released, lease.id))
 
     def _released(self, lease_id: str, answer: asyncio.Future[AcquireReply | None]) -> None:

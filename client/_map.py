@@ -29,6 +29,7 @@ from fleetgate._aio import within
 from fleetgate.errors import ConfigError, FleetgateError
 
 from ._deadline import Deadline, check_deadline
+from ._report import CallReport, timed
 
 if TYPE_CHECKING:
     from ._metrics import ClientMetrics
@@ -54,6 +55,8 @@ class FleetgateWarning(UserWarning):
 
 class _Releasable(Protocol):
     async def release(self) -> None: ...
+
+    def report(self, outcome: str, latency: float | None = None) -> None: ...
 
 
 class PermitSource(Protocol):
@@ -274,16 +277,21 @@ class _MapRun:
         lease = await self.source.acquire_for(
             dl, weight=weight, priority=self.priority, tenant=self.tenant
         )
+        report = CallReport()
         try:
-            self.results[index] = await policy(self._attempt, item)
+            self.results[index] = await policy(self._attempt, item, report)
+        except asyncio.CancelledError:
+            report.outcome = None  # a cancelled call reports nothing
+            raise
         finally:
+            report.send(lease)
             await lease.release()
 
-    async def _attempt(self, item: Any) -> Any:
+    async def _attempt(self, item: Any, report: CallReport) -> Any:
         self.calls += 1
         if self.call_timeout is None:
-            return await self.call(item)
-        return await within(self.call(item), self.call_timeout)
+            return await timed(self.call(item), report)
+        return await timed(within(self.call(item), self.call_timeout), report)
 
 
 def batched(items: Sequence[T], size: int) -> list[Sequence[T]]:

@@ -98,6 +98,9 @@ class _RemoteLease:
         # Never abandoned: a cancelled caller still gives the permit back.
         await self.portal.acall(self.lease.release(), shielded=True)
 
+    def report(self, outcome: str, latency: float | None = None) -> None:
+        self.lease.report(outcome, latency)  # sets the report the release above carries
+
 
 class _RemoteGate:
     """Permits from the default fleet's loop for calls made on the caller's loop."""

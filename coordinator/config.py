@@ -7,10 +7,15 @@ Shape (see ``example.toml`` next to this module for every key with its default):
                    scrape_timeout, max_body_bytes, adaptive, prune_idle_after
     [[gates]]      name, floor, ceiling, max_queued, lease_ms, waiter_ms,
                    max_queued_per_tenant, shed_below, tenant_weights (a table name -> int),
-                   base_url | metrics_url (a string or a list, one per replica), model_name, server
+                   base_url | metrics_url (a string or a list, one per replica), model_name, server,
+                   signal
 
-A gate with ``base_url`` or ``metrics_url`` is *adaptive* (the coordinator publishes targets for
-it); a gate with neither is *fixed* at its ``floor``. ``model_name`` filters the metrics by their
+``signal`` says what drives a gate's target: ``metrics`` (the AIMD controller on the server's
+gauges: needs ``base_url`` or ``metrics_url``), ``latency`` (the latency-gradient controller on
+what the callers report: ``lease.report``, ``gate.map``; docs/aimd.md), ``fixed`` (never adapted:
+the limit is the ``floor``), or ``auto`` (default): ``metrics`` with a metrics source, else
+``latency``. A latency gate that no caller reports for stays at its ``floor``, as a fixed gate;
+its floor must be safe, because the cuts stop there. ``model_name`` filters the metrics by their
 ``model_name`` label; unset means the gate's own name when the endpoint exposes that label value,
 else "every model on that endpoint" (logged once), because the served model name often differs
 from the gate name and most servers serve one model. ``server`` names the server kind (default
@@ -77,6 +82,8 @@ __all__ = [
 ]
 
 _DEFAULTS = GateSettings()
+#: the values of a gate's ``signal``
+SIGNALS = ("auto", "metrics", "latency", "fixed")
 DEFAULT_POLL_INTERVAL = 2.0
 #: the scrape timeout when the poll interval allows it (a healthy /metrics answers in ms)
 DEFAULT_SCRAPE_TIMEOUT = 2.0
@@ -185,6 +192,8 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the model server's kind (``vllm``, ``sglang``, ``tgi``, ``tei``, ``llamacpp``, ``trtllm``,
     #: ``nim``) or ``auto``: detected from the exposition at each kind's metrics path
     server: str = AUTO
+    #: what drives the target: ``auto`` | ``metrics`` | ``latency`` | ``fixed`` (module doc)
+    signal: str = "auto"
 
     def __post_init__(self) -> None:
         _check("name", validate_gate_name, self.name)
@@ -209,6 +218,15 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.model_name is not None and not self.model_name:
             raise ConfigError("model_name: must not be empty (leave it out to match every model)")
         _check("server", validate_server, self.server)
+        if self.signal not in SIGNALS:
+            raise ConfigError(f"signal: expected one of {', '.join(SIGNALS)}, got {self.signal!r}")
+        if self.signal == "metrics" and not self.has_metrics:
+            raise ConfigError("signal: 'metrics' needs base_url or metrics_url")
+        if self.signal in ("latency", "fixed") and self.has_metrics:
+            raise ConfigError(
+                f"signal: {self.signal!r} reads no metrics; remove base_url/metrics_url, or use "
+                "signal = 'auto' (metrics, with overload cuts from what the callers report)"
+            )
 
     @property
     def settings(self) -> GateSettings:
@@ -237,6 +255,11 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if isinstance(self.metrics_url, str):
             return (self.metrics_url,)
         return self.metrics_url or ()
+
+    @property
+    def latency_driven(self) -> bool:
+        """True when the client-observed latency drives the gate (``signal``)."""
+        return self.signal == "latency" or (self.signal == "auto" and not self.has_metrics)
 
     @property
     def has_metrics(self) -> bool:

@@ -79,6 +79,11 @@ class Reason(str, enum.Enum):
     RESET = "reset"
     HOLD_CAPACITY = "hold_capacity"
     PROBE = "probe"
+    #: callers saw overload responses (429/503/529; timeouts too on latency gates): cut
+    OVERLOAD = "overload"
+    #: the latency controller lowers the target for a few polls to re-measure the no-load
+    #: latency (coordinator/gradient.py)
+    MEASURE = "measure_no_load"
 
     def __str__(self) -> str:
         return self.value

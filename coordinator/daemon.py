@@ -4,8 +4,10 @@ Every coordinator process campaigns; the one holding the lease polls, the others
 take over when the lease lapses (or at once when the leader shuts down cleanly). The leader:
 
 * every ``poll_interval`` (± jitter) scrapes all adaptive gates concurrently, reads the fleet
-  in-flight of every gate, steps each gate's pure AIMD controller with Redis server time, and
-  publishes everything in one pipeline under its epoch;
+  in-flight of every gate and the client-observed counters (``fg:{G}:obs``), steps each gate's
+  pure controller with Redis server time -- the AIMD controller on the server's gauges (cut
+  further when callers saw overloads), or the latency-gradient controller for gates driven by
+  what callers report -- and publishes everything in one pipeline under its epoch;
 * every second sweeps the expired leases and waiters of every registered gate (the reaper), so a
   crashed holder is reclaimed even when no client calls.
 
@@ -37,13 +39,24 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact, scrub
 from fleetgate.keys import fleet_keys
+from fleetgate.observed import Reading
 from fleetgate.safety import find_bad_keys, is_wrongtype, server_findings
 
 from .config import Config, GateConfig, load_config
-from .controller import ControllerParams, ControllerState, Observation, step
+from .controller import ControllerParams, ControllerState, Decision, Observation, step
 from .election import Election, Leadership
+from .gradient import (
+    GradientDecision,
+    GradientParams,
+    GradientState,
+    LatencyView,
+    cut_for_overload,
+    load_gradient_state,
+    step_latency,
+)
 from .httpget import LeanHttp
 from .metrics import CoordinatorMetrics
+from .observations import ObsWindows, read_observations
 from .publisher import Publication, Publisher
 from .signals import Signals
 from .sources import Fetcher, HttpxFetcher, MetricsSource, new_client
@@ -129,6 +142,14 @@ class Coordinator:
             g.name: ControllerParams.for_gate(g, config.coordinator) for g in config.gates
         }
         self.states: dict[str, ControllerState] = {}
+        # Gates driven by the client-observed latency (signal = "latency", or no metrics).
+        self.latency_params = {
+            g.name: GradientParams.for_gate(g, config.coordinator)
+            for g in config.gates
+            if g.latency_driven
+        }
+        self.latency_states: dict[str, GradientState] = {}
+        self.windows = ObsWindows()
         self.published: dict[str, int] = {}
         self.metrics_port: int | None = None
         self._wake_poll = asyncio.Event()
@@ -191,12 +212,14 @@ class Coordinator:
         server, thread = start_http_server(port, addr=host, registry=self.registry)
         self.metrics_port = int(server.server_port)
         log.info(
-            "coordinator %s: redis %s prefix %r, %d gates (%d adaptive), metrics on %s:%d",
+            "coordinator %s: redis %s prefix %r, %d gates (%d on metrics, %d on latency), "
+            "metrics on %s:%d",
             self.id,
             redact(cfg.redis.url),
             cfg.redis.prefix,
             len(cfg.gates),
             sum(1 for p in self.params.values() if p.adaptive),
+            sum(1 for p in self.latency_params.values() if p.adaptive),
             host,
             self.metrics_port,
         )
@@ -286,17 +309,21 @@ class Coordinator:
     async def _on_new_term(self, term: Leadership) -> None:
         """Warm failover: continue from the controller states the last leader stored."""
         self.metrics.epoch.set(term.epoch)
+        self.windows.clear()
         try:
             self.states = await self.publisher.load_states(self.config.gates, self.params)
+            self.latency_states = await self._load_latency_states()
         except Exception as exc:
             # Unreachable or a util key of the wrong type: lead anyway, from a cold start.
             log.warning(
                 "could not load the previous controller states (%s); cold start", self._text(exc)
             )
             self.states = {}
+            self.latency_states = {}
             await self._diagnose(exc)
         self.published = {}
         resumed = {n: s.target for n, s in self.states.items() if self.params[n].adaptive}
+        resumed.update({n: s.target for n, s in self.latency_states.items()})
         shown = dict(list(resumed.items())[:10])
         more = f" (+{len(resumed) - len(shown)} more)" if len(resumed) > len(shown) else ""
         log.info("leader with epoch %d; resuming targets %s%s", term.epoch, shown, more)
@@ -361,11 +388,14 @@ class Coordinator:
         t0 = time.perf_counter()
         gates = self.config.gates
         now = await self.publisher.server_time()
+        # The obs counters are read while the scrapes are in flight: no extra wait.
+        observing = asyncio.ensure_future(self._observations(gates, now))
         signals = await asyncio.gather(*(self._scrape(g) for g in gates))
+        observed = await observing
         in_flight = await self._in_flight(gates)
         pubs = [
-            self._decide(g, s, in_flight.get(g.name), now)
-            for g, s in zip(gates, signals, strict=True)
+            self._decide(g, s, in_flight.get(g.name), now, r)
+            for g, s, r in zip(gates, signals, observed, strict=True)
         ]
         term = self.election.term
         if term is None or not term.valid():
@@ -456,14 +486,79 @@ class Coordinator:
         )
         return False
 
-    def _decide(
-        self, gate: GateConfig, signals: Signals | None, in_flight: int | None, now: float
+    async def _observations(
+        self, gates: tuple[GateConfig, ...], now: float
+    ) -> list[Reading | None]:
+        """Every adapted gate's client-observed counters (None: static gates, failed reads)."""
+        wanted = [
+            g
+            for g in gates
+            if self.params[g.name].adaptive
+            or (g.name in self.latency_params and self.latency_params[g.name].adaptive)
+        ]
+        readings = await read_observations(
+            self._client, [self.publisher.keys(g.name) for g in wanted], now
+        )
+        by_name = dict(zip((g.name for g in wanted), readings, strict=True))
+        return [by_name.get(g.name) for g in gates]
+
+    async def _load_latency_states(self) -> dict[str, GradientState]:
+        """The latency controllers' states the previous leader stored (cold where none)."""
+        names = list(self.latency_params)
+        if not names:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(self.publisher.keys(name).util, "state")
+        raw = await pipe.execute()
+        return {
+            n: load_gradient_state(r, self.latency_params[n])
+            for n, r in zip(names, raw, strict=True)
+        }
+
+    def _decide_latency(
+        self, gate: GateConfig, in_flight: int | None, now: float, reading: Reading | None
     ) -> Publication:
+        params = self.latency_params[gate.name]
+        state = self.latency_states.get(gate.name) or GradientState.initial(params)
+        outcomes, latency = self.windows.update(gate.name, reading)
+        view = LatencyView(outcomes, latency, in_flight) if params.adaptive else None
+        decision = step_latency(state, view, params, now)
+        self.latency_states[gate.name] = decision.state
+        extra = _observed_fields(outcomes, decision)
+        self._account(gate, decision, None, in_flight, extra)
+        return Publication(gate, decision, None, in_flight, now, extra)
+
+    def _decide(
+        self,
+        gate: GateConfig,
+        signals: Signals | None,
+        in_flight: int | None,
+        now: float,
+        reading: Reading | None = None,
+    ) -> Publication:
+        if gate.name in self.latency_params:
+            return self._decide_latency(gate, in_flight, now, reading)
         params = self.params[gate.name]
         state = self.states.get(gate.name) or ControllerState.initial(params)
         obs = Observation.from_signals(signals, in_flight) if signals is not None else None
         decision = step(state, obs, params, now)
+        outcomes, _ = self.windows.update(gate.name, reading) if params.adaptive else (None, None)
+        decision = cut_for_overload(decision, outcomes, params, now)
         self.states[gate.name] = decision.state
+        extra = _observed_fields(outcomes, None)
+        self._account(gate, decision, signals, in_flight, extra)
+        return Publication(gate, decision, signals, in_flight, now, extra)
+
+    def _account(
+        self,
+        gate: GateConfig,
+        decision: Decision | GradientDecision,
+        signals: Signals | None,
+        in_flight: int | None,
+        extra: dict[str, str],
+    ) -> None:
+        """The coordinator's metrics and log line for one decision."""
         m, name = self.metrics, gate.name
         m.decisions.labels(name, decision.reason.value).inc()
         m.target.labels(name).set(decision.target)
@@ -478,7 +573,7 @@ class Coordinator:
         previous = self.published.get(name)
         if decision.publish and previous != decision.target:
             log.info(
-                "gate=%s target %s -> %d reason=%s running=%s waiting_capacity=%s in_flight=%s",
+                "gate=%s target %s -> %d reason=%s running=%s waiting_capacity=%s in_flight=%s%s",
                 name,
                 previous if previous is not None else "-",
                 decision.target,
@@ -486,10 +581,10 @@ class Coordinator:
                 signals.running if signals else None,
                 signals.waiting_capacity if signals else None,
                 in_flight,
+                "".join(f" {k}={v}" for k, v in extra.items() if v not in ("", "0")),
             )
         if decision.publish:
             self.published[name] = decision.target
-        return Publication(gate, decision, signals, in_flight, now)
 
     # -- reaper ------------------------------------------------------------------------------
 
@@ -546,6 +641,23 @@ class Coordinator:
                 f" (+{len(pruned) - 10} more)" if len(pruned) > 10 else ""
             )
             log.info("pruned %d gates idle for %g s: %s", len(pruned), idle, shown)
+
+
+def _observed_fields(outcomes: Reading | None, decision: GradientDecision | None) -> dict[str, str]:
+    """The client-observed figures of one poll for the util snapshot (empty strings when
+    unknown): calls reported, overloads and timeouts among them, and for a latency-driven gate
+    its p50 and no-load latency (seconds)."""
+    fields = {
+        "obs_calls": "" if outcomes is None else str(outcomes.calls),
+        "obs_overloaded": "" if outcomes is None else str(outcomes.overloaded),
+        "obs_timeout": "" if outcomes is None else str(outcomes.timeout),
+    }
+    if decision is not None:
+        no_load = decision.state.no_load
+        fields["signal"] = "latency"
+        fields["latency_p50"] = "" if decision.p50 is None else f"{decision.p50:.6f}"
+        fields["latency_no_load"] = "" if no_load is None else f"{no_load:.6f}"
+    return fields
 
 
 def run_coordinator(config_path: str, *, coordinator_id: str | None = None) -> int:

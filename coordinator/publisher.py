@@ -21,7 +21,8 @@ from fleetgate.registry import read_registry
 from fleetgate.scripts import PRUNED, GateScripts
 
 from .config import GateConfig
-from .controller import ControllerParams, ControllerState, Decision, dump_state, load_state
+from .controller import ControllerParams, ControllerState, Decision, load_state
+from .gradient import GradientDecision
 from .signals import Signals
 
 __all__ = ["Publication", "Publisher"]
@@ -33,10 +34,12 @@ class Publication(msgspec.Struct, frozen=True):
     """What one poll decided for one gate."""
 
     gate: GateConfig
-    decision: Decision
+    decision: Decision | GradientDecision
     signals: Signals | None
     in_flight: int | None
     polled_at: float  # Redis server time, seconds
+    #: more fields for the util snapshot (the client-observed figures, docs/aimd.md)
+    extra: dict[str, str] = {}
 
 
 def _util_mapping(p: Publication) -> dict[str, str]:
@@ -60,7 +63,8 @@ def _util_mapping(p: Publication) -> dict[str, str]:
         "reason": str(d.reason.value),
         "in_flight": "" if p.in_flight is None else str(p.in_flight),
         "error": (s.error or "") if s is not None else "",
-        "state": dump_state(d.state).decode(),
+        "state": msgspec.json.encode(d.state).decode(),
+        **p.extra,
     }
 
 

@@ -13,6 +13,10 @@ keys are outside any gate's slot and are written by separate commands.
     {prefix}:{G}:stats     hash    granted, rejected, expired_leases, abandoned_waiters, ...
     {prefix}:{G}:pods      zset    pod id -> liveness expiry (for the fair-share fallback)
     {prefix}:{G}:util      hash    the coordinator's last utilisation snapshot
+    {prefix}:{G}:obs       hash    client-observed counters, written by the release path:
+                                   ok, overloaded, timeout, error (outcomes reported),
+                                   lat_n, lat_us (count and sum in µs of ok latencies),
+                                   b<i> (ok calls in latency bucket i; fleetgate.observed)
     {prefix}:{G}:wake:<pod> list   ids granted by hand-off, popped by the owner pod
     {prefix}:{G}:rearm:<pod> list  a token the pod pushes to re-arm its blocking pop over
                                    several wake lists when it adds one (short TTL)
@@ -171,6 +175,11 @@ class GateKeys:
         return f"{self.base}:util"
 
     @property
+    def obs(self) -> str:
+        """Client-observed outcome and latency counters (:mod:`fleetgate.observed`)."""
+        return f"{self.base}:obs"
+
+    @property
     def wake_prefix(self) -> str:
         """Prefix of the per-pod wake lists; the scripts append the pod id."""
         return f"{self.base}:wake:"
@@ -222,6 +231,7 @@ class GateKeys:
             (self.stats, "hash"),
             (self.pods, "zset"),
             (self.util, "hash"),
+            (self.obs, "hash"),
         ]
 
     @classmethod

@@ -80,6 +80,7 @@ EXPECTED_TYPES: Mapping[str, str] = {
     "stats": "hash",
     "pods": "zset",
     "util": "hash",
+    "obs": "hash",
 }
 _FLEET_TYPES: Mapping[str, str] = {"gates": "set", "leader": "string", "epoch": "string"}
 # The lowest value of each cfg field the scripts take as given (fleetgate.settings), and of the

@@ -346,6 +346,15 @@ class Utilization(msgspec.Struct, frozen=True, kw_only=True):
     metrics_url: str | None = None
     reason: str | None = None
     server: str | None = None
+    #: "latency" for a gate driven by the client-observed signal (else None: metrics or fixed)
+    signal: str | None = None
+    #: the last poll's median call latency and the estimated no-load latency (seconds)
+    latency_p50: float | None = None
+    latency_no_load: float | None = None
+    #: calls reported by releases during the last poll, and the overloads/timeouts among them
+    obs_calls: float | None = None
+    obs_overloaded: float | None = None
+    obs_timeout: float | None = None
 
     @classmethod
     def parse(cls, util: Mapping[str, str]) -> Utilization:
@@ -358,6 +367,12 @@ class Utilization(msgspec.Struct, frozen=True, kw_only=True):
             metrics_url=util.get("metrics_url") or None,
             reason=util.get("reason") or None,
             server=util.get("server") or None,
+            signal=util.get("signal") or None,
+            latency_p50=_float(util.get("latency_p50")),
+            latency_no_load=_float(util.get("latency_no_load")),
+            obs_calls=_float(util.get("obs_calls")),
+            obs_overloaded=_float(util.get("obs_overloaded")),
+            obs_timeout=_float(util.get("obs_timeout")),
         )
 
 
@@ -627,15 +642,18 @@ class GateScripts:
         defaults: GateSettings,
         *,
         releases: Sequence[str] = (),
+        observed: Sequence[str | int] = (),
     ) -> list[AcquireReply]:
         """One acquire call for several callers of one gate, each ``(lease id, wait_ms)`` or
         ``(lease id, wait_ms, class)`` (:func:`fleetgate.admission.lane_class`; the weight is in
         the id, :func:`fleetgate.admission.weighted_id`): granted, parked or refused in order,
-        as if they had asked one after the other, after ``releases`` (lease ids) were released.
+        as if they had asked one after the other, after ``releases`` (lease ids) were released
+        and ``observed`` (their reports, :func:`fleetgate.observed.tally`) counted.
         At most :data:`MAX_BATCH` of each."""
         _check_batch(len(requests))
         _check_batch(len(releases), least=0)
         args: list[Any] = [*_encoded_argv(defaults), len(releases), *releases]
+        args += (len(observed), *observed)
         for req in requests:
             args += (req[0], max(1, req[1]), req[2] if len(req) > 2 else "")
         return await self._run(self._call("acquire", keys, args, AcquireReply.decode_many))
@@ -644,11 +662,15 @@ class GateScripts:
         """Whether ``lease_id`` held a lease (it is released, its slot handed on)."""
         return await self.release_many(keys, [lease_id]) == 1
 
-    async def release_many(self, keys: GateKeys, lease_ids: Sequence[str]) -> int:
-        """Release several leases of one gate in one call (at most :data:`MAX_BATCH`); returns
-        how many of them held a lease."""
+    async def release_many(
+        self, keys: GateKeys, lease_ids: Sequence[str], observed: Sequence[str | int] = ()
+    ) -> int:
+        """Release several leases of one gate in one call (at most :data:`MAX_BATCH`) and count
+        their reports (``observed``: :func:`fleetgate.observed.tally`); returns how many of
+        them held a lease."""
         _check_batch(len(lease_ids))
-        return await self._run(self._call("release", keys, list(lease_ids), int))
+        args: list[Any] = [len(observed), *observed, *lease_ids]
+        return await self._run(self._call("release", keys, args, int))
 
     async def cancel(self, keys: GateKeys, lease_id: str, member: str = "") -> int:
         """Leave the wait list (``member``: the waiter member it parked as, if it parked) or

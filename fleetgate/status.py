@@ -101,6 +101,15 @@ class GateStatus(msgspec.Struct, kw_only=True):
     shed: int = 0
     rejected_tenant: int = 0
     too_heavy: int = 0
+    #: "latency" when the client-observed signal drives the target (docs/aimd.md), else None
+    signal: str | None = None
+    #: the last poll's median call latency and the no-load estimate (seconds; latency gates)
+    latency_p50: float | None = None
+    latency_no_load: float | None = None
+    #: calls reported in the last poll, and the overloaded / timed-out ones among them
+    obs_calls: int | None = None
+    obs_overloaded: int | None = None
+    obs_timeout: int | None = None
 
 
 class FleetStatus(msgspec.Struct, kw_only=True):
@@ -188,7 +197,17 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         shed=snap.stat("shed"),
         rejected_tenant=snap.stat("rejected_tenant"),
         too_heavy=snap.stat("too_heavy"),
+        signal=util.signal,
+        latency_p50=util.latency_p50,
+        latency_no_load=util.latency_no_load,
+        obs_calls=_count(util.obs_calls),
+        obs_overloaded=_count(util.obs_overloaded),
+        obs_timeout=_count(util.obs_timeout),
     )
+
+
+def _count(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _int(raw: str | None) -> int | None:
@@ -247,6 +266,7 @@ def format_status(status: FleetStatus, now: float) -> str:
             f"{g.queued:>7} {'yes' if g.saturated else 'no':>4} {running:>8} {age:>9} "
             f"{g.server or '-':<8} {g.schema or '-':>6}"
         )
+        lines.extend(_observed_lines(g))
         lines.extend(_queue_lines(g))
     if not status.gates:
         lines.append("(no gates registered)")
@@ -255,6 +275,25 @@ def format_status(status: FleetStatus, now: float) -> str:
         more = f" (+{len(status.invalid_gates) - 5} more)" if len(status.invalid_gates) > 5 else ""
         lines.append(f"skipped invalid registry entries: {shown}{more}")
     return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _observed_lines(g: GateStatus) -> list[str]:
+    """The client-observed signal of a gate, when it drives the target or reports arrived."""
+    if g.signal != "latency" and not g.obs_calls:
+        return []
+    text = "  observed:"
+    if g.signal == "latency":
+        text += f" latency p50 {_ms(g.latency_p50)}, no-load {_ms(g.latency_no_load)};"
+    if g.obs_calls is not None:
+        text += (
+            f" last poll {g.obs_calls} calls, {g.obs_overloaded or 0} overloaded, "
+            f"{g.obs_timeout or 0} timed out"
+        )
+    return [text.rstrip(";")]
 
 
 def _queue_lines(g: GateStatus) -> list[str]:

@@ -6,10 +6,12 @@
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
 --       7 shed_below  8 tenant weights ('name}w}...')  (defaults, registered only when the gate
---       has no configuration yet), 9 n = leases to release, then n lease ids,
---       then per request: id ('<pod>:<n>' or '<pod>:<n>w<W>' for weight W), wait_ms (time the
---       caller is willing to park, > 0), class ('' = priority 0 of the default tenant, else
---       '<R>}<tenant>' with R = 100 - priority as three digits)
+--       has no configuration yet), 9 n = leases to release, then n lease ids, then m, then m
+--       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
+--       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>'
+--       or '<pod>:<n>w<W>' for weight W), wait_ms (time the caller is willing to park, > 0),
+--       class ('' = priority 0 of the default tenant, else '<R>}<tenant>' with R = 100 - priority
+--       as three digits)
 -- Returns {limit, lease_ms, waiter_ms, released, then per request: status, token, n,
 --   expires_at}: released = how many of the ids given held a lease (release.lua's reply);
 --   status 1 = granted (n = units held), 2 = parked (n = waiters, this one included),
@@ -29,9 +31,11 @@
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
 local n_release = tonumber(ARGV[9])
+local n_obs = tonumber(ARGV[10 + n_release])
+local first = 11 + n_release + n_obs  -- ARGV index of the first request
 -- A class the client library would never send is refused before anything is written: it would
 -- make lane members that sort and parse wrongly.
-for i = 10 + n_release + 2, #ARGV, 3 do
+for i = first + 2, #ARGV, 3 do
   local cls = ARGV[i]
   local ok = cls == '' or string.match(cls, '^%d%d%d}[^}]*$')
   if not ok or tonumber(string.sub(cls, 1, 3) .. '0') > 2000 then
@@ -43,7 +47,7 @@ if n_release > 0 then
   released = remove_leases(ARGV, 10, 9 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-local first = 10 + n_release  -- ARGV index of the first request
+observe(ARGV, 11 + n_release, 10 + n_release + n_obs)
 
 local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]},

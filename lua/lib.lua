@@ -12,7 +12,7 @@
 -- On Cluster the client declares the data keys too (fleetgate._redis.RedisMode.script_keys).
 -- The wake list of a pod is K_WAKE .. pod_id.
 local K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL, K_WAKE
-local K_LANES, K_FAIR, K_BIG, K_ADM, K_TW, K_EVICTED
+local K_LANES, K_FAIR, K_BIG, K_ADM, K_TW, K_EVICTED, K_OBS
 local ADM, ADM_DIRTY, PHI  -- per-gate caches of one call (see "Admission order" below)
 local function use_gate(base)
   K_CFG, K_TARGET, K_HOLDERS = base .. ':cfg', base .. ':target', base .. ':holders'
@@ -21,6 +21,7 @@ local function use_gate(base)
   K_WAKE = base .. ':wake:'
   K_LANES, K_FAIR, K_BIG = base .. ':lanes', base .. ':fair', base .. ':big'
   K_ADM, K_TW, K_EVICTED = base .. ':adm', base .. ':tw', base .. ':evicted'
+  K_OBS = base .. ':obs'
   ADM, ADM_DIRTY, PHI = {}, {}, {}
 end
 -- EVAL form only: gate_library drops the next line (each library function runs it first).
@@ -359,6 +360,16 @@ local function remove_leases(ids, i, j)
     redis.call('HDEL', K_ADM, 'extra')  -- no field is left once every heavy lease is gone
   end
   return n, units
+end
+
+-- The client-observed signal (fleetgate/observed.py): args[i..j] are (field, increment) pairs
+-- the client summed over the reports of the calls it releases in this script call (outcome
+-- counts, latency count and sum, latency buckets). Best effort: pcall, so a broken obs key
+-- (wrong type, a value that is no integer) never fails the release it travels with.
+local function observe(args, i, j)
+  for k = i, j - 1, 2 do
+    redis.pcall('HINCRBY', K_OBS, args[k], args[k + 1])
+  end
 end
 
 -- A lane that became backlogged (or left big): it enters the fair order at its band's virtual

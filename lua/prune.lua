@@ -42,5 +42,5 @@ if since == nil or seen[2] ~= mark or since > now then
 end
 if idle_after == nil or now - since < idle_after then return {2, now - since} end
 redis.call('DEL', K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL,
-  K_LANES, K_FAIR, K_BIG, K_ADM, K_TW, K_EVICTED)
+  K_LANES, K_FAIR, K_BIG, K_ADM, K_TW, K_EVICTED, K_OBS)
 return {1, now - since}

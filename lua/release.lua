@@ -3,13 +3,16 @@
 -- acquire.lua, which releases first); a batch holds what was released while its previous call
 -- was in flight.
 -- KEYS: 1 the gate's base name (see lib.lua)
--- ARGV: the lease ids
+-- ARGV: 1 m, then m values: the released calls' reports as (field, increment) pairs for
+--       fg:{G}:obs (fleetgate.observed.tally; m = 0 without reports), then the lease ids
 -- Returns the number of ids that held a lease: an id already gone (double release, or expired
 --   and reaped) frees nothing of anyone else's.
 -- With nobody waiting this is three commands: no clock, no configuration, no limit is needed.
 -- The schema is checked when there is someone to hand off to (load_cfg); a release alone is the
 -- same in every schema (a future one that counts leases differently renames the key).
-local released = remove_leases(ARGV, 1, #ARGV)
+local m = tonumber(ARGV[1])
+observe(ARGV, 2, 1 + m)
+local released = remove_leases(ARGV, 2 + m, #ARGV)
 if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 if redis.call('ZCARD', K_WAITERS) > 0 then
   local now = now_ms()

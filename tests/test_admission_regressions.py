@@ -35,7 +35,7 @@ class Gate:
     def acquire(self, *reqs: tuple[str, int, str | None]) -> list[int]:
         """reqs: (id, priority, tenant); returns the statuses."""
         triples = [x for i, p, t in reqs for x in (i, LONG_MS, lane_class(p, t))]
-        reply = self.call("acquire", *self.defaults, 0, *triples)
+        reply = self.call("acquire", *self.defaults, 0, 0, *triples)
         return [int(x) for x in reply[4::4]]
 
     def lanes(self) -> set[str]:
@@ -74,9 +74,9 @@ def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_schedule
     assert g.lanes() == {"a}100", "b}100"}
     assert g.scheduled() == g.lanes(), "every non-empty lane must be in fair or big"
     # Both lanes are served, in tag order (a tie: by tenant name).
-    assert g.call("release", "pa:1") == 1
+    assert g.call("release", 0, "pa:1") == 1
     assert r.zrange(g.keys.holders, 0, -1) == ["pa:3"]
-    assert g.call("release", "pa:3") == 1
+    assert g.call("release", 0, "pa:3") == 1
     assert r.zrange(g.keys.holders, 0, -1) == ["pa:4"]
 
 
@@ -118,7 +118,7 @@ def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
     r.zadd(g.keys.waiters, {head: 1})  # the heavy head expires
     # A lower-band arrival finds the list full: the reap removes pa:2w5; it parks
     assert g.acquire(("pb:4", -1, None)) == [2]
-    assert g.call("release", "pa:1w4") == 1
+    assert g.call("release", 0, "pa:1w4") == 1
     # pa:3 (priority 0) is served, first (strict bands), then pb:4 (-1) with the units left
     assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:3", "pb:4"]
     tokens = {

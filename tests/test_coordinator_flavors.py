@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -21,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.keys import GateKeys
+from fleetgate.status import format_status, gather_status
 from fleetgate.tools.sim import serve_in_thread
 from fleetgate.tools.sim.flavors import FLAVORS
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
@@ -133,3 +136,76 @@ async def test_no_metrics_is_unknown_and_named(
 async def _util_is(r: aredis.Redis, keys: GateKeys, **want: str) -> bool:
     util = await r.hgetall(keys.util)
     return all(util.get(k) == v for k, v in want.items())
+
+
+async def test_latency_controller_drives_a_server_without_metrics(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    """``--no-metrics``: no gauge at all. The gate has no metrics source, so the coordinator
+    drives it from what the callers report (gate.map classifies each call): slow start from
+    the floor, then the latency rise past the capacity (a FIFO of 8 slots) stops it near 8."""
+    name = "observed"
+    keys = GateKeys.of(rut.prefix, name)
+    cfg = Config.from_toml_text(
+        f"""
+[redis]
+url = "{rut.url}"
+prefix = "{rut.prefix}"
+[coordinator]
+poll_interval = 0.5
+poll_jitter = 0.0
+leader_ttl = 2.0
+metrics_listen = "127.0.0.1:0"
+[[gates]]
+name = "{name}"
+floor = 2
+ceiling = 64
+""",
+        env={},
+    )
+    sim = VllmSimConfig(model=MODEL, capacity=8, service_ms=40, metrics=False, max_waiting=8)
+    stop = asyncio.Event()
+    targets: list[int] = []
+    with serve_in_thread(build_app(sim)) as served:
+        async with (
+            running(cfg),
+            Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet,
+            httpx.AsyncClient(base_url=served.url, timeout=10) as http,
+        ):
+            gate = fleet.gate(name, floor=2, ceiling=64)
+
+            async def call(_: int) -> httpx.Response:
+                return await http.post("/v1/chat/completions", json=CHAT)
+
+            async def worker() -> None:
+                while not stop.is_set():
+                    await gate.map(call, range(4), retry=False, return_exceptions=True)
+
+            tasks = [asyncio.create_task(worker()) for _ in range(8)]  # up to 32 callers
+            try:
+                for _ in range(40):  # 20 s at most
+                    await asyncio.sleep(0.5)
+                    target = await async_redis.hget(keys.target, "value")
+                    if target is not None:
+                        targets.append(int(target))
+                    if len(targets) >= 12 and max(targets) >= 8:
+                        break
+            finally:
+                stop.set()
+                await asyncio.gather(*tasks)
+            util = await async_redis.hgetall(keys.util)
+            obs = await async_redis.hgetall(keys.obs)
+            status = await gather_status(async_redis, rut.prefix)
+    assert targets and max(targets) >= 8, targets  # grew past the floor to the capacity
+    # and came back near it, far below the ceiling (64): a FIFO of 8, 503 past 8 more waiting
+    assert 4 <= targets[-1] <= 24, (targets, sorted(util.items()))
+    assert util["signal"] == "latency" and util["latency_no_load"] != ""
+    # `fleetgate status` shows what drives the gate
+    [row] = [g for g in status.gates if g.name == name]
+    assert row.signal == "latency" and row.latency_no_load is not None and row.latency_no_load > 0
+    assert row.obs_calls is not None
+    assert re.search(
+        r"observed: latency p50 \d+ ms, no-load \d+ ms; last poll \d+ calls",
+        format_status(status, time.time()),
+    )
+    assert int(obs["ok"]) > 100 and int(obs["lat_n"]) == int(obs["ok"])

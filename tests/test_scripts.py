@@ -9,6 +9,7 @@ import redis.asyncio as aredis
 
 from fleetgate.admission import class_member, lane_class, member_id
 from fleetgate.keys import GateKeys
+from fleetgate.observed import encode_report, tally
 from fleetgate.scripts import GRANTED, PARKED, REJECTED, GateScripts
 from fleetgate.settings import GateSettings
 
@@ -183,7 +184,8 @@ async def test_scripts_write_only_the_keys_gate_keys_names(
     await scripts.publish(
         keys, epoch=1, ttl_ms=10_000, target=1, cfg={"tenant_weights": "t}2"}, util={"running": 1}
     )
-    assert await scripts.release(keys, "pa:1")  # hands the slot to pe:5 (band 10), wakes pe
+    # hands the slot to pe:5 (band 10), wakes pe; the call's report goes to fg:{G}:obs
+    assert await scripts.release_many(keys, ["pa:1"], tally([encode_report("ok", 0.01)])) == 1
     found = {k async for k in async_redis.scan_iter(match=f"{keys.base}:*")}
     assert found == {*keys.data_keys(), keys.wake("pc"), keys.wake("pe")}
     assert await async_redis.zrange(keys.holders, 0, -1) == ["pe:5"]

@@ -126,6 +126,8 @@ class VllmSimConfig:
     metrics: bool = True
     #: TGI/TEI's ``--max-concurrent-requests`` (None: the server's default, 128 / 512)
     max_concurrent_requests: int | None = None
+    #: the status of a request refused past ``max_waiting`` (503, or 429 as API gateways do)
+    overload_status: int = 503
 
     @property
     def concurrency_limit(self) -> int | None:
@@ -155,6 +157,8 @@ class VllmSimConfig:
             raise ValueError("occupancy_slowdown and max_waiting must be >= 0")
         if self.embedding_dim < 1:
             raise ValueError("embedding_dim must be >= 1")
+        if self.overload_status not in (429, 503):
+            raise ValueError("overload_status must be 429 or 503")
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -471,6 +475,8 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
                     request, sim.execute(prompt, gen, reason)
                 )
             except QueueFull as exc:
+                if cfg.overload_status == 429:
+                    return error_response(429, f"server overloaded: {exc}", "RateLimitError")
                 return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
             except Overloaded:
                 return _overloaded(cfg.flavor)
@@ -638,7 +644,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="W",
-        help="answer 503 when W requests already wait (default: unbounded)",
+        help="answer 503 (or --overload-status) when W requests already wait (default: "
+        "unbounded)",
+    )
+    p.add_argument(
+        "--overload-status",
+        type=int,
+        choices=[429, 503],
+        default=503,
+        help="the status past --max-waiting: 503, or 429 as a hosted API answers "
+        "(default: %(default)s). With --no-metrics: the client-observed case, latency grows "
+        "with the queue beyond --capacity and calls are refused past the queue bound",
     )
     p.add_argument(
         "--legacy-metrics",

@@ -1,0 +1,226 @@
+"""The client-observed signal: call outcomes and latencies counted fleet-wide in Redis.
+
+Servers without usable metrics (hosted APIs, TEI, a NIM reranker) are adapted from what the
+callers see. Every release may carry its call's report (``lease.report(outcome, latency)``;
+``gate.map`` reports for you); the client sums the reports of one script call into
+``(field, increment)`` pairs (:func:`tally`) and the release path adds them to the gate's
+``{prefix}:{G}:obs`` hash in the same script call (``lua/lib.lua``, ``observe``)::
+
+    ok, overloaded, timeout, error   calls reported with that outcome
+    lat_n, lat_us                    count and sum (microseconds) of ``ok`` latencies
+    b<i>                             ``ok`` calls whose latency fell in bucket i (BOUNDS)
+
+Every field is a monotonic counter. The coordinator reads the hash once per poll
+(:meth:`Reading.parse`) and works on the difference of two readings (:func:`delta`); a counter
+that went down (the key was deleted, Redis restarted or lost it) gives no difference that poll.
+The quantiles come from the fixed buckets (:func:`quantile`), so the fleet's latency
+distribution is summed exactly across processes without sending samples.
+
+This is a core module: both the client (encoding) and the coordinator (decoding) use it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping
+
+import msgspec
+
+from fleetgate.errors import ConfigError
+
+__all__ = [
+    "BOUNDS",
+    "OUTCOMES",
+    "Reading",
+    "bucket_of",
+    "delta",
+    "encode_report",
+    "median_error",
+    "quantile",
+    "tally",
+    "typical_latency",
+    "validate_outcome",
+]
+
+#: What a call's report says: "ok", or why it failed. "overloaded" is the server shedding load
+#: (HTTP 429, 503, 529); "timeout" a call that timed out; "error" anything else.
+OUTCOMES = ("ok", "overloaded", "timeout", "error")
+
+#: Upper bounds (seconds) of the latency buckets: bucket 0 is (0, 1 ms], bucket i is
+#: (BOUNDS[i-1], BOUNDS[i]], and bucket len(BOUNDS) the overflow above ~65.5 s. Geometric with
+#: factor 2^(1/4) (+19 % per bucket): a quantile is known within ±9 % from 66 counters, whatever
+#: the scale of the latencies (an embedding call of 5 ms, a generation of 30 s).
+BOUNDS: tuple[float, ...] = tuple(0.001 * 2 ** (i / 4) for i in range(65))
+OVERFLOW = len(BOUNDS)
+
+# The field names, named once (lua/lib.lua writes whatever pairs it is given).
+_LAT_N, _LAT_US = "lat_n", "lat_us"
+_COUNT_FIELDS = (*OUTCOMES, _LAT_N, _LAT_US)
+_BUCKET_FIELDS = tuple(f"b{i}" for i in range(OVERFLOW + 1))
+_BUCKET_OF_FIELD = {name: i for i, name in enumerate(_BUCKET_FIELDS)}
+
+
+def bucket_of(latency_s: float) -> int:
+    """The bucket of a latency in seconds (0 for <= 1 ms, ``OVERFLOW`` above the last bound)."""
+    return bisect.bisect_left(BOUNDS, latency_s) if latency_s > 0 else 0
+
+
+def validate_outcome(outcome: object) -> str:
+    """``outcome`` if it is one of :data:`OUTCOMES`, else :class:`ConfigError`."""
+    if not isinstance(outcome, str) or outcome not in OUTCOMES:
+        raise ConfigError(f"outcome: expected one of {', '.join(OUTCOMES)}, got {outcome!r}")
+    return outcome
+
+
+def encode_report(outcome: str, latency_s: float | None) -> str:
+    """One call's report as it travels with its release: ``"<outcome>:<latency µs>"`` (the
+    latency only for ``ok``; empty when unknown). ``outcome`` is validated by the caller."""
+    if outcome != "ok" or latency_s is None:
+        return f"{outcome}:"
+    return f"ok:{max(0, round(latency_s * 1e6))}"
+
+
+def tally(reports: Iterable[str]) -> list[str | int]:
+    """The ``(field, increment)`` pairs, flattened, that add ``reports`` (:func:`encode_report`
+    strings; empty ones are skipped) to the obs hash. Empty when there is nothing to add."""
+    counts: dict[str, int] = {}
+    for report in reports:
+        if not report:
+            continue
+        outcome, _, micros = report.partition(":")
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if micros:
+            us = int(micros)
+            counts[_LAT_N] = counts.get(_LAT_N, 0) + 1
+            counts[_LAT_US] = counts.get(_LAT_US, 0) + us
+            field = _BUCKET_FIELDS[bucket_of(us / 1e6)]
+            counts[field] = counts.get(field, 0) + 1
+    out: list[str | int] = []
+    for field, n in counts.items():
+        out += (field, n)
+    return out
+
+
+class Reading(msgspec.Struct, frozen=True):
+    """The obs counters of one gate at one instant, or the difference of two (a window).
+
+    ``at`` is the time of the reading (seconds, the coordinator's shared clock); in a window,
+    ``seconds`` is its length. ``buckets`` is sparse: bucket index -> count.
+    """
+
+    ok: int = 0
+    overloaded: int = 0
+    timeout: int = 0
+    error: int = 0
+    lat_n: int = 0
+    lat_us: int = 0
+    buckets: dict[int, int] = msgspec.field(default_factory=dict)
+    at: float = 0.0
+    seconds: float = 0.0
+
+    @classmethod
+    def parse(cls, raw: Mapping[bytes, bytes] | Mapping[str, str], at: float = 0.0) -> Reading:
+        """A reading from ``HGETALL {prefix}:{G}:obs``. Unknown fields are ignored; a value that
+        is no non-negative integer counts as 0 (so the next sane reading starts a new window)."""
+        counts: dict[str, int] = {}
+        buckets: dict[int, int] = {}
+        for key, value in raw.items():
+            name = key.decode() if isinstance(key, bytes) else key
+            try:
+                n = int(value)
+            except ValueError:
+                continue
+            if n <= 0:
+                continue
+            if name in _COUNT_FIELDS:
+                counts[name] = n
+            elif name in _BUCKET_OF_FIELD:
+                buckets[_BUCKET_OF_FIELD[name]] = n
+        return cls(**counts, buckets=buckets, at=at)
+
+    @property
+    def calls(self) -> int:
+        """Calls reported, whatever their outcome."""
+        return self.ok + self.overloaded + self.timeout + self.error
+
+    @property
+    def mean_latency(self) -> float | None:
+        """Mean latency (seconds) of the ``ok`` calls with a latency; None without any."""
+        return self.lat_us / self.lat_n / 1e6 if self.lat_n > 0 else None
+
+    @property
+    def busy(self) -> float | None:
+        """Average ``ok`` calls in flight over a window (Little's law: latency summed over the
+        window's length); None for a reading or a window of no length."""
+        return self.lat_us / 1e6 / self.seconds if self.seconds > 0 else None
+
+
+def delta(prev: Reading | None, cur: Reading) -> Reading | None:
+    """The window from ``prev`` to ``cur``: what was reported in between. None when there is no
+    ``prev`` or any counter went down (the key was deleted or Redis lost it: counters restart
+    from 0, and that poll's difference is unknown)."""
+    if prev is None or cur.at < prev.at:
+        return None
+    fields = {}
+    for name in _COUNT_FIELDS:
+        d = getattr(cur, name) - getattr(prev, name)
+        if d < 0:
+            return None
+        fields[name] = d
+    buckets: dict[int, int] = {}
+    for i in prev.buckets.keys() | cur.buckets.keys():
+        d = cur.buckets.get(i, 0) - prev.buckets.get(i, 0)
+        if d < 0:
+            return None
+        if d:
+            buckets[i] = d
+    return Reading(**fields, buckets=buckets, at=cur.at, seconds=cur.at - prev.at)
+
+
+def quantile(buckets: Mapping[int, int], q: float) -> float | None:
+    """The ``q``-quantile (0 < q <= 1), seconds, of the latencies counted in ``buckets``:
+    interpolated linearly inside the bucket it falls in (as Prometheus' histogram_quantile);
+    the overflow bucket answers its lower bound. None without any count."""
+    total = sum(n for n in buckets.values() if n > 0)
+    if total <= 0:
+        return None
+    rank = q * total
+    seen = 0
+    for i in sorted(buckets):
+        n = buckets[i]
+        if n <= 0:
+            continue
+        if seen + n >= rank:
+            if i >= OVERFLOW:
+                return BOUNDS[-1]
+            lo = BOUNDS[i - 1] if i > 0 else 0.0
+            return lo + (BOUNDS[i] - lo) * (rank - seen) / n
+        seen += n
+    return BOUNDS[-1]
+
+
+def typical_latency(window: Reading, q: float = 0.5) -> float | None:
+    """The window's ``q``-quantile latency, sharpened for a tight distribution: when every
+    latency lies in two adjacent buckets (a spread of at most ~40 %), the exact mean, which a
+    point interpolated inside a 19 %-wide bucket describes worse. A wider spread keeps the
+    quantile (a mean would follow the tail)."""
+    estimate = quantile(window.buckets, q)
+    mean = window.mean_latency
+    used = [i for i, n in window.buckets.items() if n > 0]
+    if estimate is None or mean is None or not math.isfinite(mean):
+        return estimate
+    if max(used) - min(used) <= 1 and OVERFLOW not in used:
+        return mean
+    return estimate
+
+
+def median_error(window: Reading) -> float:
+    """The relative standard error of the window's median latency: 1.2533 sigma / sqrt(n), with
+    sigma (of the log latency) from the interquartile range (ln(p75 / p25) / 1.349). A median
+    of 10 calls is a guess; of 1,000 a measurement. 0 without a spread or samples."""
+    n = sum(window.buckets.values())
+    p25, p75 = quantile(window.buckets, 0.25), quantile(window.buckets, 0.75)
+    if n <= 0 or not p25 or not p75 or p75 <= p25:
+        return 0.0
+    return 1.2533 * math.log(p75 / p25) / 1.349 / math.sqrt(n)
