@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -41,7 +42,6 @@ from fleetgate.client import DeadlineExceeded, Fleet, Gate, Lease, Overloaded
 from fleetgate.errors import ConfigError, FleetgateError
 
 from ._inbound import BodyTooLarge, ClientGone, Inbound
-from ._upstream import ConnectFailed, ConnectTimedOut, Upstream, UpstreamError, UpstreamResponse
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
 from .policy import (
@@ -80,16 +80,112 @@ class _TooLarge(Exception):
     """The upstream's response is larger than ``max_response_bytes``."""
 
 
-class _Route:
-    """What forwarding to one route's upstream needs, computed once."""
+# httpcore's pool spends time proportional to (requests in flight x connections) on every
+# request it assigns; spread over a few pools, each stays small. A request goes to the pool
+# with the fewest in flight (the first on a tie): sequential traffic keeps one connection.
+POOLS_PER_ROUTE = 8
+
+
+class _Upstream:
+    """One route's upstream: httpx's transport (``httpx.AsyncHTTPTransport``, httpcore's
+    keep-alive pools), not its ``AsyncClient``: no cookie jar shared by every caller (one
+    caller's ``Set-Cookie`` went upstream with the others' requests), no INFO log line of each
+    URL with its query string, no default headers of httpx's added (an ``Accept-Encoding`` the
+    caller did not send would get it a compressed body), no redirects followed, no proxy from
+    the environment. The caller's headers go through as they are: nothing is added but
+    ``Host``, the framing and ``Via``/``X-Forwarded-For``."""
 
     def __init__(self, route: RouteConfig) -> None:
         parts = urlsplit(route.upstream)
         assert parts.hostname is not None  # validate_upstream
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.scheme = parts.scheme
+        self.host = parts.hostname
+        self.port = parts.port
         self.authority = parts.netloc.encode("idna")
         self.base = parts.path.encode("ascii")  # no trailing slash (validate_upstream)
-        self.upstream = Upstream(parts.scheme, parts.hostname, port, route.connect_timeout_s)
+        # connect within the route's time; the rest is the proxy's own deadline and stream cap
+        self.extensions = {
+            "timeout": {"connect": route.connect_timeout_s, "read": None, "write": None}
+        }
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=5.0
+        )
+        self.transports = [
+            httpx.AsyncHTTPTransport(limits=limits, retries=0) for _ in range(POOLS_PER_ROUTE)
+        ]
+        self.busy = [0] * POOLS_PER_ROUTE
+
+    def request(
+        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], content: Any
+    ) -> httpx.Request:
+        """The request to the upstream; ``target`` is the caller's path (starting with ``/``,
+        checked) and query, appended to the upstream's base path: the host is the route's."""
+        url = httpx.URL(
+            scheme=self.scheme,
+            host=self.host,
+            port=self.port,
+            raw_path=self.base + target,
+        )
+        return httpx.Request(
+            method, url, headers=headers, content=content, extensions=self.extensions
+        )
+
+    async def send(self, request: httpx.Request) -> _Answer:
+        """The upstream's answer (status and headers; the body streams). Cancelling it closes
+        the connection."""
+        busy = self.busy
+        shard = busy.index(min(busy))
+        busy[shard] += 1
+        try:
+            response = await self.transports[shard].handle_async_request(request)
+        except BaseException:
+            busy[shard] -= 1
+            raise
+        return _Answer(self, shard, response)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(t.aclose() for t in self.transports))
+
+
+class _Answer:
+    """The upstream's response; always :meth:`aclose` it (pools the connection after a
+    complete exchange, else closes it)."""
+
+    def __init__(self, upstream: _Upstream, shard: int, response: httpx.Response) -> None:
+        self.upstream = upstream
+        self.shard = shard
+        self.response = response
+        self.closed = False
+
+    async def aclose(self, *, complete: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if complete and _bytes_past_the_answer(self.response):
+                # never pooled: the next request on it would get those bytes for an answer
+                stream = self.response.extensions.get("network_stream")
+                if stream is not None:
+                    await stream.aclose()
+            await self.response.aclose()
+        finally:
+            self.upstream.busy[self.shard] -= 1
+
+
+def _bytes_past_the_answer(response: httpx.Response) -> bool:
+    """Whether the upstream sent bytes past the end of this (complete) answer: an answer nobody
+    asked for, e.g. a forged second response written behind the first. httpcore keeps them in
+    the connection's HTTP/1.1 parser and pools the connection, where they would answer the next
+    request sent on it, another caller's (a socket that is readable while idle is dropped; bytes
+    already read are not looked at). No public API says so: this reads httpcore's parser state
+    (httpx 0.28, httpcore 1.0) and says True -- the connection is closed, not pooled -- when
+    that state is not where it expects (tests/test_proxy_review.py's reuse test then fails)."""
+    try:
+        stream: Any = response.stream  # httpx's, over httpcore's pool's, over the connection's
+        connection = stream._httpcore_stream._stream._connection
+        return bool(connection._h11_state.trailing_data[0])
+    except AttributeError:
+        return True
 
 
 @dataclass
@@ -236,7 +332,7 @@ class ProxyApp:
         self.metrics = ProxyMetrics.create(registry)
         self.draining = False
         self._gates: dict[str, Gate] = {}
-        self._routes = {id(route): _Route(route) for route in config.routes}
+        self._upstreams = {id(route): _Upstream(route) for route in config.routes}
         self._gauges: dict[str, Gauge] = {}
         self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         for route in config.routes:
@@ -250,8 +346,7 @@ class ProxyApp:
         return found
 
     async def aclose(self) -> None:
-        for r in self._routes.values():
-            r.upstream.close()
+        await asyncio.gather(*(u.aclose() for u in self._upstreams.values()))
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -475,8 +570,8 @@ class ProxyApp:
             await permit.release()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        upstream = self._routes[id(route)]
-        target = upstream.base + (scope.get("raw_path") or scope["path"].encode())
+        upstream = self._upstreams[id(route)]
+        target: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string") or b""
         if query:
             target += b"?" + query
@@ -494,15 +589,20 @@ class ProxyApp:
             if not any(k == b"content-length" for k, _ in headers):
                 headers.append((b"transfer-encoding", b"chunked"))
         headers.insert(0, (b"host", upstream.authority))
-        method = scope["method"].encode("ascii")
+        try:
+            request = upstream.request(scope["method"], target, headers, content)
+        except (httpx.InvalidURL, UnicodeDecodeError):  # not a URL's path and query
+            await permit.release()
+            await self._error(send, 400, "bad_request", "the request target is not valid", ex)
+            return
         sent_at = loop.time()
 
-        async def close(response: UpstreamResponse) -> None:
-            await response.aclose()
+        async def close(answer: _Answer) -> None:
+            await answer.aclose()
 
         try:
-            response = await _race(
-                asyncio.ensure_future(upstream.upstream.send(method, target, headers, content)),
+            answer = await _race(
+                asyncio.ensure_future(upstream.send(request)),
                 inbound.gone,
                 remaining,
                 discard=close,
@@ -517,24 +617,24 @@ class ProxyApp:
             await self._too_large(send, ex)
             return
         except TimeoutError:
-            await permit.release("timeout", loop.time() - sent_at)
+            await permit.release("timeout")
             self.metrics.upstream_errors.labels(route.label, "timeout").inc()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        except ConnectTimedOut:
-            await permit.release("timeout", loop.time() - sent_at)
+        except (httpx.ConnectTimeout, httpx.PoolTimeout):
+            await permit.release("timeout")
             self.metrics.upstream_errors.labels(route.label, "connect").inc()
             msg = f"upstream {route.upstream} did not accept a connection in time"
             await self._error(send, 504, "upstream_timeout", msg, ex, gate=gate)
             return
-        except UpstreamError as exc:
-            await permit.release("error", loop.time() - sent_at)
-            kind = "connect" if isinstance(exc, ConnectFailed) else "protocol"
+        except httpx.TransportError as exc:  # cannot connect, reset, closed early, bad HTTP
+            await permit.release("error")
+            kind = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
             self.metrics.upstream_errors.labels(route.label, kind).inc()
             msg = f"upstream {route.upstream} failed: {type(exc).__name__}"
             await self._error(send, 502, "upstream_error", msg, ex, gate=gate)
             return
-        await self._respond(send, ex, route, inbound, permit, response, sent_at)
+        await self._respond(send, ex, route, inbound, permit, answer, sent_at)
 
     async def _respond(
         self,
@@ -543,16 +643,14 @@ class ProxyApp:
         route: RouteConfig,
         inbound: Inbound,
         permit: _Permit,
-        response: UpstreamResponse,
+        answer: _Answer,
         sent_at: float,
     ) -> None:
         limit = self.config.proxy.max_response_bytes
-        declared = next(
-            (v.decode("latin-1") for k, v in response.headers if k.lower() == b"content-length"),
-            "",
-        )
+        response = answer.response
+        declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await response.aclose()
+            await answer.aclose()
             await permit.release("ok", asyncio.get_running_loop().time() - sent_at)
             self.metrics.upstream_errors.labels(route.label, "too_large").inc()
             msg = f"the upstream's response ({declared} bytes) exceeds {limit} bytes"
@@ -560,14 +658,15 @@ class ProxyApp:
             return
         queue: asyncio.Queue[object] = asyncio.Queue()
         reader = asyncio.ensure_future(
-            self._read_upstream(response, queue, permit, route, sent_at, ex)
+            self._read_upstream(answer, queue, permit, route, sent_at, ex)
         )
         inbound.on_gone(functools.partial(_cancel, reader))
-        headers = forward_response_headers(response.headers)
+        headers = forward_response_headers(response.headers.raw)
         if not any(k == b"date" for k, _ in headers):
             headers.append((b"date", _http_date()))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        ex.status = response.status
+        status = response.status_code
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        ex.status = status
         ended = False  # the reader is done with the upstream (it closes and releases now)
         try:
             while True:
@@ -592,7 +691,7 @@ class ProxyApp:
 
     async def _read_upstream(
         self,
-        response: UpstreamResponse,
+        answer: _Answer,
         queue: asyncio.Queue[object],
         permit: _Permit,
         route: RouteConfig,
@@ -603,10 +702,12 @@ class ProxyApp:
         limit = self.config.proxy.max_response_bytes
         loop = asyncio.get_running_loop()
         outcome: str | None = None
+        response = answer.response
+        complete = False
 
         async def pull() -> None:
             total = 0
-            async for chunk in response.aiter():
+            async for chunk in response.aiter_raw():
                 total += len(chunk)
                 if total > limit:
                     raise _TooLarge
@@ -627,15 +728,15 @@ class ProxyApp:
             outcome, ex.note = "ok", f"response cut at {limit} bytes"
             self.metrics.upstream_errors.labels(route.label, "too_large").inc()
             queue.put_nowait(None)
-        except UpstreamError as exc:
+        except httpx.TransportError as exc:
             outcome, ex.note = "error", f"upstream failed mid-response: {type(exc).__name__}"
             self.metrics.upstream_errors.labels(route.label, "protocol").inc()
             queue.put_nowait(None)
         else:
-            outcome = classify(response.status)
+            outcome, complete = classify(response.status_code), True
             queue.put_nowait(_END)
         finally:
-            await response.aclose()
+            await answer.aclose(complete=complete)
             await permit.release(outcome, loop.time() - sent_at)
 
     # -- answers -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import sniffio
 import uvicorn
 from prometheus_client import CollectorRegistry
 
@@ -216,6 +217,24 @@ async def serve(
     ``on_ready(url)`` is called once the listener accepts (``url`` is ``http://host:port``).
     """
     registry = CollectorRegistry() if registry is None else registry
+    # httpcore asks sniffio which event loop runs on every lock and connection close; its
+    # answer, set for this thread, skips the lookup (~3 % of the proxy's CPU per request)
+    before = getattr(sniffio.thread_local, "name", None)
+    sniffio.thread_local.name = "asyncio"
+    try:
+        await _serve(config, registry, sock, on_ready, stop, fleet_options)
+    finally:
+        sniffio.thread_local.name = before
+
+
+async def _serve(
+    config: ProxyConfig,
+    registry: CollectorRegistry,
+    sock: socket.socket | None,
+    on_ready: Callable[[str], None] | None,
+    stop: asyncio.Event | None,
+    fleet_options: dict[str, Any] | None,
+) -> None:
     host, port = config.proxy.address
     own_sock = sock is None
     sock = bind(host, port) if sock is None else sock
