@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import functools
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -206,26 +205,24 @@ class _Exchange:
 
 
 class _Permit:
-    """A granted lease, released once, with the call's outcome reported first when the client
-    can take it (``lease.report``: the client-observed signal, built separately)."""
+    """A granted lease, released once, with the call's outcome reported first
+    (``lease.report``: the client-observed signal; it leaves with the release)."""
 
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
         self.done = False
 
     async def release(self, outcome: str | None = None, latency: float | None = None) -> None:
+        """Release; with ``outcome``, report it first -- its latency only when ``ok``, as
+        ``gate.map`` does (the latency of a failure says nothing of the server's speed)."""
         if self.done:
             return
         self.done = True
-        report = getattr(self.lease, "report", None)
-        if outcome is not None and callable(report):
-            try:
-                result = report(outcome, latency=latency)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:  # reporting must never cost the caller its response
-                log.debug("lease.report failed", exc_info=True)
-        await self.lease.release()
+        try:
+            if outcome is not None:
+                self.lease.report(outcome, latency if outcome == "ok" else None)
+        finally:
+            await self.lease.release()
 
 
 async def _race(
