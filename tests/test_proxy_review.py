@@ -165,7 +165,16 @@ def _scripted(head: bytes) -> tuple[bytes, bool]:
     return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", False
 
 
-def test_upstream_framings_pass_through_and_bad_ones_get_502(rut: RedisUnderTest) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_upstream_framings_pass_through_and_bad_ones_get_502(
+    rut: RedisUnderTest, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every framing an upstream may use passes through; garbage is a 502; bytes the upstream
+    sent past an answer never answer anyone (httpcore would pool that connection: the proxy
+    closes it), on asyncio's loop and on uvloop (the fast extra's)."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        monkeypatch.setattr(asyncio, "new_event_loop", uvloop.new_event_loop)
     with counting_upstream(_scripted) as (up, counts):
         config = proxy_config(rut.url, rut.prefix, up)
         with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=10) as http:

@@ -157,28 +157,32 @@ class _Answer:
         self.closed = False
 
     async def aclose(self, *, complete: bool = False) -> None:
+        """Close the response: httpcore pools the connection after a complete exchange, else
+        closes it. After a ``complete`` one whose connection holds bytes past the answer
+        (:func:`_poisoned`), the connection is closed first, while no other request can have it:
+        httpcore then drops it instead of pooling it (a closed socket reads as readable)."""
         if self.closed:
             return
         self.closed = True
+        response = self.response
         try:
-            if complete and _bytes_past_the_answer(self.response):
-                # never pooled: the next request on it would get those bytes for an answer
-                stream = self.response.extensions.get("network_stream")
+            if complete and _poisoned(response):
+                stream = response.extensions.get("network_stream")
                 if stream is not None:
                     await stream.aclose()
-            await self.response.aclose()
+            await response.aclose()
         finally:
             self.upstream.busy[self.shard] -= 1
 
 
-def _bytes_past_the_answer(response: httpx.Response) -> bool:
-    """Whether the upstream sent bytes past the end of this (complete) answer: an answer nobody
-    asked for, e.g. a forged second response written behind the first. httpcore keeps them in
-    the connection's HTTP/1.1 parser and pools the connection, where they would answer the next
-    request sent on it, another caller's (a socket that is readable while idle is dropped; bytes
-    already read are not looked at). No public API says so: this reads httpcore's parser state
-    (httpx 0.28, httpcore 1.0) and says True -- the connection is closed, not pooled -- when
-    that state is not where it expects (tests/test_proxy_review.py's reuse test then fails)."""
+def _poisoned(response: httpx.Response) -> bool:
+    """Whether the upstream sent bytes past the end of this complete answer: an answer nobody
+    asked for, e.g. a forged second response written behind the first. httpcore keeps such bytes
+    in the connection's h11 parser and pools the connection, where they would answer the next
+    request sent on it, another caller's (it drops a socket that is readable while idle, but
+    never looks at bytes already read). No public API tells: this reads httpcore's state
+    (httpx 0.28, httpcore 1.0) and says True -- close, never pool -- if that state moved (the
+    reuse test in tests/test_proxy_review.py fails then, the framing test if it lies)."""
     try:
         stream: Any = response.stream  # httpx's, over httpcore's pool's, over the connection's
         connection = stream._httpcore_stream._stream._connection
@@ -704,7 +708,11 @@ class ProxyApp:
 
         async def pull() -> None:
             total = 0
-            async for chunk in response.aiter_raw():
+            # the stream itself: aiter_raw() would pool the connection at its end, before
+            # _Answer.aclose looked at it
+            stream = response.stream
+            assert isinstance(stream, httpx.AsyncByteStream)  # the async transport's
+            async for chunk in stream:
                 total += len(chunk)
                 if total > limit:
                     raise _TooLarge
