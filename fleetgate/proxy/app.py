@@ -106,8 +106,10 @@ class _Upstream:
         self.extensions = {
             "timeout": {"connect": route.connect_timeout_s, "read": None, "write": None}
         }
+        # idle connections closed before an upstream on uvicorn's default keep-alive (5 s)
+        # closes them: reusing one as it closes would fail a caller's request
         limits = httpx.Limits(
-            max_connections=None, max_keepalive_connections=64, keepalive_expiry=5.0
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=4.0
         )
         self.transports = [
             httpx.AsyncHTTPTransport(limits=limits, retries=0) for _ in range(POOLS_PER_ROUTE)
