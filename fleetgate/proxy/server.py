@@ -96,22 +96,13 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
         _head = 0
         _in_head = True
         _upgrade = False
+        _too_large = False
 
         def data_received(self, data: bytes) -> None:
+            if self._too_large:
+                return
             if self._in_head:
                 self._head += len(data)
-                if self._head > (self.config.h11_max_incomplete_event_size or 1 << 20):
-                    body = (
-                        b'{"error":{"type":"headers_too_large","message":"request head too large"}}'
-                    )
-                    self.transport.write(
-                        b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                        b"content-type: application/json\r\nconnection: close\r\n"
-                        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-                    )
-                    self.transport.close()
-                    self._in_head = False
-                    return
             # HttpToolsProtocol.data_received, but for the upgrade
             self._unset_keepalive_if_required()
             try:
@@ -119,10 +110,24 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
             except httptools.HttpParserUpgrade as exc:  # the head asked to upgrade
                 if self._upgrade:
                     self._to_h11(data[exc.args[0] :] if exc.args else b"")
+                return
             except httptools.HttpParserError:
                 msg = "Invalid HTTP request received."
                 self.logger.warning(msg)
                 self.send_400_response(msg)
+                return
+            # checked once the parser has seen the bytes: a head that ended within them (its
+            # body following in the same read) is no head too large
+            limit = self.config.h11_max_incomplete_event_size or 1 << 20
+            if self._in_head and self._head > limit:
+                self._too_large = True
+                body = b'{"error":{"type":"headers_too_large","message":"request head too large"}}'
+                self.transport.write(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                    b"content-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+                )
+                self.transport.close()
 
         def on_headers_complete(self) -> None:
             self._in_head = False
