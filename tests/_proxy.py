@@ -4,12 +4,14 @@ polling Redis for a gate's holders and waiters."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +47,8 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
     """``/work?tag=T&ms=M``: records T, holds M ms (default ``hold_s``), answers JSON;
     ``/echo``: the request's headers and body; ``/status/N``: status N with a body and a header
     of its own; ``/sse?n=N&ms=M``: N events M ms apart; ``/hang``: never answers (counts the
-    cancellation); ``/big?mb=N``: N MiB at once."""
+    cancellation); ``/big?mb=N``: N MiB at once; ``/cookie?v=V``: sets the cookie
+    ``session=V``."""
     state = UpstreamLog()
 
     async def work(request: Request) -> Response:
@@ -124,6 +127,10 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
     async def health(request: Request) -> Response:
         return Response()
 
+    async def cookie(request: Request) -> Response:
+        value = request.query_params.get("v", "")
+        return Response(b"{}", headers={"set-cookie": f"session={value}; Path=/"})
+
     app = Starlette(
         routes=[
             Route("/work", work, methods=["GET", "POST"]),
@@ -133,10 +140,63 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
             Route("/hang", hang, methods=["GET", "POST"]),
             Route("/big", big, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            Route("/cookie", cookie, methods=["GET"]),
         ]
     )
     app.state.log = state
     return app
+
+
+def _ok(head: bytes) -> tuple[bytes, bool]:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", False
+
+
+@contextlib.contextmanager
+def counting_upstream(
+    reply: Callable[[bytes], tuple[bytes, bool]] = _ok,
+) -> Iterator[tuple[str, list[int]]]:
+    """A bare HTTP/1.1 server on loopback that counts the connections it accepted and the
+    requests it read: yields (base URL, [connections, requests]). ``reply(head)`` gives the
+    bytes to answer a request's head with (default ``200 {}``) and whether to close then."""
+    counts = [0, 0]
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    loop = asyncio.new_event_loop()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        counts[0] += 1
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                counts[1] += 1
+                answer, close = reply(head)
+                writer.write(answer)
+                if close:
+                    await writer.drain()
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main(stop: asyncio.Event) -> None:
+        async with await asyncio.start_server(handle, sock=sock):
+            await stop.wait()
+
+    stop = asyncio.Event()
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(stop),), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}", counts
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(5)
+        loop.close()
+        sock.close()
 
 
 def proxy_config(

@@ -10,6 +10,7 @@ permits of the same gate where a test needs the gate held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -333,9 +334,12 @@ def test_routes_by_path_and_model(rut: RedisUnderTest, upstream: Served) -> None
 # -- hostile input ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_hostile_input_gets_a_clear_4xx_never_a_500_nor_a_leaked_permit(
-    rut: RedisUnderTest, upstream: Served
+    rut: RedisUnderTest, upstream: Served, parser: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if parser == "h11":  # the HTTP parser without the fast extra
+        monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
     proxy = {"max_header_bytes": 4096, "max_request_bytes": 64 * 1024}
     route = {"proxy": proxy, "max_priority": 10, "tenants": ["*"], "max_weight": 4}
     statuses: list[int] = []
@@ -388,6 +392,16 @@ def test_hostile_input_gets_a_clear_4xx_never_a_500_nor_a_leaked_permit(
             answer = _raw(url, data)
             statuses.append(_status(answer))
             assert _status(answer) == wanted, (data[:60], answer[:300])
+        # a head that never ends: cut once it is past the limit (httptools: 431, h11: 400)
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET /work HTTP/1.1\r\nHost: x\r\n")
+            with contextlib.suppress(OSError):
+                for _ in range(100):
+                    s.sendall(b"X-More: " + b"m" * 1000 + b"\r\n")
+            answer = s.recv(65536)
+            assert _status(answer) in (400, 431), answer[:300]
+            statuses.append(_status(answer))
         # a body announced and never sent: the caller gives up, the permit comes back
         _raw(url, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc", read=False)
     assert 500 not in statuses

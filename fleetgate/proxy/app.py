@@ -23,17 +23,18 @@ has started, a cut connection). No header value, query string or URL credential 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import functools
-import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from fleetgate.client import DeadlineExceeded, Fleet, Gate, Lease, Overloaded
@@ -68,10 +69,6 @@ CLIENT_CLOSED = 499
 _JSON = (b"content-type", b"application/json")
 _ENCODER = msgspec.json.Encoder()
 _END = object()  # the upstream finished sending
-# httpcore's pool spends time proportional to (requests in flight x connections) on every
-# request it assigns: 16 requests in flight on one pool cost ~25 % of the proxy's CPU. Spread
-# over a few pools, each stays small (benchmarks/burst.py's ShardedHTTP, the same finding).
-POOLS_PER_ROUTE = 8
 
 
 class _Model(msgspec.Struct):
@@ -80,6 +77,120 @@ class _Model(msgspec.Struct):
 
 class _TooLarge(Exception):
     """The upstream's response is larger than ``max_response_bytes``."""
+
+
+# httpcore's pool spends time proportional to (requests in flight x connections) on every
+# request it assigns; spread over a few pools, each stays small. A request goes to the pool
+# with the fewest in flight (the first on a tie): sequential traffic keeps one connection.
+POOLS_PER_ROUTE = 8
+
+
+class _Upstream:
+    """One route's upstream: httpx's transport (``httpx.AsyncHTTPTransport``, httpcore's
+    keep-alive pools), not its ``AsyncClient``: no cookie jar shared by every caller (one
+    caller's ``Set-Cookie`` went upstream with the others' requests), no INFO log line of each
+    URL with its query string, no default headers of httpx's added (an ``Accept-Encoding`` the
+    caller did not send would get it a compressed body), no redirects followed, no proxy from
+    the environment. The caller's headers go through as they are: nothing is added but
+    ``Host``, the framing and ``Via``/``X-Forwarded-For``."""
+
+    def __init__(self, route: RouteConfig) -> None:
+        parts = urlsplit(route.upstream)
+        assert parts.hostname is not None  # validate_upstream
+        self.scheme = parts.scheme
+        self.host = parts.hostname
+        self.port = parts.port
+        self.authority = parts.netloc.encode("idna")
+        self.base = parts.path.encode("ascii")  # no trailing slash (validate_upstream)
+        # connect within the route's time; the rest is the proxy's own deadline and stream cap
+        self.extensions = {
+            "timeout": {"connect": route.connect_timeout_s, "read": None, "write": None}
+        }
+        # idle connections closed before an upstream on uvicorn's default keep-alive (5 s)
+        # closes them: reusing one as it closes would fail a caller's request
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=4.0
+        )
+        self.transports = [
+            httpx.AsyncHTTPTransport(limits=limits, retries=0) for _ in range(POOLS_PER_ROUTE)
+        ]
+        self.busy = [0] * POOLS_PER_ROUTE
+
+    def request(
+        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], content: Any
+    ) -> httpx.Request:
+        """The request to the upstream; ``target`` is the caller's path (starting with ``/``,
+        checked) and query, appended to the upstream's base path: the host is the route's."""
+        url = httpx.URL(
+            scheme=self.scheme,
+            host=self.host,
+            port=self.port,
+            raw_path=self.base + target,
+        )
+        return httpx.Request(
+            method, url, headers=headers, content=content, extensions=self.extensions
+        )
+
+    async def send(self, request: httpx.Request) -> _Answer:
+        """The upstream's answer (status and headers; the body streams). Cancelling it closes
+        the connection."""
+        busy = self.busy
+        shard = busy.index(min(busy))
+        busy[shard] += 1
+        try:
+            response = await self.transports[shard].handle_async_request(request)
+        except BaseException:
+            busy[shard] -= 1
+            raise
+        return _Answer(self, shard, response)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(t.aclose() for t in self.transports))
+
+
+class _Answer:
+    """The upstream's response; always :meth:`aclose` it (pools the connection after a
+    complete exchange, else closes it)."""
+
+    def __init__(self, upstream: _Upstream, shard: int, response: httpx.Response) -> None:
+        self.upstream = upstream
+        self.shard = shard
+        self.response = response
+        self.closed = False
+
+    async def aclose(self, *, complete: bool = False) -> None:
+        """Close the response: httpcore pools the connection after a complete exchange, else
+        closes it. After a ``complete`` one whose connection holds bytes past the answer
+        (:func:`_poisoned`), the connection is closed first, while no other request can have it:
+        httpcore then drops it instead of pooling it (a closed socket reads as readable)."""
+        if self.closed:
+            return
+        self.closed = True
+        response = self.response
+        try:
+            if complete and _poisoned(response):
+                stream = response.extensions.get("network_stream")
+                if stream is not None:
+                    await stream.aclose()
+            await response.aclose()
+        finally:
+            self.upstream.busy[self.shard] -= 1
+
+
+def _poisoned(response: httpx.Response) -> bool:
+    """Whether the upstream sent bytes past the end of this complete answer: an answer nobody
+    asked for, e.g. a forged second response written behind the first. httpcore keeps such bytes
+    in the connection's h11 parser and pools the connection, where they would answer the next
+    request sent on it, another caller's (it drops a socket that is readable while idle, but
+    never looks at bytes already read). No public API tells: this reads httpcore's state
+    (httpx 0.28, httpcore 1.0) and says True -- close, never pool -- if that state moved (the
+    reuse test in tests/test_proxy_review.py fails then, the framing test if it lies)."""
+    try:
+        stream: Any = response.stream  # httpx's, over httpcore's pool's, over the connection's
+        connection = stream._httpcore_stream._stream._connection
+        return bool(connection._h11_state.trailing_data[0])
+    except AttributeError:
+        return True
 
 
 @dataclass
@@ -100,26 +211,24 @@ class _Exchange:
 
 
 class _Permit:
-    """A granted lease, released once, with the call's outcome reported first when the client
-    can take it (``lease.report``: the client-observed signal, built separately)."""
+    """A granted lease, released once, with the call's outcome reported first
+    (``lease.report``: the client-observed signal; it leaves with the release)."""
 
     def __init__(self, lease: Lease) -> None:
         self.lease = lease
         self.done = False
 
     async def release(self, outcome: str | None = None, latency: float | None = None) -> None:
+        """Release; with ``outcome``, report it first -- its latency only when ``ok``, as
+        ``gate.map`` does (the latency of a failure says nothing of the server's speed)."""
         if self.done:
             return
         self.done = True
-        report = getattr(self.lease, "report", None)
-        if outcome is not None and callable(report):
-            try:
-                result = report(outcome, latency=latency)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:  # reporting must never cost the caller its response
-                log.debug("lease.report failed", exc_info=True)
-        await self.lease.release()
+        try:
+            if outcome is not None:
+                self.lease.report(outcome, latency if outcome == "ok" else None)
+        finally:
+            await self.lease.release()
 
 
 async def _race(
@@ -175,6 +284,19 @@ def _cancel(task: asyncio.Future[Any]) -> None:
     task.cancel()
 
 
+_date: tuple[int, bytes] = (0, b"")
+
+
+def _http_date() -> bytes:
+    """The ``Date`` of the proxy's own answers (and of upstream answers without one): RFC 9110
+    6.6.1; uvicorn's is off, it added a second ``Date`` to every upstream answer."""
+    global _date
+    now = int(time.time())
+    if _date[0] != now:
+        _date = (now, email.utils.formatdate(now, usegmt=True).encode("ascii"))
+    return _date[1]
+
+
 def _has_dot_segment(path: str) -> bool:
     return any(seg in (".", "..") for seg in path.split("/"))
 
@@ -206,8 +328,6 @@ class ProxyApp:
         config: ProxyConfig,
         fleet: Fleet,
         registry: CollectorRegistry,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -215,36 +335,11 @@ class ProxyApp:
         self.metrics = ProxyMetrics.create(registry)
         self.draining = False
         self._gates: dict[str, Gate] = {}
-        self._clients: list[httpx.AsyncClient] = []
-        self._pools: dict[int, list[httpx.AsyncClient]] = {}
-        self._turn = 0
-        for i, route in enumerate(config.routes):
-            self._pools[i] = [self._client(route, transport) for _ in range(POOLS_PER_ROUTE)]
-            self._clients += self._pools[i]
+        self._upstreams = {id(route): _Upstream(route) for route in config.routes}
+        self._gauges: dict[str, Gauge] = {}
+        self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         for route in config.routes:
             self.gate(route)  # registered now: live pod of the gate, defaults in Redis
-
-    @staticmethod
-    def _client(
-        route: RouteConfig, transport: httpx.AsyncBaseTransport | None
-    ) -> httpx.AsyncClient:
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=route.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            follow_redirects=False,
-            trust_env=False,
-            transport=transport,
-        )
-        # The caller's own headers go through as they are: no defaults of httpx's added (an
-        # Accept-Encoding the caller did not send would get it a compressed body).
-        for name in ("accept", "accept-encoding", "user-agent"):
-            client.headers.pop(name, None)
-        return client
-
-    def _pick(self, route: RouteConfig) -> httpx.AsyncClient:
-        pools = self._pools[self.config.routes.index(route)]
-        self._turn = (self._turn + 1) % len(pools)
-        return pools[self._turn]
 
     def gate(self, route: RouteConfig) -> Gate:
         found = self._gates.get(route.gate)
@@ -254,7 +349,7 @@ class ProxyApp:
         return found
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self._clients))
+        await asyncio.gather(*(u.aclose() for u in self._upstreams.values()))
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -269,13 +364,27 @@ class ProxyApp:
         if path == settings.health_path:
             await self._health(send)
             return
-        if path == settings.metrics_path and scope["method"] in ("GET", "HEAD"):
-            await self._send(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+        if path == settings.metrics_path:  # the proxy's own: never forwarded
+            if scope["method"] in ("GET", "HEAD"):
+                await self._send(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+            else:
+                body = _ENCODER.encode(
+                    {"error": {"type": "method_not_allowed", "message": "GET or HEAD only"}}
+                )
+                await self._send(send, 405, body, "application/json", [(b"allow", b"GET, HEAD")])
             return
         client = scope.get("client")
         ex = _Exchange(scope["method"], path, client[0] if client else "-")
         try:
             await self._exchange(scope, receive, send, ex)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs when the drain's time is up, and answers 500 to a
+            # cancelled request that sent nothing: say what happened instead (the exchange has
+            # left the wait list or released its permit on the way out)
+            if not self.draining or ex.status != 0:
+                raise
+            msg = "the proxy is shutting down: the drain ended before this request's answer"
+            await self._error(send, 503, "shutting_down", msg, ex, gate=ex.gate or None)
         except Exception:
             # A bug of ours: log it (no header values), answer 502 if nothing was sent yet.
             log.exception("proxy: unexpected error on %s %s", ex.method, ex.path)
@@ -314,11 +423,21 @@ class ProxyApp:
             msg = f"request line and headers exceed {settings.max_header_bytes} bytes"
             await self._error(send, 431, "headers_too_large", msg, ex)
             return
+        raw_path: bytes = scope.get("raw_path") or ex.path.encode()
+        if not raw_path.startswith(b"/") or not ex.path.startswith("/"):
+            # absolute-form, authority-form, '*' or 'x': the target is appended to the
+            # upstream's URL, so '@host/x' would name another host
+            msg = "the request target must be a path starting with '/'"
+            await self._error(send, 400, "bad_request", msg, ex)
+            return
         if _has_dot_segment(ex.path):
             await self._error(send, 400, "bad_request", "the path has '.' or '..' segments", ex)
             return
         try:
             declared = _content_length(headers)
+            if declared is not None and any(k == b"transfer-encoding" for k, _ in headers):
+                # RFC 9112 6.3: the request-smuggling shape; refused rather than reframed
+                raise ValueError("both Content-Length and Transfer-Encoding are given")
         except ValueError as exc:
             await self._error(send, 400, "bad_request", str(exc), ex)
             return
@@ -373,7 +492,9 @@ class ProxyApp:
             await self._error(send, 400, "bad_header", str(exc), ex)
             return
         ex.ask = ask
-        gauge = self.metrics.in_flight.labels(route.label)
+        gauge = self._gauges.get(route.label)
+        if gauge is None:
+            gauge = self._gauges[route.label] = self.metrics.in_flight.labels(route.label)
         gauge.inc()
         try:
             await self._gated(scope, send, ex, route, ask, inbound)
@@ -452,28 +573,39 @@ class ProxyApp:
             await permit.release()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        client = self._pick(route)
-        target = route.upstream + (scope.get("raw_path") or scope["path"].encode()).decode(
-            "latin-1"
-        )
+        upstream = self._upstreams[id(route)]
+        target: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string") or b""
         if query:
-            target += "?" + query.decode("latin-1")
+            target += b"?" + query
         headers = forward_request_headers(scope["headers"], client_ip=ex.client)
         content: Any
         if inbound.complete and not inbound.too_large:
             content = await inbound.read_all()
+            # the body is all here: its length is the framing (the caller's Content-Length,
+            # checked to be one number, said the same or the body was chunked)
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
+            if content or any(k == b"content-length" for k, _ in scope["headers"]):
+                headers.append((b"content-length", str(len(content)).encode()))
         else:
             content = inbound.body()
-        request = client.build_request(scope["method"], target, headers=headers, content=content)
+            if not any(k == b"content-length" for k, _ in headers):
+                headers.append((b"transfer-encoding", b"chunked"))
+        headers.insert(0, (b"host", upstream.authority))
+        try:
+            request = upstream.request(scope["method"], target, headers, content)
+        except (httpx.InvalidURL, UnicodeDecodeError):  # not a URL's path and query
+            await permit.release()
+            await self._error(send, 400, "bad_request", "the request target is not valid", ex)
+            return
         sent_at = loop.time()
 
-        async def close(response: httpx.Response) -> None:
-            await response.aclose()
+        async def close(answer: _Answer) -> None:
+            await answer.aclose()
 
         try:
-            response = await _race(
-                asyncio.ensure_future(client.send(request, stream=True)),
+            answer = await _race(
+                asyncio.ensure_future(upstream.send(request)),
                 inbound.gone,
                 remaining,
                 discard=close,
@@ -488,24 +620,24 @@ class ProxyApp:
             await self._too_large(send, ex)
             return
         except TimeoutError:
-            await permit.release("timeout", loop.time() - sent_at)
+            await permit.release("timeout")
             self.metrics.upstream_errors.labels(route.label, "timeout").inc()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
-        except httpx.TimeoutException:  # the connect timeout
-            await permit.release("timeout", loop.time() - sent_at)
+        except (httpx.ConnectTimeout, httpx.PoolTimeout):
+            await permit.release("timeout")
             self.metrics.upstream_errors.labels(route.label, "connect").inc()
             msg = f"upstream {route.upstream} did not accept a connection in time"
             await self._error(send, 504, "upstream_timeout", msg, ex, gate=gate)
             return
-        except httpx.HTTPError as exc:
-            await permit.release("error", loop.time() - sent_at)
+        except httpx.TransportError as exc:  # cannot connect, reset, closed early, bad HTTP
+            await permit.release("error")
             kind = "connect" if isinstance(exc, httpx.ConnectError) else "protocol"
             self.metrics.upstream_errors.labels(route.label, kind).inc()
             msg = f"upstream {route.upstream} failed: {type(exc).__name__}"
             await self._error(send, 502, "upstream_error", msg, ex, gate=gate)
             return
-        await self._respond(send, ex, route, inbound, permit, response, sent_at)
+        await self._respond(send, ex, route, inbound, permit, answer, sent_at)
 
     async def _respond(
         self,
@@ -514,13 +646,14 @@ class ProxyApp:
         route: RouteConfig,
         inbound: Inbound,
         permit: _Permit,
-        response: httpx.Response,
+        answer: _Answer,
         sent_at: float,
     ) -> None:
         limit = self.config.proxy.max_response_bytes
+        response = answer.response
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            await response.aclose()
+            await answer.aclose()
             await permit.release("ok", asyncio.get_running_loop().time() - sent_at)
             self.metrics.upstream_errors.labels(route.label, "too_large").inc()
             msg = f"the upstream's response ({declared} bytes) exceeds {limit} bytes"
@@ -528,37 +661,40 @@ class ProxyApp:
             return
         queue: asyncio.Queue[object] = asyncio.Queue()
         reader = asyncio.ensure_future(
-            self._read_upstream(response, queue, permit, route, sent_at, ex)
+            self._read_upstream(answer, queue, permit, route, sent_at, ex)
         )
         inbound.on_gone(functools.partial(_cancel, reader))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": response.status_code,
-                "headers": forward_response_headers(response.headers.raw),
-            }
-        )
-        ex.status = response.status_code
+        headers = forward_response_headers(response.headers.raw)
+        if not any(k == b"date" for k, _ in headers):
+            headers.append((b"date", _http_date()))
+        status = response.status_code
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        ex.status = status
+        ended = False  # the reader is done with the upstream (it closes and releases now)
         try:
             while True:
                 item = await queue.get()
                 if item is _END:
+                    ended = True
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                     return
                 if not isinstance(item, bytes):
                     # cut short (the upstream failed or the caller left): the response stays
                     # incomplete, which the caller's HTTP client sees as a truncated body
+                    ended = True
                     return
                 await send({"type": "http.response.body", "body": item, "more_body": True})
                 ex.sent += len(item)
         finally:
-            if not reader.done():
+            # Never cancel a reader that is closing the response and releasing the permit: a
+            # cancel there dropped the connection instead of pooling it and lost the outcome.
+            if not ended and not reader.done():
                 reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
     async def _read_upstream(
         self,
-        response: httpx.Response,
+        answer: _Answer,
         queue: asyncio.Queue[object],
         permit: _Permit,
         route: RouteConfig,
@@ -569,10 +705,16 @@ class ProxyApp:
         limit = self.config.proxy.max_response_bytes
         loop = asyncio.get_running_loop()
         outcome: str | None = None
+        response = answer.response
+        complete = False
 
         async def pull() -> None:
             total = 0
-            async for chunk in response.aiter_raw():
+            # the stream itself: aiter_raw() would pool the connection at its end, before
+            # _Answer.aclose looked at it
+            stream = response.stream
+            assert isinstance(stream, httpx.AsyncByteStream)  # the async transport's
+            async for chunk in stream:
                 total += len(chunk)
                 if total > limit:
                     raise _TooLarge
@@ -593,15 +735,15 @@ class ProxyApp:
             outcome, ex.note = "ok", f"response cut at {limit} bytes"
             self.metrics.upstream_errors.labels(route.label, "too_large").inc()
             queue.put_nowait(None)
-        except httpx.HTTPError as exc:
+        except httpx.TransportError as exc:
             outcome, ex.note = "error", f"upstream failed mid-response: {type(exc).__name__}"
             self.metrics.upstream_errors.labels(route.label, "protocol").inc()
             queue.put_nowait(None)
         else:
-            outcome = classify(response.status_code)
+            outcome, complete = classify(response.status_code), True
             queue.put_nowait(_END)
         finally:
-            await response.aclose()
+            await answer.aclose(complete=complete)
             await permit.release(outcome, loop.time() - sent_at)
 
     # -- answers -----------------------------------------------------------------------------
@@ -615,6 +757,7 @@ class ProxyApp:
         extra: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         headers = [
+            (b"date", _http_date()),
             (b"content-type", content_type.encode("latin-1")),
             (b"content-length", str(len(body)).encode()),
             *(extra or []),
@@ -655,8 +798,17 @@ class ProxyApp:
     def _account(self, ex: _Exchange) -> None:
         seconds = time.monotonic() - ex.started
         status = str(ex.status or CLIENT_CLOSED)
-        self.metrics.requests.labels(ex.route, status).inc()
-        self.metrics.seconds.labels(ex.route, status).observe(seconds)
+        # the labelled children, looked up once (prometheus-client takes a lock per lookup)
+        key = (ex.route, status)
+        children = self._children.get(key)
+        if children is None:
+            children = (
+                self.metrics.requests.labels(ex.route, status),
+                self.metrics.seconds.labels(ex.route, status),
+            )
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
         if not self.config.proxy.access_log or not access_log.isEnabledFor(logging.INFO):
             return
         ask = ex.ask

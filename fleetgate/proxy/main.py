@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from fleetgate.errors import ConfigError
 
@@ -44,6 +46,16 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise ConfigError(text) from None
 
 
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """On uvloop's event loop when it is installed (the ``fast`` extra), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 def run_proxy(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; 0 after a clean drain."""
     config = config_from_args(args)
@@ -52,7 +64,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         print(f"fleetgate proxy: listening on {url}", flush=True)
 
     try:
-        asyncio.run(serve(config, on_ready=ready))
+        _run(serve(config, on_ready=ready))
     except OSError as exc:  # the listen address is taken or not ours
         print(f"fleetgate proxy: cannot listen on {config.proxy.listen}: {exc}", file=sys.stderr)
         return 1
