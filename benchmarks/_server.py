@@ -170,7 +170,7 @@ def watch(
     r.config_set("slowlog-log-slower-than", slow_us)
     _sleep_until(start_ns)
     r.slowlog_reset()
-    busy0 = _proc_stat()
+    busy0 = machine_jiffies()
     before = redis_counters(r, keys)
     samples: list[tuple[int, int]] = []
     period = int(1e9 / hz)
@@ -184,7 +184,7 @@ def watch(
         tick += period
         _sleep_until(min(tick, end_ns))
     counters = delta(before, redis_counters(r, keys))
-    busy1 = _proc_stat()
+    busy1 = machine_jiffies()
     busy = None
     if busy0 and busy1 and busy1[1] > busy0[1]:
         busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
@@ -202,7 +202,7 @@ def watch(
     return Window((end_ns - start_ns) / 1e9, counters, samples, slow, own, busy)
 
 
-def _proc_stat() -> tuple[int, int] | None:
+def machine_jiffies() -> tuple[int, int] | None:
     """(busy, total) CPU jiffies of the whole machine, or None off Linux."""
     try:
         with open("/proc/stat") as f:

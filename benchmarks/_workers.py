@@ -32,6 +32,17 @@ def cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+async def cancel_until_done(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended, cancelling again each second: on
+    Python 3.11 a cancellation racing redis-py's internal wait_for can be lost (callers also
+    stop their loops by a flag first)."""
+    pending: set[asyncio.Task[None]] = set(tasks)
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+
+
 class _EventCounter(logging.Handler):
     """Counts the client's warnings that mean a run left the steady state."""
 

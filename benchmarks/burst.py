@@ -39,7 +39,7 @@ import httpx
 import numpy as np
 
 from ._common import Flavor, Headline, Options, figure, log, percentiles, save, table
-from ._server import configure_gate, private_redis, sync_client
+from ._server import configure_gate, machine_jiffies, private_redis, sync_client
 from ._workers import Sync, Workers, cpu_seconds, worker_fleet
 
 NAME = "burst"
@@ -249,16 +249,6 @@ def burst_worker(
 # -- one run ---------------------------------------------------------------------------------
 
 
-def _machine_jiffies() -> tuple[int, int] | None:
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return sum(vals) - idle, sum(vals)
-
-
 def run_mode(url: str, sim: SimProcess, mode: str, requests: int, flavor: Flavor) -> dict[str, Any]:
     per = requests // PROCS
     calls = per * PROCS * CALLS
@@ -272,9 +262,9 @@ def run_mode(url: str, sim: SimProcess, mode: str, requests: int, flavor: Flavor
     args = [(url, sim.url, per, CALLS, mode, flavor)] * PROCS
     with Workers(burst_worker, args) as w:
         start = w.go()
-        scpu0, busy0 = sim.cpu(), _machine_jiffies()
+        scpu0, busy0 = sim.cpu(), machine_jiffies()
         out = w.results(timeout=180)
-    scpu1, busy1 = sim.cpu(), _machine_jiffies()
+    scpu1, busy1 = sim.cpu(), machine_jiffies()
     rcpu1 = float(r.info("cpu")["used_cpu_user"]) + float(r.info("cpu")["used_cpu_sys"])
     r.close()
     after = sim.stats()

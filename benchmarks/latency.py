@@ -33,11 +33,13 @@ import numpy as np
 
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
+from fleetgate.observed import classify_status
 
 from ._common import Flavor, Headline, Options, figure, log, save, table
 from ._server import PREFIX, configure_gate, private_redis, sync_client
-from ._workers import Sync, Workers, worker_fleet
+from ._workers import Sync, Workers, cancel_until_done, worker_fleet
 from .burst import ShardedHTTP, sim_process
+from .ramp import first_poll, shown
 
 NAME = "latency"
 GATE = "bench-latency"
@@ -73,12 +75,8 @@ def closed_loop(sync: Sync, url: str, sim_url: str, n: int, flavor: Flavor) -> d
                                     lease.report("timeout")
                                     raise
                                 latency = time.monotonic() - t0
-                                if status == 200:
-                                    lease.report("ok", latency)
-                                elif status in (429, 503):
-                                    lease.report("overloaded")
-                                else:
-                                    lease.report("error")
+                                outcome = classify_status(status)
+                                lease.report(outcome, latency if outcome == "ok" else None)
                             calls.append((time.monotonic_ns(), latency, status))
                             if status != 200:
                                 await asyncio.sleep(BACKOFF_S)
@@ -92,11 +90,7 @@ def closed_loop(sync: Sync, url: str, sim_url: str, n: int, flavor: Flavor) -> d
                 while not await run.fleet.redis.exists(STOP_KEY):
                     await asyncio.sleep(0.1)
                 stopping = True
-                pending: set[asyncio.Task[None]] = set(tasks)
-                while pending:
-                    for t in pending:
-                        t.cancel()
-                    _, pending = await asyncio.wait(pending, timeout=1.0)
+                await cancel_until_done(tasks)
                 result = {"calls": calls, "events": run.events}
                 sync.publish(result)
                 return result
@@ -185,10 +179,6 @@ def _num(v: str | None) -> float | None:
     return float(v) if v else None
 
 
-def _first(targets: list[int], level: float) -> int | None:
-    return next((k + 1 for k, t in enumerate(targets) if t >= level), None)
-
-
 def run(opts: Options) -> list[Headline]:
     poll = 2.0
     cap = 256
@@ -247,7 +237,7 @@ def run(opts: Options) -> list[Headline]:
         figures = {
             "capacity": cap,
             "no_load_latency_s": no_load,
-            "polls_to_90pct": _first(targets, 0.9 * cap),
+            "polls_to_90pct": first_poll(targets, lambda t: t >= 0.9 * cap),
             "peak_target_over_capacity": max(targets) / cap,
             "steady_p50_over_no_load": steady_w["p50_s"] / no_load,
             "steady_overload_share": steady_w["overloaded"] / max(1, steady_w["calls"]),
@@ -282,7 +272,7 @@ def run(opts: Options) -> list[Headline]:
              "overloaded", "sim running", "sim waiting"),
             trace,
         )  # fmt: skip
-        rows = [(k, _show(v)) for k, v in figures.items() if k != "steady_targets"]
+        rows = [(k, shown(v)) for k, v in figures.items() if k != "steady_targets"]
         text += "\n\n" + table(("figure", "value"), rows)
         fig, ax = figure(2)
         ts = [(p["t_ns"] - t0) / 1e9 for p in polls]
@@ -311,20 +301,14 @@ def run(opts: Options) -> list[Headline]:
     p90, ratio = figures["polls_to_90pct"], figures["steady_p50_over_no_load"]
     share = figures["steady_overload_share"]
     return [
-        Headline(NAME, "polls to 90 % of capacity", _show(p90), "<= 15",
+        Headline(NAME, "polls to 90 % of capacity", shown(p90), "<= 15",
                  p90 is not None and p90 <= 15),
-        Headline(NAME, "steady p50 latency / no-load", _show(ratio), "<= 1.3", ratio <= 1.3),
-        Headline(NAME, "steady overload responses / calls", _show(share), "<= 0.01",
+        Headline(NAME, "steady p50 latency / no-load", shown(ratio), "<= 1.3", ratio <= 1.3),
+        Headline(NAME, "steady overload responses / calls", shown(share), "<= 0.01",
                  share <= 0.01),
         Headline(NAME, "steady goodput / capacity rate",
-                 _show(figures["steady_goodput_vs_capacity_rate"]), "-", None),
+                 shown(figures["steady_goodput_vs_capacity_rate"]), "-", None),
     ]  # fmt: skip
-
-
-def _show(v: Any) -> str:
-    if v is None:
-        return "never"
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,8 +35,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from fleetgate.tools.proxyproc import start_proxy_process, stop_process
+
 from ._common import Headline, Options, figure, log, percentiles, save, table
-from ._server import PREFIX, configure_gate, private_redis
+from ._server import PREFIX, configure_gate, machine_jiffies, private_redis
 from ._workers import Sync, Workers, cpu_seconds
 from .burst import ShardedHTTP, SimProcess, sim_process
 
@@ -60,47 +61,15 @@ class ProxyProcess:
 @contextlib.contextmanager
 def proxy_process(redis_url: str, upstream: str, logdir: str) -> Iterator[ProxyProcess]:
     """``fleetgate proxy --upstream UPSTREAM --gate GATE`` on a free port until the block ends."""
-    argv = [sys.executable, "-m", "fleetgate.cli", "proxy", "--upstream", upstream]
-    argv += ["--gate", GATE, "--redis", redis_url, "--prefix", PREFIX, "--listen", "127.0.0.1:0"]
+    args = ["--upstream", upstream, "--gate", GATE, "--redis", redis_url, "--prefix", PREFIX]
     with tempfile.NamedTemporaryFile(dir=logdir, suffix=".log", delete=False) as logfile:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=logfile
-        )
-    found: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        if "listening on " in line:
-            found.append(line.rsplit("listening on ", 1)[1].strip())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(20)
+        log_path = logfile.name
+    proc, url = start_proxy_process(args, log_path)
     try:
-        if not found:
-            raise RuntimeError(f"fleetgate proxy did not start (exit {proc.poll()})")
-        log(f"proxy pid {proc.pid} on {found[0]} -> {upstream}")
-        yield ProxyProcess(proc, found[0])
+        log(f"proxy pid {proc.pid} on {url} -> {upstream}")
+        yield ProxyProcess(proc, url)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-def _machine_busy() -> tuple[int, int] | None:
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return sum(vals) - idle, sum(vals)
+        stop_process(proc)
 
 
 # -- 1. added latency -------------------------------------------------------------------------
@@ -152,9 +121,9 @@ async def _closed_loop(base: str, users: int, seconds: float) -> tuple[int, int,
 def throughput(direct: str, proxy: ProxyProcess, seconds: float, users: int = 16) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, base in (("direct", direct), ("proxy", proxy.url)):
-        cpu0, busy0 = proxy.cpu(), _machine_busy()
+        cpu0, busy0 = proxy.cpu(), machine_jiffies()
         ok, failed, elapsed = asyncio.run(_closed_loop(base, users, seconds))
-        cpu1, busy1 = proxy.cpu(), _machine_busy()
+        cpu1, busy1 = proxy.cpu(), machine_jiffies()
         busy = None
         if busy0 and busy1 and busy1[1] > busy0[1]:
             busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
@@ -235,9 +204,9 @@ def burst(redis_url: str, sim: SimProcess, requests: int, logdir: str) -> dict[s
         args = [(pa.url, requests // 2), (pb.url, requests - requests // 2)]
         with Workers(burst_caller, args) as w:
             start = w.go()
-            busy0 = _machine_busy()
+            busy0 = machine_jiffies()
             out = w.results(timeout=300)
-        busy1 = _machine_busy()
+        busy1 = machine_jiffies()
         pcpu = pa.cpu() + pb.cpu() - pcpu0
     after = sim.stats()
     makespan = (max(o["end"] for o in out) - start) / 1e9

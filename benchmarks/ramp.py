@@ -63,7 +63,7 @@ from fleetgate.keys import GateKeys
 from . import _aimd_baseline as base
 from ._common import Flavor, Headline, Options, figure, log, save, table
 from ._server import PREFIX, configure_gate, private_redis, sync_client
-from ._workers import Sync, Workers, worker_fleet
+from ._workers import Sync, Workers, cancel_until_done, worker_fleet
 from .burst import ShardedHTTP, sim_process
 
 NAME = "ramp"
@@ -110,14 +110,8 @@ def closed_loop(sync: Sync, url: str, sim_url: str, n: int, flavor: Flavor) -> d
                 tasks = [asyncio.create_task(one()) for _ in range(n)]
                 while not await run.fleet.redis.exists(STOP_KEY):
                     await asyncio.sleep(0.1)
-                # Stop by flag and by cancellation, re-sent until every task has ended: on
-                # Python 3.11 a cancellation racing redis-py's internal wait_for can be lost.
                 stopping = True
-                pending: set[asyncio.Task[None]] = set(tasks)
-                while pending:
-                    for t in pending:
-                        t.cancel()
-                    _, pending = await asyncio.wait(pending, timeout=1.0)
+                await cancel_until_done(tasks)
                 result = {"done": done, "errors": errors, "events": run.events}
                 sync.publish(result)
                 return result
@@ -356,7 +350,7 @@ CRITERIA: list[tuple[str, str, str, Callable[[Any], bool]]] = [
 ]  # fmt: skip
 
 
-def _show(v: Any) -> str:
+def shown(v: Any) -> str:
     if v is None:
         return "never"
     return f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -506,8 +500,8 @@ def run(opts: Options) -> list[Headline]:
         for cap in capacities:
             for title, key, goal, _ in CRITERIA:
                 fig_rows.append(
-                    (f"C={cap}: {title}", _show(results[(cap, "baseline")][key]),
-                     _show(results[(cap, "current")][key]), goal)
+                    (f"C={cap}: {title}", shown(results[(cap, "baseline")][key]),
+                     shown(results[(cap, "current")][key]), goal)
                 )  # fmt: skip
             fig_rows.append((f"C={cap}: best static limit (goodput req/s)",
                              f"{oracle[cap][0]} ({oracle[cap][1]:.0f})", "", "-"))  # fmt: skip
@@ -545,7 +539,7 @@ def run(opts: Options) -> list[Headline]:
         for title, key, goal, ok in CRITERIA:
             cur, old = results[(cap, "current")][key], results[(cap, "baseline")][key]
             heads.append(
-                Headline(NAME, f"C={cap}: {title} (baseline {_show(old)})", _show(cur), goal,
+                Headline(NAME, f"C={cap}: {title} (baseline {shown(old)})", shown(cur), goal,
                          None if goal == "-" else bool(cur is not None and ok(cur)))
             )  # fmt: skip
     return heads

@@ -25,6 +25,7 @@ Server-side only: the parser/event-loop flavor does not change these figures.
 
 from __future__ import annotations
 
+import importlib.resources
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -155,6 +156,29 @@ class Bench:
         assert self.r.zrange(self.gate.holders, 0, -1) == [self.holder]
 
 
+def prelude_us(r: redis.Redis, calls: int, pipelines: int = 5) -> dict[str, float]:
+    """Server µs per EVALSHA call of an empty script and of ``lib.lua`` + an empty script:
+    their difference is what every call paid to re-run lib.lua's top level when the gate
+    scripts were sent by EVALSHA, and what the gate library (FCALL) no longer pays."""
+    lib = importlib.resources.files("fleetgate.lua").joinpath("lib.lua").read_text("utf-8")
+    out: dict[str, float] = {}
+    for name, source in (("empty", "return 1"), ("lib.lua", f"{lib}\nreturn 1")):
+        sha = r.script_load(source)
+        per: list[float] = []
+        for _ in range(pipelines):
+            with r.pipeline(transaction=False) as p:
+                p.info("commandstats")
+                for _ in range(calls):
+                    p.evalsha(sha, 1, "fg:{bench-prelude}")
+                p.info("commandstats")
+                got = p.execute()
+            none = {"usec": 0, "calls": 0}
+            a, b = got[0].get("cmdstat_evalsha", none), got[-1]["cmdstat_evalsha"]
+            per.append((b["usec"] - a["usec"]) / (b["calls"] - a["calls"]))
+        out[name] = float(np.median(per))
+    return out
+
+
 def _measure(url: str, opts: Options) -> dict[str, Any]:
     sizes = (10, 100, 1_000, 10_000, 100_000)
     rounds = opts.pick(100, 20)
@@ -199,8 +223,10 @@ def _measure(url: str, opts: Options) -> dict[str, Any]:
         )
     reps = opts.pick(200, 40)
     hb = {k: benches[sizes[-1]].heartbeat(k, reps) for k in (0, 10, 100, 250, 1000)}
+    prelude = prelude_us(r, opts.pick(2000, 500))
     r.close()
     return {
+        "evalsha_prelude_us": prelude,
         "sizes": rows,
         "heartbeat_us_by_waiters": hb,
         "heartbeat_queue": sizes[-1],
@@ -230,6 +256,11 @@ def run(opts: Options) -> list[Headline]:
         text += "\n" + table(
             (f"heartbeat at n={res['heartbeat_queue']}: waiters carried", "µs", "µs / waiter"),
             [(k, v, v / k if k else "-") for k, v in hb.items()],
+        )
+        pre = res["evalsha_prelude_us"]
+        text += (
+            f"\nlib.lua's top level per EVALSHA call (no longer paid by FCALL): "
+            f"{pre['lib.lua'] - pre['empty']:.1f} µs (empty script {pre['empty']:.1f} µs)"
         )
         fig, ax = figure(2)
         xs = [r["queue"] for r in rows]

@@ -20,25 +20,11 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from fleetgate.errors import ConfigError
-from fleetgate.observed import encode_report, validate_outcome
+from fleetgate.observed import classify_status, encode_report, validate_outcome
 
 __all__ = ["CallReport", "Reporting", "classify_exception", "classify_result", "classify_status"]
 
 T = TypeVar("T")
-
-#: HTTP statuses of a server that sheds load: Too Many Requests, Service Unavailable, and 529
-#: (an overloaded API, e.g. Anthropic's). Timeouts: Request Timeout, Gateway Timeout.
-OVERLOADED_STATUSES = frozenset({429, 503, 529})
-TIMEOUT_STATUSES = frozenset({408, 504})
-
-
-def classify_status(status: int) -> str:
-    """The outcome of an HTTP status: overloaded, timeout, error (other 4xx/5xx) or ok."""
-    if status in OVERLOADED_STATUSES:
-        return "overloaded"
-    if status in TIMEOUT_STATUSES:
-        return "timeout"
-    return "error" if status >= 400 else "ok"
 
 
 def _status_of(obj: object) -> int | None:

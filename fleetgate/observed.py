@@ -32,8 +32,11 @@ from fleetgate.errors import ConfigError
 __all__ = [
     "BOUNDS",
     "OUTCOMES",
+    "OVERLOADED_STATUSES",
+    "TIMEOUT_STATUSES",
     "Reading",
     "bucket_of",
+    "classify_status",
     "delta",
     "encode_report",
     "median_error",
@@ -46,6 +49,22 @@ __all__ = [
 #: What a call's report says: "ok", or why it failed. "overloaded" is the server shedding load
 #: (HTTP 429, 503, 529); "timeout" a call that timed out; "error" anything else.
 OUTCOMES = ("ok", "overloaded", "timeout", "error")
+
+#: HTTP statuses of a server that sheds load: Too Many Requests, Service Unavailable, and 529
+#: (an overloaded API, e.g. Anthropic's). Timeouts: Request Timeout, Gateway Timeout. One place
+#: for the client's classification (``gate.map``) and the proxy's.
+OVERLOADED_STATUSES = frozenset({429, 503, 529})
+TIMEOUT_STATUSES = frozenset({408, 504})
+
+
+def classify_status(status: int) -> str:
+    """The outcome of an HTTP status: overloaded, timeout, error (other 4xx/5xx) or ok."""
+    if status in OVERLOADED_STATUSES:
+        return "overloaded"
+    if status in TIMEOUT_STATUSES:
+        return "timeout"
+    return "error" if status >= 400 else "ok"
+
 
 #: Upper bounds (seconds) of the latency buckets: bucket 0 is (0, 1 ms], bucket i is
 #: (BOUNDS[i-1], BOUNDS[i]], and bucket len(BOUNDS) the overflow above ~65.5 s. Geometric with

@@ -7,8 +7,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -236,55 +234,6 @@ def wait_idle(url: str, prefix: str, gate: str, timeout: float = 10.0) -> None:
 
 
 # -- proxy processes ---------------------------------------------------------------------------
-
-
-def start_proxy_process(args: list[str], log_path: str, timeout: float = 20.0) -> Any:
-    """``fleetgate proxy ARGS`` as an OS process (``--listen 127.0.0.1:0`` is added unless
-    given); returns (Popen, base URL) once it printed that it listens. Its logs go to
-    ``log_path``."""
-    if "--listen" not in args and "--config" not in args:
-        args = [*args, "--listen", "127.0.0.1:0"]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fleetgate.cli", "proxy", *args],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=log,
-    )
-    log.close()
-    assert proc.stdout is not None
-    found: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode()
-        if "listening on " in line:
-            found.append(line.rsplit("listening on ", 1)[1].strip())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not found:
-        proc.kill()
-        proc.wait(5)
-        with open(log_path, errors="replace") as f:
-            tail = f.read()[-2000:]
-        raise RuntimeError(f"proxy did not start (exit {proc.returncode}): {tail}")
-    return proc, found[0]
-
-
-def stop_process(proc: Any, timeout: float = 15.0) -> int:
-    """SIGTERM, wait; SIGKILL if it does not stop. Returns the exit code."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if proc.stdout is not None:
-        proc.stdout.close()
-    return int(proc.returncode)
 
 
 def rerank_worker(url: str, prefix: str, gate: str, sim_url: str, calls: int) -> dict[str, int]:

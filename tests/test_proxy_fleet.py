@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from fleetgate.keys import GateKeys
+from fleetgate.tools.proxyproc import start_proxy_process, stop_process
 from fleetgate.tools.sim._server import Served
 from fleetgate.tools.sim._server import serve_in_thread as serve_app
 from fleetgate.tools.sim.rerank import RerankSimConfig, build_app
@@ -29,8 +30,6 @@ from fleetgate.tools.sim.rerank import RerankSimConfig, build_app
 from ._proxy import (
     gate_counts,
     rerank_worker,
-    start_proxy_process,
-    stop_process,
     upstream_app,
     wait_idle,
     wait_until,

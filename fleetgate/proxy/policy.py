@@ -24,6 +24,7 @@ from typing import Final, Literal
 
 from fleetgate.admission import MAX_PRIORITY, MIN_PRIORITY
 from fleetgate.keys import name_problem
+from fleetgate.observed import OVERLOADED_STATUSES, TIMEOUT_STATUSES
 
 from .config import RouteConfig
 
@@ -201,13 +202,11 @@ def classify(status: int | None, *, timed_out: bool = False) -> Outcome:
         return "timeout"
     if status is None:
         return "error"
-    if status in (429, 503, 529):
+    if status in OVERLOADED_STATUSES:
         return "overloaded"
-    if status in (408, 504):
+    if status in TIMEOUT_STATUSES:
         return "timeout"
-    if status >= 500:
-        return "error"
-    return "ok"
+    return "error" if status >= 500 else "ok"  # unlike gate.map's, the caller's own 4xx is ok
 
 
 def retry_after(seconds: float) -> int:
