@@ -168,7 +168,7 @@ def watch(
     r = sync_client(url)
     r.config_set("slowlog-max-len", 10_000)
     r.config_set("slowlog-log-slower-than", slow_us)
-    _sleep_until(start_ns)
+    sleep_until(start_ns)
     r.slowlog_reset()
     busy0 = machine_jiffies()
     before = redis_counters(r, keys)
@@ -182,12 +182,10 @@ def watch(
             h, q = p.execute()
         samples.append((int(h), int(q)))
         tick += period
-        _sleep_until(min(tick, end_ns))
+        sleep_until(min(tick, end_ns))
     counters = delta(before, redis_counters(r, keys))
     busy1 = machine_jiffies()
-    busy = None
-    if busy0 and busy1 and busy1[1] > busy0[1]:
-        busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
+    busy = busy_fraction(busy0, busy1)
     names = script_names()
     slow: dict[str, list[int]] = {}
     entries: Any = r.slowlog_get(-1)
@@ -213,7 +211,15 @@ def machine_jiffies() -> tuple[int, int] | None:
     return sum(vals) - idle, sum(vals)
 
 
-def _sleep_until(t_ns: int) -> None:
+def busy_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The machine's busy fraction between two :func:`machine_jiffies` readings, or None."""
+    if before and after and after[1] > before[1]:
+        return (after[0] - before[0]) / (after[1] - before[1])
+    return None
+
+
+def sleep_until(t_ns: int) -> None:
+    """Sleep until ``time.monotonic_ns()`` reaches ``t_ns`` (at once if it has)."""
     left = (t_ns - time.monotonic_ns()) / 1e9
     if left > 0:
         time.sleep(left)

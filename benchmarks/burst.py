@@ -39,7 +39,13 @@ import httpx
 import numpy as np
 
 from ._common import Flavor, Headline, Options, figure, log, percentiles, save, table
-from ._server import configure_gate, machine_jiffies, private_redis, sync_client
+from ._server import (
+    busy_fraction,
+    configure_gate,
+    machine_jiffies,
+    private_redis,
+    sync_client,
+)
 from ._workers import Sync, Workers, cpu_seconds, worker_fleet
 
 NAME = "burst"
@@ -270,9 +276,7 @@ def run_mode(url: str, sim: SimProcess, mode: str, requests: int, flavor: Flavor
     after = sim.stats()
     makespan = (max(o["end"] for o in out) - start) / 1e9
     lat = [x for o in out for x in o["latencies"]]
-    busy = None
-    if busy0 and busy1 and busy1[1] > busy0[1]:
-        busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
+    busy = busy_fraction(busy0, busy1)
     client_cpu = sum(o["cpu"] for o in out)
     res = {
         "mode": mode,

@@ -54,6 +54,7 @@ from ._server import (
     library_functions,
     private_redis,
     redis_counters,
+    sleep_until,
     sync_client,
 )
 from ._workers import Sync, Workers, worker_fleet
@@ -195,7 +196,7 @@ def sample(
     """Sample units held (holders + extra, in one MULTI), waiters, waiters per tenant and the
     external counter at 100 Hz over [lo, hi]; INFO deltas over the window."""
     r = sync_client(url)
-    _sleep_until(lo)
+    sleep_until(lo)
     before = redis_counters(r, keys)
     rows: list[list[int]] = []
     tick = lo
@@ -211,7 +212,7 @@ def sample(
             v = p.execute()
         rows.append([int(x or 0) for x in v])
         tick += 10_000_000
-        _sleep_until(min(tick, hi))
+        sleep_until(min(tick, hi))
     counters = delta(before, redis_counters(r, keys))
     r.close()
     a = np.array(rows, dtype=np.int64)
@@ -224,12 +225,6 @@ def sample(
     if counter:
         out["counter"] = a[:, -1]
     return out
-
-
-def _sleep_until(t_ns: int) -> None:
-    left = (t_ns - time.monotonic_ns()) / 1e9
-    if left > 0:
-        time.sleep(left)
 
 
 def configure(url: str, gate: str, limit: int, weights: dict[str, int] | None = None) -> GateKeys:

@@ -53,10 +53,12 @@ from . import throughput
 from ._common import Headline, Options, figure, log, percentiles, save, table
 from ._server import (
     CLIENT_COMMANDS,
-    _proc_stat,
+    busy_fraction,
     delta,
+    machine_jiffies,
     private_redis,
     redis_counters,
+    sleep_until,
     sync_client,
 )
 from ._workers import Workers
@@ -222,21 +224,13 @@ class Measured:
 def server_window(url: str, lo: int, hi: int) -> tuple[dict[str, float], float | None]:
     """INFO commandstats/cpu deltas and the machine's busy fraction between two instants."""
     r = sync_client(url)
-    _sleep_until(lo)
-    busy0, before = _proc_stat(), redis_counters(r)
-    _sleep_until(hi)
-    after, busy1 = redis_counters(r), _proc_stat()
+    sleep_until(lo)
+    busy0, before = machine_jiffies(), redis_counters(r)
+    sleep_until(hi)
+    after, busy1 = redis_counters(r), machine_jiffies()
     r.close()
-    busy = None
-    if busy0 and busy1 and busy1[1] > busy0[1]:
-        busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
+    busy = busy_fraction(busy0, busy1)
     return delta(before, after), busy
-
-
-def _sleep_until(t_ns: int) -> None:
-    left = (t_ns - time.monotonic_ns()) / 1e9
-    if left > 0:
-        time.sleep(left)
 
 
 def run_fleetgate(url: str, warm: float, seconds: float, opts: Options) -> Measured:

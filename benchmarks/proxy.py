@@ -38,7 +38,7 @@ import numpy as np
 from fleetgate.tools.proxyproc import start_proxy_process, stop_process
 
 from ._common import Headline, Options, figure, log, percentiles, save, table
-from ._server import PREFIX, configure_gate, machine_jiffies, private_redis
+from ._server import PREFIX, busy_fraction, configure_gate, machine_jiffies, private_redis
 from ._workers import Sync, Workers, cpu_seconds
 from .burst import ShardedHTTP, SimProcess, sim_process
 
@@ -124,9 +124,7 @@ def throughput(direct: str, proxy: ProxyProcess, seconds: float, users: int = 16
         cpu0, busy0 = proxy.cpu(), machine_jiffies()
         ok, failed, elapsed = asyncio.run(_closed_loop(base, users, seconds))
         cpu1, busy1 = proxy.cpu(), machine_jiffies()
-        busy = None
-        if busy0 and busy1 and busy1[1] > busy0[1]:
-            busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
+        busy = busy_fraction(busy0, busy1)
         out[label] = {"ok": ok, "failed": failed, "rps": ok / elapsed, "machine_busy": busy}
         if label == "proxy":
             out[label]["proxy_cpu_us_per_request"] = (cpu1 - cpu0) / max(1, ok) * 1e6
@@ -215,9 +213,7 @@ def burst(redis_url: str, sim: SimProcess, requests: int, logdir: str) -> dict[s
     for o in out:
         for code, n in o["statuses"].items():
             statuses[str(code)] = statuses.get(str(code), 0) + n
-    busy = None
-    if busy0 and busy1 and busy1[1] > busy0[1]:
-        busy = (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])
+    busy = busy_fraction(busy0, busy1)
     res = {
         "requests": requests,
         "calls": calls,
