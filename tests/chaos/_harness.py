@@ -163,7 +163,8 @@ class Sim:
         self.times: list[float] = []  # monotonic time of each change
         self.values: list[int] = []  # running after that change
         self.calls = 0
-        self.snapshots: list[tuple[float, int, list[str]]] = []  # over a watermark: who ran
+        # Over a watermark: who ran (one tag per running call: a permit of weight w runs w).
+        self.snapshots: list[tuple[float, int, list[str]]] = []
         self.watermark = 1 << 30
         self._cm: contextlib.AbstractContextManager[Any] | None = None
         self.url = ""
@@ -194,7 +195,7 @@ class Sim:
             self.times.append(time.monotonic())
             self.values.append(self.running)
             if delta > 0 and self.running > self.watermark and len(self.snapshots) < 10_000:
-                self.snapshots.append((self.times[-1], self.running, list(self.tags)))
+                self.snapshots.append((self.times[-1], self.running, list(self.tags.elements())))
 
     def __enter__(self) -> Sim:
         from fleetgate.tools.sim import serve_in_thread
@@ -274,6 +275,8 @@ class Sample:
     queued: int
     ids: list[str]
     granted: int
+    #: the holders' weights, in the order of ``ids``
+    weights: list[int]
 
 
 class LimitSampler:
@@ -325,6 +328,7 @@ class LimitSampler:
                             snap.queued,
                             [h.id for h in snap.leases],
                             int(snap.stats.get("granted", 0) or 0),
+                            [h.weight for h in snap.leases],
                         )
                     )
                 await asyncio.sleep(max(0.0, self.period - (time.monotonic() - t)))
@@ -342,14 +346,15 @@ class LimitSampler:
         return self.samples[i].limit if i >= 0 else default
 
     def held(self, pods: list[str], t0: float, t1: float) -> dict[str, int]:
-        """Per pod, the most leases it held in any sample in [t0, t1] (the permits a pod held
-        when a fault struck; a window rather than one sample, so a grant made between the last
-        sample and the fault is not missed)."""
+        """Per pod, the most units (the weights of its leases) it held in any sample in
+        [t0, t1] (what a pod held when a fault struck; a window rather than one sample, so a
+        grant made between the last sample and the fault is not missed)."""
         out = dict.fromkeys(pods, 0)
         for smp in self.samples:
             if t0 <= smp.t <= t1:
+                held = list(zip(smp.ids, smp.weights, strict=True))
                 for pod in pods:
-                    n = sum(1 for i in smp.ids if owned_by(i, pod))
+                    n = sum(w for i, w in held if owned_by(i, pod))
                     out[pod] = max(out[pod], n)
         return out
 

@@ -137,11 +137,18 @@ class Worker:
         spec, gate = self.spec, self.gate
         assert gate is not None
         rng = random.Random()
+        # Mixed admission (the soak's --mixed): each permit draws a weight, a band and a tenant,
+        # and runs ``weight`` calls at once, so the calls running at the simulator are the
+        # units in use.
+        weights, priorities = spec.get("weights") or [1], spec.get("priorities") or [0]
+        tenants = spec.get("tenants") or [None]
         while not self.stopping.is_set():
             t0 = time.monotonic()
+            weight = rng.choice(weights)
+            ask = dict(weight=weight, priority=rng.choice(priorities), tenant=rng.choice(tenants))
             try:
                 try:
-                    async with gate.permit(deadline=spec.get("deadline", 30.0)) as lease:
+                    async with gate.permit(deadline=spec.get("deadline", 30.0), **ask) as lease:
                         t_granted, wall_granted = time.monotonic(), time.time()
                         self.stats["local_grants" if lease.local else "fleet_grants"] += 1
                         self.in_permit += 1
@@ -150,7 +157,10 @@ class Worker:
                                 if lease.is_lost:
                                     self.stats["lost_stop"] += 1
                                     break
-                                await self.call(http, lease, spec.get("passages", 4))
+                                passages = spec.get("passages", 4)
+                                await asyncio.gather(
+                                    *(self.call(http, lease, passages) for _ in range(weight))
+                                )
                         finally:
                             self.in_permit -= 1
                             if self.trace is not None:

@@ -28,3 +28,24 @@ def test_soak_quick(tmp_path: Path, record_property: Callable[[str, object], Non
     assert summary["unexplained"] == [], summary["unexplained"]
     assert summary["caller_errors"] == {}
     assert summary["calls_at_sim"] > 500
+
+
+@pytest.mark.timeout(200)
+def test_soak_mixed_quick(tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
+    """The same faults (and Redis restarts) with weights 1-3, two bands and three tenants: the
+    units running at the simulator stay within the limit plus the documented allowances."""
+    summary = run_soak(
+        SoakConfig(
+            seconds=60.0, seed=20261201, logdir=str(tmp_path), mixed=True, redis_restarts=True
+        )
+    )
+    for key in (
+        "actions", "calls_at_sim", "admissions_checked", "max_running", "max_over_limit",
+        "over_limit_instants", "over_limit_within_allowance", "violations", "expected_refusals",
+    ):  # fmt: skip
+        figure(record_property, f"soak_mixed.{key}", summary[key])
+    assert sum(summary["actions"].values()) >= 12
+    assert summary["violations"] == 0, summary.get("first_violations")
+    assert summary["unexplained"] == [], summary["unexplained"]
+    assert summary["caller_errors"] == {}
+    assert summary["calls_at_sim"] > 500
