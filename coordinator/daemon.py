@@ -548,7 +548,9 @@ class Coordinator:
         self.states[gate.name] = decision.state
         extra = _observed_fields(outcomes, None)
         self._account(gate, decision, signals, in_flight, extra)
-        return Publication(gate, decision, signals, in_flight, now, extra)
+        source = self.sources.get(gate.name)
+        urls = source.urls if source is not None and source.urls else ()
+        return Publication(gate, decision, signals, in_flight, now, extra, urls)
 
     def _account(
         self,

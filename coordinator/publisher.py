@@ -40,6 +40,9 @@ class Publication(msgspec.Struct, frozen=True):
     polled_at: float  # Redis server time, seconds
     #: more fields for the util snapshot (the client-observed figures, docs/aimd.md)
     extra: dict[str, str] = {}
+    #: the URLs the poll read (detection may find another path than the configured one);
+    #: empty: the gate's configured ``metrics_urls``
+    metrics_urls: tuple[str, ...] = ()
 
 
 def _util_mapping(p: Publication) -> dict[str, str]:
@@ -58,7 +61,7 @@ def _util_mapping(p: Publication) -> dict[str, str]:
         "metrics_ok": "1" if (s is not None and s.ok) else "0",
         "saturated": "1" if d.saturated else "0",
         "last_poll": repr(p.polled_at),
-        "metrics_url": ",".join(p.gate.metrics_urls),
+        "metrics_url": ",".join(p.metrics_urls or p.gate.metrics_urls),
         "server": (s.server or "") if s is not None else "",
         "reason": str(d.reason.value),
         "in_flight": "" if p.in_flight is None else str(p.in_flight),

@@ -21,6 +21,7 @@ import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
+from fleetgate.coordinator.adapters import ADAPTERS
 from fleetgate.coordinator.config import Config
 from fleetgate.keys import GateKeys
 from fleetgate.status import format_status, gather_status
@@ -105,6 +106,10 @@ async def test_coordinator_publishes_from_each_flavour(
             else:
                 assert util["running"] != ""
             assert util["waiting_capacity"] != ""
+            # The URL shown is the one detection found (NIM /v1/metrics, TensorRT-LLM
+            # /prometheus/metrics), not the first path probed.
+            path = ADAPTERS[flavor].metrics_path
+            assert util["metrics_url"] == served.url + path, (util["metrics_url"], path)
 
 
 async def test_saturated_flavour_backs_off(rut: RedisUnderTest, async_redis: aredis.Redis) -> None:
