@@ -331,6 +331,25 @@ def test_routes_by_path_and_model(rut: RedisUnderTest, upstream: Served) -> None
     assert "fleetgate_client_granted_total" in metrics  # the client metrics are there too
 
 
+def test_strip_path_forwards_the_rest_of_the_path(rut: RedisUnderTest, upstream: Served) -> None:
+    routes = [
+        {"path": "/rerank", "upstream": upstream.url, "gate": "g1", "strip_path": True},
+        {"path": "/keep", "upstream": upstream.url, "gate": "g2"},
+    ]
+    config = proxy_config(rut.url, rut.prefix, upstream.url, routes=routes)
+    with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=10) as http:
+        r = http.post("/rerank/echo?q=1%202", content=b"{}")
+        assert r.status_code == 200 and r.json()["path"] == "/echo", r.text
+        assert r.json()["query"] == "q=1%202"
+        assert http.post("/rerank", content=b"{}").status_code == 404  # upstream's "/": none
+        assert http.post("/keep/echo", content=b"{}").status_code == 404  # forwarded whole
+        # The prefix percent-encoded in the caller's path: it routed (decoded) but cannot be
+        # cut from the raw path, so a clear 400 and no permit left behind.
+        r = http.post("/re%72ank/echo", content=b"{}")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "bad_request", r.text
+    wait_idle(rut.url, rut.prefix, "g1")
+
+
 # -- hostile input ----------------------------------------------------------------------------
 
 

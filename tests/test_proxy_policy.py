@@ -39,6 +39,24 @@ def _h(**headers: str) -> list[tuple[bytes, bytes]]:
 # -- configuration ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("path", "strip", "raw", "forwarded"),
+    [
+        ("/rerank", False, b"/rerank/v1/ranking", b"/rerank/v1/ranking"),
+        ("/rerank", True, b"/rerank/v1/ranking", b"/v1/ranking"),
+        ("/rerank/", True, b"/rerank/v1/ranking", b"/v1/ranking"),
+        ("/rerank", True, b"/rerank", b"/"),
+        ("/rerank", True, b"/rerank/", b"/"),
+        ("/rerank", True, b"/rerank/a%2Fb", b"/a%2Fb"),  # the rest is forwarded as sent
+        ("/", True, b"/x/y", b"/x/y"),
+        ("/rerank", True, b"/re%72ank/x", None),  # the prefix itself was percent-encoded
+    ],
+)
+def test_strip_path(path: str, strip: bool, raw: bytes, forwarded: bytes | None) -> None:
+    route = _config(path=path, strip_path=strip).routes[0]
+    assert route.upstream_path(raw) == forwarded
+
+
 def test_the_example_config_loads() -> None:
     config = load_config(ROOT / "fleetgate/proxy/example.toml", env={})
     assert [r.gate for r in config.routes] == [

@@ -486,6 +486,11 @@ class ProxyApp:
                 return
             route = found
         ex.route, ex.gate = route.label, route.gate
+        target = route.upstream_path(scope.get("raw_path") or scope["path"].encode())
+        if target is None:
+            msg = f"route {route.label!r} strips {route.path!r}: it must not be percent-encoded"
+            await self._error(send, 400, "bad_request", msg, ex)
+            return
         try:
             ask = parse_ask(scope["headers"], route)
         except BadHeader as exc:
@@ -497,7 +502,7 @@ class ProxyApp:
             gauge = self._gauges[route.label] = self.metrics.in_flight.labels(route.label)
         gauge.inc()
         try:
-            await self._gated(scope, send, ex, route, ask, inbound)
+            await self._gated(scope, send, ex, route, ask, inbound, target)
         finally:
             gauge.dec()
 
@@ -509,6 +514,7 @@ class ProxyApp:
         route: RouteConfig,
         ask: Ask,
         inbound: Inbound,
+        target: bytes,
     ) -> None:
         gate = self.gate(route)
         loop = asyncio.get_running_loop()
@@ -547,7 +553,7 @@ class ProxyApp:
         ex.wait_ms = (loop.time() - t0) * 1000
         permit = _Permit(lease)
         try:
-            await self._forward(scope, send, ex, route, ask, inbound, permit, t0)
+            await self._forward(scope, send, ex, route, ask, inbound, permit, t0, target)
         finally:
             await permit.release()  # no-op when the upstream's end released it
 
@@ -561,7 +567,10 @@ class ProxyApp:
         inbound: Inbound,
         permit: _Permit,
         t0: float,
+        target: bytes,
     ) -> None:
+        """Forward to the route's upstream (``target``: the path to send, see
+        :meth:`RouteConfig.upstream_path`) under the held ``permit``."""
         loop = asyncio.get_running_loop()
         remaining = ask.deadline_s - (loop.time() - t0)
         gate = route.gate
@@ -574,7 +583,6 @@ class ProxyApp:
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
         upstream = self._upstreams[id(route)]
-        target: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string") or b""
         if query:
             target += b"?" + query

@@ -6,7 +6,7 @@ Shape (``example.toml`` next to this module shows every key with its default)::
     [redis]      url, prefix
     [proxy]      listen, max_request_bytes, max_response_bytes, max_header_bytes,
                  drain_seconds, access_log, metrics_path, health_path
-    [[routes]]   path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
+    [[routes]]   path, strip_path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
                  min_priority, max_priority, tenant, tenants, weight, max_weight,
                  stream_timeout_s, connect_timeout_s, retry_after_s, gate_defaults
 
@@ -145,6 +145,9 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     upstream: str
     gate: str
     path: str = "/"
+    #: forward the path without the route's ``path`` prefix (``/rerank/ranking`` ->
+    #: upstream base + ``/ranking``); default: the caller's whole path
+    strip_path: bool = False
     #: the ``route`` label of the proxy's metrics and the access log; default: path (+ models)
     name: str = ""
     #: the JSON body's ``model`` must be one of these; empty = any body
@@ -230,6 +233,21 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``/v1/x``, not ``/v10``)."""
         p = self.path
         return p == "/" or path == p or path.startswith(p if p.endswith("/") else p + "/")
+
+    def upstream_path(self, raw_path: bytes) -> bytes | None:
+        """The path to forward for a caller's ``raw_path`` (as sent, percent-encoded): itself,
+        or with ``strip_path`` the rest after the prefix (``/`` at least). None when the prefix
+        is not literally there (the caller percent-encoded part of it: the route matched the
+        decoded path, but there is no unambiguous rest to forward)."""
+        if not self.strip_path or self.path == "/":
+            return raw_path
+        prefix = self.path.rstrip("/").encode("ascii")
+        if not raw_path.startswith(prefix):
+            return None
+        rest = raw_path[len(prefix) :]
+        if rest and not rest.startswith(b"/"):
+            return None
+        return rest or b"/"
 
     @property
     def label(self) -> str:
