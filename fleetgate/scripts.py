@@ -490,10 +490,16 @@ class _ManyHeartbeats:
 
     def __init__(self, script: Any, requests: Sequence[HeartbeatRequest], mode: RedisMode) -> None:
         self.script = script
-        self.keys: list[str] = []
+        # The gates' base names first (the script reads gate j's at KEYS[j]), then, on Cluster,
+        # every gate's declared keys (see RedisMode.script_keys). Declared keys laid end to end
+        # put gate 2's name at KEYS[1 + 17], not KEYS[2]: gate 2 was renewed on keys derived
+        # from gate 1's second key, its real lease expired while held.
+        self.keys: list[str] = [req.keys.base for req in requests]
+        if mode.cluster:
+            for req in requests:
+                self.keys += mode.script_keys(req.keys)
         self.args: list[Any] = [len(requests)]
         for req in requests:
-            self.keys += mode.script_keys(req.keys)
             argv = req.argv()
             self.args += [len(argv), *argv]
 

@@ -5,7 +5,8 @@
 -- one slot (the client groups them: every gate on a standalone Redis or Sentinel master; on
 -- Cluster only gates whose hash tags share a slot) and the client caps the gates per call, so
 -- one call stays short.
--- KEYS: the gates' base names (see lib.lua), gate j's at KEYS[j]
+-- KEYS: the gates' base names (see lib.lua), gate j's at KEYS[j] for j = 1..n_gates; on Cluster
+-- every gate's declared keys follow them (read by Redis for routing, never by this script)
 -- ARGV: 1 n_gates, then per gate: argc, then argc values = heartbeat.lua's ARGV for that gate
 -- Returns {reply of gate 1, ..., reply of gate n}, each heartbeat.lua's reply
 local n = tonumber(ARGV[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry
 
-from fleetgate.client import Fleet
+from fleetgate.client import Fleet, LeaseLost
 
 
 def hammer(url: str, prefix: str, gate: str, tasks: int, hold_s: float, probe: str) -> int:
@@ -169,6 +170,36 @@ def hammer_gates(url: str, prefix: str, gates: list[str], tasks: int, probe: str
 
             await asyncio.gather(*(one(gates[i % len(gates)]) for i in range(tasks)))
         return peak
+
+    return asyncio.run(main())
+
+
+def hold_gates(
+    url: str, prefix: str, gates: list[str], *, hold_s: float, probe_url: str, probe: str
+) -> list[bool]:
+    """Hold one permit of each gate (floor = ceiling = 1, 1 s leases, heartbeat every 0.2 s)
+    for ``hold_s``, the probe counted up (INCR) while the last gate's is held; returns whether
+    each lease was lost."""
+
+    async def main() -> list[bool]:
+        probe_client = redis.asyncio.Redis.from_url(probe_url)
+        opts = dict(floor=1, ceiling=1, lease_ms=1000, waiter_ms=1000)
+        lost: list[bool] = []
+        async with Fleet(
+            url, prefix=prefix, heartbeat_interval=0.2, registry=CollectorRegistry()
+        ) as fleet:
+            with contextlib.suppress(LeaseLost):  # what was lost is returned
+                async with contextlib.AsyncExitStack() as stack:
+                    leases = [
+                        await stack.enter_async_context(fleet.gate(g, **opts).permit())
+                        for g in gates
+                    ]
+                    await probe_client.incr(probe)
+                    await asyncio.sleep(hold_s)
+                    await probe_client.decr(probe)
+                    lost = [lease.is_lost for lease in leases]
+        await probe_client.aclose()
+        return lost
 
     return asyncio.run(main())
 

@@ -8,6 +8,7 @@ import multiprocessing as mp
 
 import pytest
 from prometheus_client import CollectorRegistry
+from redis.crc import key_slot
 
 from fleetgate._redis import connect
 from fleetgate.client import Fleet
@@ -79,6 +80,44 @@ def test_cap_holds_across_processes_on_cluster(cluster_rut: RedisUnderTest) -> N
             [(cluster_rut.url, cluster_rut.prefix, GATES, 60, probe)] * 3,
         )
     assert max(peaks) <= 2
+
+
+def _two_gates_in_one_slot() -> tuple[str, str]:
+    """Two gate names whose keys share a Cluster slot (each gate's hash tag is its name)."""
+    seen: dict[int, str] = {}
+    for i in range(20_000):
+        name = f"same-slot-{i}"
+        slot = key_slot(GateKeys.of("x", name).cfg.encode())
+        if slot in seen:
+            return seen[slot], name
+        seen[slot] = name
+    raise AssertionError("no two names share a slot")
+
+
+def test_two_gates_in_one_slot_keep_their_leases(
+    cluster_rut: RedisUnderTest, rut: RedisUnderTest
+) -> None:
+    """A pod holding permits of two gates that share a slot renews both in one heartbeat_many
+    call; the second gate's lease must be renewed on its own keys, so another process's caller
+    waits until it is released (it was granted once the unrenewed lease expired: 2 running
+    under a limit of 1)."""
+    gates = list(_two_gates_in_one_slot())
+    probe, probe_url = f"{rut.prefix}:probe", rut.url  # counted on a standalone server
+    with mp.get_context("spawn").Pool(2) as pool:
+        holder = pool.apply_async(
+            _workers.hold_gates,
+            (cluster_rut.url, cluster_rut.prefix, gates),
+            dict(hold_s=3.0, probe_url=probe_url, probe=probe),
+        )
+        other = pool.apply_async(
+            _workers.hammer_with,
+            (cluster_rut.url, cluster_rut.prefix, gates[1]),
+            dict(probe_url=probe_url, probe=probe, hold_s=0.2, floor=1, after_probe=1),
+        )
+        lost = holder.get(60)
+        peak = other.get(60)
+    assert lost == [False, False]
+    assert peak == 1, f"{peak} running on gate {gates[1]!r} under a limit of 1"
 
 
 async def test_coordinator_publishes_on_cluster(cluster_rut: RedisUnderTest) -> None:
