@@ -267,6 +267,24 @@ def test_hop_by_hop_and_fleetgate_headers_stop_at_the_proxy() -> None:
 
 
 @pytest.mark.parametrize(
+    ("status", "headers", "length_kept"),
+    [
+        (200, [(b"Content-Length", b"5")], True),
+        (200, [(b"Transfer-Encoding", b"chunked"), (b"Content-Length", b"3")], False),
+        (304, [(b"Content-Length", b"1234"), (b"ETag", b'"v1"')], False),
+        (204, [(b"Content-Length", b"99")], False),
+        (404, [(b"Content-Length", b"9")], True),
+    ],
+)
+def test_a_response_length_that_frames_nothing_is_dropped(
+    status: int, headers: list[tuple[bytes, bytes]], length_kept: bool
+) -> None:
+    back = dict(forward_response_headers(headers, status))
+    assert (b"content-length" in back) == length_kept
+    assert b"transfer-encoding" not in back and back[b"via"] == b"1.1 fleetgate"
+
+
+@pytest.mark.parametrize(
     ("status", "timed_out", "outcome"),
     [
         (200, False, "ok"),

@@ -659,8 +659,17 @@ class ProxyApp:
     ) -> None:
         limit = self.config.proxy.max_response_bytes
         response = answer.response
+        status = response.status_code
+        if not 100 <= status <= 599:  # h11 reads 100-999; the server to the caller sends <= 599
+            await answer.aclose()
+            await permit.release("error")
+            self.metrics.upstream_errors.labels(route.label, "protocol").inc()
+            msg = f"upstream {route.upstream} answered status {status}, not an HTTP status"
+            await self._error(send, 502, "upstream_error", msg, ex, gate=route.gate)
+            return
         declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        bodiless = ex.method == "HEAD" or status in (204, 304)  # the length names no body here
+        if declared.isdigit() and int(declared) > limit and not bodiless:
             await answer.aclose()
             await permit.release("ok", asyncio.get_running_loop().time() - sent_at)
             self.metrics.upstream_errors.labels(route.label, "too_large").inc()
@@ -672,14 +681,16 @@ class ProxyApp:
             self._read_upstream(answer, queue, permit, route, sent_at, ex)
         )
         inbound.on_gone(functools.partial(_cancel, reader))
-        headers = forward_response_headers(response.headers.raw)
+        headers = forward_response_headers(response.headers.raw, status)
         if not any(k == b"date" for k, _ in headers):
             headers.append((b"date", _http_date()))
-        status = response.status_code
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        ex.status = status
         ended = False  # the reader is done with the upstream (it closes and releases now)
         try:
+            # Inside the try: should sending fail, the reader is cancelled and awaited, and
+            # only its end (the upstream's response closed) releases the permit. Outside, the
+            # permit was released at once while the orphaned reader still drew the body.
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            ex.status = status
             while True:
                 item = await queue.get()
                 if item is _END:

@@ -180,12 +180,19 @@ def forward_request_headers(
     return out
 
 
-def forward_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+def forward_response_headers(
+    headers: Iterable[tuple[bytes, bytes]], status: int = 200
+) -> list[tuple[bytes, bytes]]:
     """The upstream's response headers for the caller: hop-by-hop removed (the server framing
     the response to the caller sets its own ``Transfer-Encoding``), ``Via`` added. The body is
-    forwarded byte for byte, so ``Content-Length`` and ``Content-Encoding`` stay true."""
+    forwarded byte for byte, so ``Content-Length`` and ``Content-Encoding`` stay true -- but
+    for two cases where it does not frame what is sent: beside ``Transfer-Encoding`` (RFC 9112
+    6.3: the chunked framing wins and a proxy removes the length) and on a 204 or 304, which
+    have no body whatever length they name (the server to the caller would wait for it)."""
     items = [(k.lower(), v) for k, v in headers]
     drop = HOP_BY_HOP | _connection_tokens(items)
+    if status in (204, 304) or any(k == b"transfer-encoding" for k, _ in items):
+        drop = drop | {b"content-length"}
     return [*((k, v) for k, v in items if k not in drop), VIA]
 
 

@@ -95,6 +95,7 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
 
         _head = 0
         _in_head = True
+        _cycles: tuple[Any, ...] = ()  # the request cycles not yet answered (per connection)
         _upgrade = False
         _too_large = False
 
@@ -129,12 +130,32 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
                 )
                 self.transport.close()
 
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self._in_head:
+                super().on_header(name, value)
+            # else a trailer field of a chunked body: uvicorn appended it to the request's
+            # headers, which the app reads (and forwards) after the body; RFC 9110 6.5.1 says
+            # trailers are not merged into the header section. The proxy drops them.
+
         def on_headers_complete(self) -> None:
             self._in_head = False
             if self.parser.should_upgrade():
                 self._upgrade = True  # no cycle, no app: h11 starts over with this head
                 return
             super().on_headers_complete()
+            # uvicorn keeps only the newest cycle: a request pipelined behind one still running
+            # replaced it, and on connection_lost only the newest learnt the caller had gone
+            # (the first kept its permit and its upstream call until the upstream answered)
+            open_cycles = (c for c in self._cycles if not c.response_complete)
+            self._cycles = (*open_cycles, self.cycle)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            for cycle in self._cycles:
+                if cycle is not self.cycle and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            self._cycles = ()
+            super().connection_lost(exc)
 
         def on_body(self, body: bytes) -> None:
             if not self._upgrade:
@@ -205,6 +226,10 @@ def _uvicorn_config(app: ProxyApp, config: ProxyConfig) -> uvicorn.Config:
         timeout_keep_alive=75,
         server_header=False,
         date_header=False,  # the upstream's passes through; the app dates its own answers
+        # the caller's address is the peer's: uvicorn would take X-Forwarded-For/-Proto from
+        # any loopback caller (a sidecar's neighbours) as the truth, for the access log and
+        # the X-Forwarded-For the proxy appends to
+        proxy_headers=False,
     )
 
 

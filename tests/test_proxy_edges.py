@@ -1,0 +1,147 @@
+"""``fleetgate proxy`` on the HTTP edge cases a second review found (each failed before its
+fix): a pipelined caller that leaves, upstream answers uvicorn cannot send or that carry a
+stale ``Content-Length``, bodiless answers declaring a large length, request trailers, and
+``X-Forwarded-For`` from a loopback caller."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from fleetgate.proxy import serve_in_thread
+from fleetgate.tools.sim._server import Served
+from fleetgate.tools.sim._server import serve_in_thread as serve_app
+
+from ._proxy import (
+    UpstreamLog,
+    counting_upstream,
+    gate_counts,
+    proxy_config,
+    upstream_app,
+    wait_idle,
+    wait_until,
+)
+from .conftest import RedisUnderTest
+from .test_proxy import _raw, _status
+
+PARSERS = ["httptools", "h11"]
+
+
+@pytest.fixture
+def upstream() -> Iterator[Served]:
+    with serve_app(upstream_app()) as served:
+        yield served
+
+
+@pytest.fixture(params=PARSERS)
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test on both request parsers (httptools: the fast extra's; h11: the fallback)."""
+    if request.param == "h11":
+        monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
+    name: str = request.param
+    return name
+
+
+def _log(up: Served) -> UpstreamLog:
+    log: UpstreamLog = up.state.log
+    return log
+
+
+def _proxy(rut: RedisUnderTest, up: str, **route: Any) -> Any:
+    return serve_in_thread(proxy_config(rut.url, rut.prefix, up, **route))
+
+
+def test_a_pipelined_caller_that_leaves_frees_its_permit(
+    rut: RedisUnderTest, upstream: Served, parser: str
+) -> None:
+    """A caller that sends two requests in one write and closes: uvicorn (httptools) marked
+    only the newest request as disconnected, so the first kept its permit (and its upstream
+    call) until the upstream answered -- here never."""
+    with _proxy(rut, upstream.url) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\nGET /work HTTP/1.1\r\nHost: x\r\n\r\n")
+            wait_until(lambda: _log(upstream).running == 1, 5, "the first call at the upstream")
+            assert gate_counts(rut.url, rut.prefix, "g")[0] == 1
+        t0 = time.monotonic()
+        wait_idle(rut.url, rut.prefix, "g", timeout=5)
+        assert time.monotonic() - t0 < 2.0
+        wait_until(lambda: _log(upstream).cancelled == 1, 5, "the upstream call cancelled")
+        assert _log(upstream).arrivals == []  # the second request never went upstream
+
+
+def _odd(head: bytes) -> tuple[bytes, bool]:
+    path = head.split(b" ", 2)[1]
+    if path == b"/status-600":  # h11 reads 100-999; uvicorn can send 100-599 only
+        return b"HTTP/1.1 600 Custom\r\ncontent-length: 2\r\n\r\n{}", False
+    if path == b"/304":  # RFC 9110 8.6: a 304 may say the representation's length
+        return b'HTTP/1.1 304 Not Modified\r\ncontent-length: 1234\r\netag: "v1"\r\n\r\n', False
+    if path == b"/204":
+        return b"HTTP/1.1 204 No Content\r\ncontent-length: 99\r\n\r\n", False
+    if path == b"/head-big":  # the answer to HEAD: the length of a GET's body, no body
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 4194304\r\n\r\n", False
+    if path == b"/te-and-cl":  # RFC 9112 6.3: chunked wins; a proxy must drop the length
+        return (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n"
+            b"5\r\nhello\r\n0\r\n\r\n",
+            False,
+        )
+    return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", False
+
+
+def test_odd_upstream_answers(rut: RedisUnderTest, parser: str) -> None:
+    with (
+        counting_upstream(_odd) as (up, _),
+        _proxy(rut, up, proxy={"max_response_bytes": 1024 * 1024}) as url,
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
+        for _ in range(2):  # and the connection to the caller stays usable after each
+            r = http.get("/status-600")
+            assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+            r = http.get("/304")
+            assert r.status_code == 304 and r.content == b"" and r.headers["etag"] == '"v1"'
+            r = http.get("/204")
+            assert r.status_code == 204 and r.content == b""
+            r = http.head("/head-big")  # above max_response_bytes, but no body follows
+            assert r.status_code == 200 and r.headers["content-length"] == "4194304"
+            r = http.get("/te-and-cl")
+            assert r.status_code == 200 and r.content == b"hello"
+            assert "content-length" not in r.headers
+            assert http.get("/x").content == b"{}"
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_request_trailers_are_not_forwarded_as_headers(
+    rut: RedisUnderTest, upstream: Served, parser: str
+) -> None:
+    """RFC 9110 6.5.1: trailer fields are not merged into the header section (httptools
+    appended them to the request's headers, which the proxy forwarded)."""
+    with _proxy(rut, upstream.url) as url:
+        answer = _raw(
+            url,
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n0\r\nX-Trailer: yes\r\nAuthorization: Bearer from-trailer\r\n\r\n",
+        )
+        assert _status(answer) == 200, answer[:300]
+        seen = json.loads(answer.partition(b"\r\n\r\n")[2])
+        assert seen["body"] == "hello"
+        assert "x-trailer" not in seen["headers"] and "authorization" not in seen["headers"]
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_a_loopback_caller_cannot_forge_its_address(
+    rut: RedisUnderTest, upstream: Served, parser: str
+) -> None:
+    """uvicorn trusts X-Forwarded-For/-Proto from loopback by default: a caller there could
+    set the address the proxy logs and appends. The proxy appends the peer it sees."""
+    with _proxy(rut, upstream.url) as url, httpx.Client(base_url=url, timeout=10) as http:
+        r = http.get("/echo", headers={"x-forwarded-for": "6.6.6.6", "x-forwarded-proto": "https"})
+        headers = r.json()["headers"]
+        assert headers["x-forwarded-for"] == "6.6.6.6, 127.0.0.1", headers
+    wait_idle(rut.url, rut.prefix, "g")
