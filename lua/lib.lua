@@ -611,12 +611,13 @@ local function handoff(now, cfg, lim, units)
         elseif w > lim then
           state = 'big'
           break
+        elseif bound and f > bound and rsv ~= m then
+          break  -- another lane of the band has the smaller tag now (before any reservation:
+                 -- only the chosen head, the band's smallest tag, reserves)
         elseif w > free then
           adm_set('rsv:' .. r, m)  -- the free units wait for it: nobody passes it
           stop = true
           break
-        elseif bound and f > bound and rsv ~= m then
-          break  -- another lane of the band has the smaller tag now
         else
           gone[#gone + 1] = m
           grants[#grants + 1] = id

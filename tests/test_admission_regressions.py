@@ -126,3 +126,23 @@ def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
         for w in r.lrange(g.keys.wake("pa"), 0, -1) + r.lrange(g.keys.wake("pb"), 0, -1)
     }
     assert tokens["pa:3"] < tokens["pb:4"]
+
+
+def test_a_head_behind_another_lanes_tag_reserves_nothing(r: redis.Redis) -> None:
+    """Was (found by review): after a grant, a lane's next head got a tag past the other
+    lane's, but the "does not fit: reserve" check came before the tag check, so that head
+    reserved the free unit and the other lane's head -- first by tag, and fitting -- waited
+    behind it (rules 3 and 4: only the chosen head, the smallest tag, reserves). Now the tags
+    are compared first."""
+    g = Gate(r, max_queued=10)
+    assert g.call("set_target", 4, 1, LONG_MS)[0] == 1
+    assert g.acquire(*((f"pa:h{i}", 0, None) for i in range(4))) == [1, 1, 1, 1]
+    assert g.acquire(("pa:1", 0, "a"), ("pa:2w3", 0, "a"), ("pb:1", 0, "b")) == [2, 2, 2]
+    assert g.call("release", 0, "pa:h0", "pa:h1") == 2
+    # a's pa:1 (tie on tags: by tenant name), then b's pb:1 (a's next tag is past b's)
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:1", "pa:h2", "pa:h3", "pb:1"]
+    assert not any(k.startswith("rsv:") for k in r.hkeys(g.keys.adm))
+    assert [m.rsplit("}", 1)[1] for m in r.zrange(g.keys.lanes, 0, -1)] == ["pa:2w3"]
+    # and pa:2w3, now first by tag, reserves the unit a release frees
+    assert g.call("release", 0, "pa:h2") == 1
+    assert r.hget(g.keys.adm, "rsv:100") is not None

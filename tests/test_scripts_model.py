@@ -349,11 +349,11 @@ class GateModel:
                 elif m.w > lim:
                     state = "big"
                     break
+                elif bound is not None and f > bound and rsv != m.member:
+                    break
                 elif m.w > free:
                     self.rsv[r] = m.member
                     stop = True
-                    break
-                elif bound is not None and f > bound and rsv != m.member:
                     break
                 else:
                     token = self.seq + len(grants) + 1
