@@ -68,6 +68,7 @@ for k = 2, #fields do ADM[fields[k]] = got[k] end
 local units = units_held(got[1])
 local queued = redis.call('ZCARD', K_WAITERS)
 local leases_reaped, waiters_reaped = false, false
+local loop_reaped = false  -- a request's reap in the loop below freed units or removed waiters
 if units >= lim then
   units = units - reap_leases(now)
   leases_reaped = true
@@ -158,7 +159,9 @@ for i = first, #ARGV, 3 do
     blocked = blocked or parked_in[lane] ~= nil
     if not blocked and units + w > lim and not leases_reaped then
       leases_reaped = true
-      units = units - reap_leases(now)
+      local freed = reap_leases(now)
+      units = units - freed
+      loop_reaped = loop_reaped or freed > 0
     end
     if not blocked and units + w <= lim then
       units = units + w
@@ -174,6 +177,7 @@ for i = first, #ARGV, 3 do
         waiters_reaped = true
         local reaped = reap_waiters(now)
         if reaped > 0 then
+          loop_reaped = true
           queued = queued - reaped
           lane_len, tenant_len = {}, {}
           -- a big lane whose oversize head expired may fit now
@@ -253,9 +257,13 @@ if n_parked > 0 then
   redis.call('ZADD', K_WAITERS, unpack(waiting))
   redis.call('HINCRBY', K_STATS, 'parked', n_parked)
   for _, lane in ipairs(new_lanes) do lane_enter(lane, first_w[lane], lim) end
-  -- A park of this call may have put a head that fits first (a lighter lane of a band whose
-  -- heavier head parked earlier in the call): the free units go to it now, not at the next call.
-  if units < lim then handoff(now, cfg, lim, units) end
+end
+-- A park of this call may have put a head that fits first (a lighter lane of a band whose
+-- heavier head parked earlier in the call), and a reap in the loop (for a request that did not
+-- fit, then parked or was refused) may have freed units or removed a head: the free units go
+-- to the waiters now, not at the next call.
+if (n_parked > 0 or loop_reaped) and units < lim then
+  handoff(now, cfg, lim, units)
 end
 if n_rejected > 0 then redis.call('HINCRBY', K_STATS, 'rejected', n_rejected) end
 if rejected_by[4] > 0 then redis.call('HINCRBY', K_STATS, 'rejected_tenant', rejected_by[4]) end

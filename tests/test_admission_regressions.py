@@ -146,3 +146,21 @@ def test_a_head_behind_another_lanes_tag_reserves_nothing(r: redis.Redis) -> Non
     # and pa:2w3, now first by tag, reserves the unit a release frees
     assert g.call("release", 0, "pa:h2") == 1
     assert r.hget(g.keys.adm, "rsv:100") is not None
+
+
+def test_units_an_acquire_reaps_go_to_the_waiters_even_when_it_refuses(r: redis.Redis) -> None:
+    """Was (found by review): an arrival that reaped an expired lease to make room, and was then
+    refused (here: its tenant's queue bound), returned without a hand-off, so the units it freed
+    idled while a waiter that now fit waited for the next heartbeat or release."""
+    g = Gate(r, max_queued=10)
+    g.defaults[5] = 1  # max_queued_per_tenant
+    assert g.call("set_target", 3, 1, LONG_MS)[0] == 1
+    assert g.acquire(("pa:h0", 0, None), ("pa:h1", 0, None)) == [1, 1]
+    assert g.acquire(("pw:1w2", 0, "x")) == [2]  # 2 + 2 > 3: tenant x's one waiter
+    r.zadd(g.keys.holders, {"pa:h0": 1})  # pa:h0's lease has expired (its pod died)
+    # A band above pw:1w2's: not blocked; it does not fit (2 + 3 > 3), so the expired lease is
+    # reaped (2 free now), it still does not fit, and tenant x is at its bound: refused.
+    assert g.acquire(("pz:2w3", 10, "x")) == [3]
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:h1", "pw:1w2"]
+    [wake] = r.lrange(g.keys.wake("pw"), 0, -1)
+    assert wake.startswith("pw:1w2=")
