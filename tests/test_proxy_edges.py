@@ -6,6 +6,7 @@ stale ``Content-Length``, bodiless answers declaring a large length, request tra
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -86,6 +87,8 @@ def _odd(head: bytes) -> tuple[bytes, bool]:
         return b"HTTP/1.1 204 No Content\r\ncontent-length: 99\r\n\r\n", False
     if path == b"/head-big":  # the answer to HEAD: the length of a GET's body, no body
         return b"HTTP/1.1 200 OK\r\ncontent-length: 4194304\r\n\r\n", False
+    if path == b"/cut":  # promises 10 bytes, sends 3 and closes
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc", True
     if path == b"/te-and-cl":  # RFC 9112 6.3: chunked wins; a proxy must drop the length
         return (
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n"
@@ -145,3 +148,20 @@ def test_a_loopback_caller_cannot_forge_its_address(
         headers = r.json()["headers"]
         assert headers["x-forwarded-for"] == "6.6.6.6, 127.0.0.1", headers
     wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_an_upstream_cut_mid_body_is_logged_once_as_such(
+    rut: RedisUnderTest, parser: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The caller gets a truncated body (its client sees the error); the access log says why,
+    and uvicorn's ERROR about a response not completed (the proxy cut it on purpose) is not
+    logged."""
+    caplog.set_level(logging.INFO)
+    with counting_upstream(_odd) as (up, _), _proxy(rut, up) as url:
+        with httpx.Client(base_url=url, timeout=10) as http, pytest.raises(httpx.HTTPError):
+            http.get("/cut")
+        wait_idle(rut.url, rut.prefix, "g")
+    uvicorn_errors = [r for r in caplog.records if r.name.startswith("uvicorn")]
+    assert not [r for r in uvicorn_errors if r.levelno >= logging.ERROR], uvicorn_errors
+    access = [r.getMessage() for r in caplog.records if r.name == "fleetgate.proxy.access"]
+    assert any("/cut" in line for line in access), access
