@@ -273,7 +273,8 @@ def _kv_estimate(obs: Observation, p: ControllerParams) -> float | None:
         return None
     if kv < p.kv_min or running < 1:
         return None
-    return running / min(kv, 1.0)
+    estimate = running / min(kv, 1.0)
+    return estimate if math.isfinite(estimate) else None  # an absurd gauge is no estimate
 
 
 def _capacity(state: ControllerState, kv_estimate: float | None) -> float | None:

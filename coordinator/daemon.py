@@ -43,7 +43,14 @@ from fleetgate.observed import Reading
 from fleetgate.safety import find_bad_keys, is_wrongtype, server_findings
 
 from .config import Config, GateConfig, load_config
-from .controller import ControllerParams, ControllerState, Decision, Observation, step
+from .controller import (
+    ControllerParams,
+    ControllerState,
+    Decision,
+    Observation,
+    Reason,
+    step,
+)
 from .election import Election, Leadership
 from .gradient import (
     GradientDecision,
@@ -394,7 +401,7 @@ class Coordinator:
         observed = await observing
         in_flight = await self._in_flight(gates)
         pubs = [
-            self._decide(g, s, in_flight.get(g.name), now, r)
+            self._decide_isolated(g, s, in_flight.get(g.name), now, r)
             for g, s, r in zip(gates, signals, observed, strict=True)
         ]
         term = self.election.term
@@ -528,6 +535,40 @@ class Coordinator:
         extra = _observed_fields(outcomes, decision)
         self._account(gate, decision, None, in_flight, extra)
         return Publication(gate, decision, None, in_flight, now, extra)
+
+    def _decide_isolated(
+        self,
+        gate: GateConfig,
+        signals: Signals | None,
+        in_flight: int | None,
+        now: float,
+        reading: Reading | None,
+    ) -> Publication:
+        """:meth:`_decide`, but a failure (a bug of ours on some input) makes this gate's poll
+        unknown -- held, unpublished, so its target decays -- instead of aborting the poll of
+        every gate while the leader keeps its lease (no standby would take over)."""
+        try:
+            pub = self._decide(gate, signals, in_flight, now, reading)
+        except Exception as exc:
+            self._errors["poll"].error(
+                f"gate {gate.name}: decision failed ({self._text(exc)}); held as unknown",
+                trace=True,
+            )
+            return self._held(gate, in_flight, now)
+        return pub
+
+    def _held(self, gate: GateConfig, in_flight: int | None, now: float) -> Publication:
+        """This gate's stored state, held and not published (as an unknown poll)."""
+        decision: Decision | GradientDecision
+        if gate.name in self.latency_params:
+            lp = self.latency_params[gate.name]
+            gs = self.latency_states.get(gate.name) or GradientState.initial(lp)
+            decision = GradientDecision(gs, gs.target, Reason.HOLD_UNKNOWN, False)
+        else:
+            cp = self.params[gate.name]
+            cs = self.states.get(gate.name) or ControllerState.initial(cp)
+            decision = Decision(cs, cs.target, Reason.HOLD_UNKNOWN, publish=False)
+        return Publication(gate, decision, None, in_flight, now)
 
     def _decide(
         self,

@@ -244,6 +244,8 @@ def _step(
     state = msgspec.structs.replace(state, unknown_streak=0)
     w = view.outcomes
     p50 = typical_latency(view.latency) if view.latency is not None else None
+    if p50 is not None and not (p50 > 0 and math.isfinite(p50)):
+        p50 = None  # latencies reported as 0 (allowed, sub-resolution) say nothing of a queue
     # The median's standard error (seconds): the no-load estimate takes p50 + 2 se (a minimum
     # of noisy medians would sink below the truth and read every later median as a queue),
     # a queue must exceed the buffer by 2 se to end slow start, and the gradient reads p50 - se.

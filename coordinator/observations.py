@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from redis.client import NEVER_DECODE
+
 from fleetgate._redis import AnyRedis
 from fleetgate.keys import GateKeys
 from fleetgate.observed import Reading, delta
@@ -37,7 +39,9 @@ async def read_observations(
         return []
     pipe = client.pipeline(transaction=False)
     for k in keys:
-        pipe.hgetall(k.obs)
+        # as bytes, whatever the client decodes: a field that is no UTF-8 (anyone with the
+        # client ACL can write one) failed the whole pipeline's decoding, every gate's reading
+        pipe.execute_command("HGETALL", k.obs, **{NEVER_DECODE: True})
     replies = await pipe.execute(raise_on_error=False)
     return [None if isinstance(r, Exception) else Reading.parse(r, at=at) for r in replies]
 

@@ -145,7 +145,7 @@ class Reading(msgspec.Struct, frozen=True):
         counts: dict[str, int] = {}
         buckets: dict[int, int] = {}
         for key, value in raw.items():
-            name = key.decode() if isinstance(key, bytes) else key
+            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
             try:
                 n = int(value)
             except ValueError:
