@@ -26,7 +26,8 @@ from .test_coordinator import POLL, eventually, running
 
 def _config(rut: RedisUnderTest, metrics_url: str) -> Config:
     gates = "\n".join(
-        f'[[gates]]\nname = "{name}"\nfloor = 4\nceiling = {ceiling}\nmetrics_url = "{metrics_url}"\n'
+        f'[[gates]]\nname = "{name}"\nfloor = 4\nceiling = {ceiling}\n'
+        f'metrics_url = "{metrics_url}"\n'
         for name, ceiling in (("good", 64), ("bad", 13))
     )
     return Config.from_toml_text(
