@@ -58,6 +58,7 @@ __all__ = [
     "Reason",
     "dump_state",
     "load_state",
+    "restart_from_floor",
     "step",
 ]
 
@@ -369,20 +370,20 @@ def _saturated(
     return Decision(new, new_target, Reason.DECREASE, publish=True, saturated=True)
 
 
+def restart_from_floor(state: ControllerState, p: ControllerParams) -> ControllerState:
+    """The state to continue from once the last published target has run out (the fleet is at
+    the floor): the floor, with the capacity memory kept, so the next ramp stops at it instead
+    of jumping back to a stale level or overshooting."""
+    return ControllerState(target=p.floor, capacity=state.capacity, kv_capacity=state.kv_capacity)
+
+
 def _unknown(state: ControllerState, p: ControllerParams, sat: bool | None) -> Decision:
     """No usable view of the server: hold (not re-published, so the lease decays); after
     ``unknown_reset_polls`` such polls restart from the floor."""
     streak = state.unknown_streak + 1
     if streak >= p.unknown_reset_polls:
-        # The last published lease has run out by now: the fleet is at the floor, so the
-        # controller restarts from there rather than jumping back to a stale target. The
-        # capacity memory stays: the next ramp stops at it instead of overshooting.
-        new = ControllerState(
-            target=p.floor,
-            unknown_streak=streak,
-            capacity=state.capacity,
-            kv_capacity=state.kv_capacity,
-        )
+        # The last published lease has run out by now: the fleet is at the floor.
+        new = msgspec.structs.replace(restart_from_floor(state, p), unknown_streak=streak)
         reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
         return Decision(new, p.floor, reason, publish=False, saturated=sat)
     new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=streak, probes=0)
@@ -455,10 +456,15 @@ def dump_state(state: ControllerState) -> bytes:
     return msgspec.json.encode(state)
 
 
-def load_state(data: bytes | str | None, params: ControllerParams) -> ControllerState:
+def load_state(
+    data: bytes | str | None, params: ControllerParams, *, lapsed: bool = False
+) -> ControllerState:
     """The stored state, clamped to ``params``; a fresh state if absent or unreadable.
 
     A corrupt or foreign value must not stop the new leader, and a cold start is always safe.
+    ``lapsed``: the gate's last published target has run out (every coordinator was down for
+    longer than its TTL): the fleet is at the floor, so the state restarts there
+    (:func:`restart_from_floor`) instead of handing a backlog the old target in one poll.
     """
     if not data:
         return ControllerState.initial(params)
@@ -466,4 +472,6 @@ def load_state(data: bytes | str | None, params: ControllerParams) -> Controller
         state = _STATE_DECODER.decode(data)
     except msgspec.DecodeError:
         return ControllerState.initial(params)
+    if lapsed:
+        return restart_from_floor(state, params)
     return msgspec.structs.replace(state, target=_clamp(state.target, params))

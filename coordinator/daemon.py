@@ -514,13 +514,10 @@ class Coordinator:
         names = list(self.latency_params)
         if not names:
             return {}
-        pipe = self._client.pipeline(transaction=False)
-        for name in names:
-            pipe.hget(self.publisher.keys(name).util, "state")
-        raw = await pipe.execute()
+        stored = await self.publisher.stored_states(names)
         return {
-            n: load_gradient_state(r, self.latency_params[n])
-            for n, r in zip(names, raw, strict=True)
+            n: load_gradient_state(stored[n][0], self.latency_params[n], lapsed=stored[n][1])
+            for n in names
         }
 
     def _decide_latency(

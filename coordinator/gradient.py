@@ -424,9 +424,13 @@ def cut_for_overload(
     return Decision(new, cut, Reason.OVERLOAD, publish=True, saturated=True)
 
 
-def load_gradient_state(data: bytes | str | None, params: GradientParams) -> GradientState:
+def load_gradient_state(
+    data: bytes | str | None, params: GradientParams, *, lapsed: bool = False
+) -> GradientState:
     """The stored state, clamped; a fresh one if absent, unreadable or the metrics
-    controller's (a gate that changed its signal starts cold, which is always safe)."""
+    controller's (a gate that changed its signal starts cold, which is always safe).
+    ``lapsed``: the last published target has run out: the floor, keeping the no-load
+    latency (as :func:`.controller.load_state`)."""
     if not data:
         return GradientState.initial(params)
     try:
@@ -436,4 +440,6 @@ def load_gradient_state(data: bytes | str | None, params: GradientParams) -> Gra
         state = msgspec.convert(raw, GradientState)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return GradientState.initial(params)
+    if lapsed:
+        return GradientState(target=params.floor, no_load=state.no_load)
     return msgspec.structs.replace(state, target=_clamp(state.target, params))

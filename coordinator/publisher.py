@@ -120,15 +120,37 @@ class Publisher:
             out[g.name] = held + _extra_units(extra) if held > 0 else 0
         return out
 
+    async def stored_states(self, names: Sequence[str]) -> dict[str, tuple[str | None, bool]]:
+        """Per gate, the controller state the previous leader stored (None: none) and whether
+        its last published target has run out (absent, or expired by Redis' clock)."""
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(self.keys(name).util, "state")
+            pipe.hget(self.keys(name).target, "expires_at")
+        pipe.time()
+        raw = await pipe.execute()
+        sec, usec = raw[-1]
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        out: dict[str, tuple[str | None, bool]] = {}
+        for i, name in enumerate(names):
+            state, expires_at = raw[2 * i], raw[2 * i + 1]
+            try:
+                lapsed = expires_at is None or float(expires_at) <= now_ms
+            except ValueError:
+                lapsed = True
+            out[name] = (state, lapsed)
+        return out
+
     async def load_states(
         self, gates: Sequence[GateConfig], params: dict[str, ControllerParams]
     ) -> dict[str, ControllerState]:
-        """The controller states the previous leader stored (cold start where none)."""
-        pipe = self.client.pipeline(transaction=False)
-        for g in gates:
-            pipe.hget(self.keys(g.name).util, "state")
-        raw = await pipe.execute()
-        return {g.name: load_state(r, params[g.name]) for g, r in zip(gates, raw, strict=True)}
+        """The controller states the previous leader stored (cold start where none; from the
+        floor where the gate's last target has run out, see :func:`load_state`)."""
+        stored = await self.stored_states([g.name for g in gates])
+        return {
+            g.name: load_state(stored[g.name][0], params[g.name], lapsed=stored[g.name][1])
+            for g in gates
+        }
 
     async def publish(
         self, epoch: int, target_ttl_ms: int, pubs: Sequence[Publication]

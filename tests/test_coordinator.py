@@ -187,14 +187,43 @@ async def test_new_leader_resumes_stored_state(
     values = StubValues()
     with serve_in_thread(metrics_stub(values)) as served:
         cfg = config(rut, f"{served.url}/metrics")
-        # A previous leader's state: target 40, out of slow start.
+        # A previous leader's state: target 40, out of slow start, its target still live.
         state = '{"target":40,"slow_start":false}'
         await async_redis.hset(keys.util, mapping={"state": state})
+        sec, _ = await async_redis.time()
+        live = {"value": 40, "expires_at": (sec + 30) * 1000}
+        await async_redis.hset(keys.target, mapping=live)  # type: ignore[arg-type]
         async with running(cfg) as coord:
-            await eventually(lambda: async_redis.hexists(keys.target, "value"), 5, "a target")
+            await eventually(lambda: _published_after(async_redis, keys, sec), 5, "a target")
             # Idle engine: hold, so the resumed value is what gets published, not the floor.
             assert int(await async_redis.hget(keys.target, "value") or 0) == 40
             assert coord.states["llm"].slow_start is False
+
+
+async def test_a_state_whose_target_ran_out_restarts_from_the_floor(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    """Every coordinator was down for longer than the target's TTL: the fleet is at the floor.
+    The stored state must not hand a backlog its old target (400) in one poll (found by
+    review: the new leader published it at once); it starts from the floor, keeping the
+    capacity it had learnt."""
+    keys = GateKeys.of(rut.prefix, "llm")
+    with serve_in_thread(metrics_stub(StubValues())) as served:
+        cfg = config(rut, f"{served.url}/metrics")
+        state = '{"target":40,"slow_start":false,"capacity":48.0}'
+        await async_redis.hset(keys.util, mapping={"state": state})
+        sec, _ = await async_redis.time()
+        lapsed = {"value": 40, "expires_at": (sec - 3600) * 1000}
+        await async_redis.hset(keys.target, mapping=lapsed)  # type: ignore[arg-type]
+        async with running(cfg) as coord:
+            await eventually(lambda: _published_after(async_redis, keys, sec), 5, "a target")
+            assert int(await async_redis.hget(keys.target, "value") or 0) == 4  # the floor
+            assert coord.states["llm"].capacity == 48.0
+
+
+async def _published_after(r: aredis.Redis, keys: GateKeys, sec: int) -> bool:
+    expires = await r.hget(keys.target, "expires_at")
+    return expires is not None and sec * 1000 < float(expires) < (sec + 20) * 1000
 
 
 async def _gt(aw, v) -> bool:  # type: ignore[no-untyped-def]

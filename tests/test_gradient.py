@@ -193,6 +193,9 @@ def test_state_round_trip_and_foreign_states() -> None:
     assert load_gradient_state(b"garbage", P).target == 4
     assert load_gradient_state(None, P).target == 4
     assert load_gradient_state(msgspec.json.encode(GradientState(target=9999)), P).target == 512
+    # its last target ran out: the floor, the no-load latency kept
+    lapsed = load_gradient_state(msgspec.json.encode(s), P, lapsed=True)
+    assert lapsed == GradientState(target=4, no_load=0.25)
 
 
 def test_adaptation_off_is_static() -> None:
