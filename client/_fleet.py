@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Mapping
 from types import TracebackType
@@ -108,6 +109,7 @@ class Fleet:
             redis_options=dict(redis_options or {}),
         )
         self._gates: dict[str, Gate] = {}
+        self._gates_lock = threading.Lock()
         self._wakes = WakeListeners(self.runtime, block=wake_block)
         self._fallback = Fallback(self.runtime, self._gates)
         self.runtime.on_outage = self._fallback.enter
@@ -186,21 +188,27 @@ class Fleet:
         found = self._gates.get(name)
         if found is not None:
             return found
-        defaults = GateSettings.for_gate(
-            name,
-            floor=floor,
-            ceiling=ceiling,
-            max_queued=max_queued,
-            lease_ms=lease_ms,
-            waiter_ms=waiter_ms,
-            max_queued_per_tenant=max_queued_per_tenant,
-            tenant_weights=tenant_weights,
-            shed_below=shed_below,
-        )
-        gate = Gate(name, defaults, self.runtime, self._wakes)
-        self._gates[name] = gate
-        self.runtime.poke_heartbeat()  # register as a live pod of the gate now, not a period later
-        return gate
+        # Created under a lock (SyncFleet calls this from its callers' threads): two threads
+        # that each built a gate left one outside the fleet, never renewed by the heartbeat.
+        with self._gates_lock:
+            found = self._gates.get(name)
+            if found is not None:
+                return found
+            defaults = GateSettings.for_gate(
+                name,
+                floor=floor,
+                ceiling=ceiling,
+                max_queued=max_queued,
+                lease_ms=lease_ms,
+                waiter_ms=waiter_ms,
+                max_queued_per_tenant=max_queued_per_tenant,
+                tenant_weights=tenant_weights,
+                shed_below=shed_below,
+            )
+            gate = Gate(name, defaults, self.runtime, self._wakes)
+            self._gates[name] = gate
+            self.runtime.poke_heartbeat()  # a live pod of the gate now, not a period later
+            return gate
 
     async def flush(self) -> None:
         """Wait until the releases this process made so far have reached Redis (a permit is

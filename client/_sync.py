@@ -284,6 +284,7 @@ class SyncFleet:
         self._portal: _Portal | None = None
         self._fleet: Fleet | None = None
         self._gates: dict[str, SyncGate] = {}
+        self._gates_lock = threading.Lock()
 
     def __enter__(self) -> SyncFleet:
         self.start()
@@ -335,21 +336,22 @@ class SyncFleet:
     ) -> SyncGate:
         """Same as :meth:`Fleet.gate` (the same settings, the first call for a name fixes
         them), returning the blocking twin."""
-        found = self._gates.get(name)
-        if found is None:
-            gate = self.fleet.gate(
-                name,
-                floor=floor,
-                ceiling=ceiling,
-                max_queued=max_queued,
-                lease_ms=lease_ms,
-                waiter_ms=waiter_ms,
-                max_queued_per_tenant=max_queued_per_tenant,
-                tenant_weights=tenant_weights,
-                shed_below=shed_below,
-            )
-            found = SyncGate(self.portal, gate)
-            self._gates[name] = found
+        with self._gates_lock:  # one SyncGate per gate, whatever threads ask at once
+            found = self._gates.get(name)
+            if found is None:
+                gate = self.fleet.gate(
+                    name,
+                    floor=floor,
+                    ceiling=ceiling,
+                    max_queued=max_queued,
+                    lease_ms=lease_ms,
+                    waiter_ms=waiter_ms,
+                    max_queued_per_tenant=max_queued_per_tenant,
+                    tenant_weights=tenant_weights,
+                    shed_below=shed_below,
+                )
+                found = SyncGate(self.portal, gate)
+                self._gates[name] = found
         return found
 
     def utilization(self, name: str) -> GateUtilization:

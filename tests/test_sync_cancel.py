@@ -293,3 +293,36 @@ def test_interrupted_release_still_releases(
         sg.release(lease)
     assert settled(r, keys) == (0, 0)
     assert local_state(sync_fleet, sg) == ([], [])
+
+
+def test_threads_asking_for_a_new_gate_at_once_get_the_one_registered_gate(
+    rut: RedisUnderTest,
+) -> None:
+    """Was (found by review): ``SyncFleet.gate`` ran ``Fleet.gate``'s check-then-set in the
+    caller's thread; two threads asking for a new gate at once could each build one, and the
+    one not stored in the fleet was never renewed by the heartbeat (its lease lapsed while held:
+    2 running under a limit of 1). A switch interval of 1 µs makes the race likely."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with SyncFleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+            for t in range(100):
+                name, n = f"race-{t}", 8
+                barrier = threading.Barrier(n)
+                got: list[Gate | None] = [None] * n
+
+                def ask(i: int, name: str, barrier: threading.Barrier, got: list[Any]) -> None:
+                    barrier.wait()
+                    got[i] = fleet.gate(name, floor=1).gate
+
+                threads = [
+                    threading.Thread(target=ask, args=(i, name, barrier, got)) for i in range(n)
+                ]
+                for th in threads:
+                    th.start()
+                for th in threads:
+                    th.join()
+                registered = fleet.fleet._gates[name]
+                assert all(g is registered for g in got), f"trial {t}: a gate nobody renews"
+    finally:
+        sys.setswitchinterval(old)
