@@ -133,7 +133,8 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     poll_interval: Annotated[float, Meta(gt=0, le=3600)] = DEFAULT_POLL_INTERVAL
     #: each poll waits poll_interval * (1 ± poll_jitter), so standbys and replicas do not align
     poll_jitter: Annotated[float, Meta(ge=0, le=0.5)] = 0.1
-    leader_ttl: Annotated[float, Meta(gt=0, le=3600)] = 10.0
+    #: the leader's lease (whole milliseconds in Redis: at least 0.01 s)
+    leader_ttl: Annotated[float, Meta(ge=0.01, le=3600)] = 10.0
     metrics_listen: str = "127.0.0.1:9464"
     #: a published target expires after this many poll intervals without a fresh poll
     target_ttl_polls: Annotated[int, Meta(ge=1)] = 3

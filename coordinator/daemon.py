@@ -38,6 +38,7 @@ import httpx
 from prometheus_client import CollectorRegistry, start_http_server
 
 from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact, scrub
+from fleetgate.errors import ConfigError
 from fleetgate.keys import fleet_keys
 from fleetgate.observed import Reading
 from fleetgate.safety import find_bad_keys, is_wrongtype, server_findings
@@ -216,7 +217,12 @@ class Coordinator:
             g.name: MetricsSource(g, fetcher(g)) for g in cfg.gates if self.params[g.name].adaptive
         }
         host, port = cfg.coordinator.metrics_address
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # taken, not ours, or a host that does not resolve
+            raise ConfigError(
+                f"metrics_listen: cannot listen on {cfg.coordinator.metrics_listen}: {exc}"
+            ) from None
         self.metrics_port = int(server.server_port)
         log.info(
             "coordinator %s: redis %s prefix %r, %d gates (%d on metrics, %d on latency), "

@@ -225,7 +225,8 @@ def _step(
 ) -> GradientDecision:
     """Advance one latency-driven gate by one poll.
 
-    In order: an unknown window holds (unpublished; reset after ``unknown_reset_polls``);
+    In order: an unknown window (no difference to read, or errors only) holds (unpublished;
+    reset after ``unknown_reset_polls``);
     overload or timeout outcomes cut; a no-load measurement under way continues; no latency
     window holds; otherwise slow start or the gradient step, after a due re-measurement.
     """
@@ -233,7 +234,7 @@ def _step(
         return GradientDecision(GradientState.initial(p), p.floor, Reason.STATIC, False)
     target = _clamp(state.target, p)
     state = msgspec.structs.replace(state, target=target)
-    if view is None or view.outcomes is None:
+    if view is None or view.outcomes is None or _errors_only(view.outcomes):
         streak = state.unknown_streak + 1
         if streak >= p.unknown_reset_polls:
             reset = GradientState(target=p.floor, no_load=state.no_load, unknown_streak=streak)
@@ -324,6 +325,13 @@ def _step(
     else:
         reason = Reason.HOLD_CAPACITY
     return GradientDecision(new, wanted, reason, True, queueing, p50)
+
+
+def _errors_only(w: Reading) -> bool:
+    """Every call of the window failed with an error (no answer, a 5xx other than overload):
+    nothing about the server's queue, so the poll is unknown (a server failing every call must
+    not keep the last target published for ever)."""
+    return w.error > 0 and w.ok + w.overloaded + w.timeout == 0
 
 
 def _grew(new: int, old: int) -> Reason:

@@ -168,6 +168,11 @@ def test_single_metrics_url() -> None:
             'leader_ttl = "10s"',
             "coordinator.leader_ttl: expected float, got str",
         ),
+        (  # 0 whole ms in Redis: accepted before, then every SET of the lease failed
+            "leader_ttl = 10.0",
+            "leader_ttl = 0.0005",
+            "coordinator.leader_ttl: expected float >= 0.01",
+        ),
         ('prefix = "fg"', 'prefix = "a:b"', "redis.prefix: prefix 'a:b' must be"),
         (
             'url = "redis://127.0.0.1:6379/0"',

@@ -5,16 +5,19 @@ are unknown now, not errors."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
 import pytest
 import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
 
 from fleetgate.coordinator import daemon
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.controller import ControllerParams, ControllerState, Observation, step
 from fleetgate.coordinator.gradient import GradientParams, GradientState, LatencyView, step_latency
+from fleetgate.errors import ConfigError
 from fleetgate.keys import GateKeys
 from fleetgate.observed import Reading
 from fleetgate.tools.sim import serve_in_thread
@@ -104,3 +107,26 @@ def test_a_latency_window_of_zeros_is_no_latency() -> None:
     zeros = Reading(ok=200, lat_n=200, lat_us=0, buckets={0: 200}, at=10.0, seconds=2.0)
     d = step_latency(state, LatencyView(Reading(ok=200, at=10.0, seconds=2.0), zeros, 32), p, 10.0)
     assert p.floor <= d.target <= p.ceiling
+
+
+async def test_a_metrics_listen_host_that_does_not_resolve_names_the_field(
+    rut: RedisUnderTest,
+) -> None:
+    """Accepted by the config (only the port is checked there), it failed at start with a bare
+    ``gaierror`` (found by review)."""
+    cfg = Config.from_toml_text(
+        f"""
+[redis]
+url = "{rut.url}"
+prefix = "{rut.prefix}"
+[coordinator]
+metrics_listen = "no-such-host.invalid:9464"
+[[gates]]
+name = "g"
+floor = 2
+""",
+        env={},
+    )
+    coord = daemon.Coordinator(cfg, registry=CollectorRegistry())
+    with pytest.raises(ConfigError, match=r"^metrics_listen: cannot listen on no-such-host"):
+        await coord.run(asyncio.Event())

@@ -109,6 +109,28 @@ def test_unknown_window_holds_unpublished_then_resets() -> None:
     assert state.no_load == 0.2  # the no-load latency is kept across the reset
 
 
+def test_a_window_of_errors_only_is_unknown_and_a_thin_one_holds_published() -> None:
+    """Every call failing says nothing of a queue: unknown, decaying to the floor (found by
+    review: the last target stayed published for ever). A window with calls but too few ok
+    latencies holds the target, published: the fleet does not use it (app-limited)."""
+    state = GradientState(target=100, no_load=0.2, slow_start=False)
+    errors = Reading(error=30, at=2.0, seconds=2.0)
+    reasons = []
+    for i in range(3):
+        d = step_latency(state, LatencyView(errors, None, 5.0), P, 2.0 * i)
+        reasons.append((d.target, d.reason.value, d.publish))
+        state = d.state
+    assert reasons == [
+        (100, "hold_unknown", False),
+        (100, "hold_unknown", False),
+        (4, "reset", False),
+    ]
+    state = GradientState(target=100, no_load=0.2, slow_start=False)
+    thin = Reading(ok=3, error=1, at=2.0, seconds=2.0)
+    d = step_latency(state, LatencyView(thin, None, 3.0), P, 2.0)
+    assert (d.target, d.reason.value, d.publish) == (100, "hold_idle", True)
+
+
 def test_app_limited_fleet_does_not_grow_the_target() -> None:
     state = GradientState(target=100, no_load=0.2, slow_start=False)
     w = window(200, 0.2)
@@ -178,7 +200,10 @@ def test_metrics_gates_are_cut_by_overload_reports_and_remember_it() -> None:
     assert cut_for_overload(held, window(100, 0.1), params, 10.0) is held
     d = cut_for_overload(held, window(90, 0.1, overloaded=10), params, 10.0)
     assert (d.target, d.reason, d.state.capacity, d.state.last_decrease) == (
-        160, Reason.OVERLOAD, 160.0, 10.0
+        160,
+        Reason.OVERLOAD,
+        160.0,
+        10.0,
     )
     # within the drain period of a decrease: no second cut
     assert cut_for_overload(d, window(90, 0.1, overloaded=10), params, 10.5) is d
