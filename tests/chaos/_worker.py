@@ -187,6 +187,20 @@ class Worker:
             if think:
                 await asyncio.sleep(rng.uniform(0, 2 * think))
 
+    async def prime_and_wait(self) -> None:
+        """``prime``: take and release one permit first (the gate is one this process has used;
+        ``primed`` = 1 in its status), then, with ``go_key``, wait until that control key exists
+        before the load starts (idle meanwhile: no calls, so a short outage goes unseen)."""
+        spec, gate = self.spec, self.gate
+        assert gate is not None
+        if spec.get("prime"):
+            async with gate.permit(deadline=30):
+                pass
+            self.extra["primed"] = 1
+        go_key = spec.get("go_key")
+        while go_key and not self.stopping.is_set() and not await self.ctl.exists(go_key):
+            await asyncio.sleep(0.005)
+
     async def victim(self, http: httpx.AsyncClient) -> None:
         """One permit around one long call; then wait for ``lease.lost`` before leaving it."""
         gate, spec = self.gate, self.spec
@@ -244,6 +258,7 @@ class Worker:
                 self.state = "running"
                 role = spec.get("role", "load")
                 if role == "load":
+                    await self.prime_and_wait()
                     work = [asyncio.create_task(self.load_loop(http)) for _ in range(spec["loops"])]
                 elif role == "victim":
                     work = [asyncio.create_task(self.victim(http))]

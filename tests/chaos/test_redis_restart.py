@@ -278,3 +278,48 @@ def test_restart_unseen_by_a_pod_is_adopted(
     figure(record_property, "restart.unseen.running_leases_counted", len(counted))
     # Desired: the holder's running work is counted again after its next heartbeat.
     assert counted == running and int(st.get("lost", 0) or 0) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_pod_that_missed_the_restart_goes_through_recovery(
+    own_redis: RedisProcess,
+    control: Control,
+    sim: Sim,
+    workers: Callable[..., Workers],
+    record_property: Callable[[str, object], None],
+) -> None:
+    """Redis restarts empty while pods A and B serve under fair share; pod C, which has used the
+    gate but was idle (long heartbeat: the outage went unseen), starts calling right as Redis
+    returns. Its first call fails on the connection the restart broke, so it recovers as A and
+    B do (fair share, adopt, grace) instead of taking the whole limit from the empty state
+    while their local permits run uncounted. Bound: the fallback's limit + pods - 1. (A pod
+    with fresh connections -- started after the restart -- is the gap docs/failure-modes.md
+    names.)"""
+    limit, prefix, gate = 4, "fg", "unseen"
+    go = f"{control.run}:go"
+    pool = workers(
+        url=own_redis.url, prefix=prefix, gate=gate, limit=limit, lease_ms=3000,
+        waiter_ms=2000, sim=sim.url, passages=300,  # 320 ms calls
+    )  # fmt: skip
+    a, b = (pool.spawn(role="load", loops=2, hb=0.3) for _ in range(2))
+    c = pool.spawn(role="load", loops=4, hb=10.0, prime=True, go_key=go)
+    pool.wait_ready()
+    poll(lambda: control.statuses([c.pod])[c.pod].get("primed") == "1", 20, 0.05, "C primed")
+    poll(lambda: sim.running >= limit, 10, 0.01, "A and B busy")
+    own_redis.kill()
+    poll(
+        lambda: all(s.get("fallback") == "1" for s in control.statuses([a.pod, b.pod]).values()),
+        10, 0.02, "A and B in fallback",
+    )  # fmt: skip
+    time.sleep(1.0)
+    assert control.statuses([c.pod])[c.pod].get("fallback") == "0"  # C did not see it
+    t_up = time.monotonic()
+    own_redis.start()
+    control.r.set(go, 1)  # C starts calling now
+    time.sleep(3.0)
+    peak = sim.max_between(t_up, time.monotonic())
+    finals = {w.pod: control.statuses([w.pod])[w.pod] for w in (a, b, c)}
+    pool.stop_all()
+    figure(record_property, "restart.unseen.max_running_after_restart", peak)
+    assert peak <= limit + 3 - 1, (peak, finals)
+    assert all(not errors(s) for s in finals.values()), finals
