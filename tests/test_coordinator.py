@@ -25,8 +25,9 @@ from .conftest import RedisUnderTest
 POLL = 0.3
 
 
-def config(rut: RedisUnderTest, metrics_url: str | None, *, adaptive: bool = True) -> Config:
-    source = f'metrics_url = "{metrics_url}"' if metrics_url else ""
+def config_with(rut: RedisUnderTest, gates: str, *, adaptive: bool = True) -> Config:
+    """A test coordinator's config (polls every POLL s, no jitter, metrics on a free port) with
+    the ``[[gates]]`` tables ``gates``."""
     return Config.from_toml_text(
         f"""
 [redis]
@@ -39,6 +40,14 @@ leader_ttl = 2.0
 metrics_listen = "127.0.0.1:0"
 scrape_timeout = 0.25
 adaptive = {"true" if adaptive else "false"}
+{gates}""",
+        env={},
+    )
+
+
+def config(rut: RedisUnderTest, metrics_url: str | None, *, adaptive: bool = True) -> Config:
+    source = f'metrics_url = "{metrics_url}"' if metrics_url else ""
+    gates = f"""
 [[gates]]
 name = "llm"
 floor = 4
@@ -48,9 +57,8 @@ max_queued = 1000
 [[gates]]
 name = "rerank"
 floor = 3
-""",
-        env={},
-    )
+"""
+    return config_with(rut, gates, adaptive=adaptive)
 
 
 @asynccontextmanager

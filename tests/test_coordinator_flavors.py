@@ -30,33 +30,21 @@ from fleetgate.tools.sim.flavors import FLAVORS
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
 
 from .conftest import RedisUnderTest
-from .test_coordinator import POLL, eventually, running
+from .test_coordinator import config_with, eventually, running
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
 
 
 def _config(rut: RedisUnderTest, base_url: str, server: str = "auto") -> Config:
-    return Config.from_toml_text(
-        f"""
-[redis]
-url = "{rut.url}"
-prefix = "{rut.prefix}"
-[coordinator]
-poll_interval = {POLL}
-poll_jitter = 0.0
-leader_ttl = 2.0
-metrics_listen = "127.0.0.1:0"
-scrape_timeout = 0.25
-[[gates]]
+    gate = f"""[[gates]]
 name = "{MODEL}"
 base_url = "{base_url}/v1"
 server = "{server}"
 floor = 2
 ceiling = 64
-""",
-        env={},
-    )
+"""
+    return config_with(rut, gate)
 
 
 @contextlib.asynccontextmanager

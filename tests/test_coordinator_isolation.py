@@ -24,7 +24,7 @@ from fleetgate.tools.sim import serve_in_thread
 
 from ._stub import StubValues, metrics_stub
 from .conftest import RedisUnderTest
-from .test_coordinator import POLL, eventually, running
+from .test_coordinator import config_with, eventually, running
 
 
 def _config(rut: RedisUnderTest, metrics_url: str) -> Config:
@@ -33,20 +33,7 @@ def _config(rut: RedisUnderTest, metrics_url: str) -> Config:
         f'metrics_url = "{metrics_url}"\n'
         for name, ceiling in (("good", 64), ("bad", 13))
     )
-    return Config.from_toml_text(
-        f"""
-[redis]
-url = "{rut.url}"
-prefix = "{rut.prefix}"
-[coordinator]
-poll_interval = {POLL}
-poll_jitter = 0.0
-leader_ttl = 2.0
-metrics_listen = "127.0.0.1:0"
-scrape_timeout = 0.25
-{gates}""",
-        env={},
-    )
+    return config_with(rut, gates)
 
 
 async def test_a_gate_whose_decision_fails_leaves_the_others_published(
