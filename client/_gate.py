@@ -67,7 +67,7 @@ log = logging.getLogger("fleetgate.client")
 # dead process' entry survives.
 NO_DEADLINE_WAIT_MS = 24 * 3600 * 1000
 #: how long a parked caller that gives up waits for its cancel's round trip before it returns
-CANCEL_WAIT_S = 0.1
+CANCEL_WAIT_S = 0.25
 
 
 class _Requeue(Exception):
@@ -602,8 +602,8 @@ class Gate:
             return None
         except BaseException:
             # Cancelled or deadline while parked: leave the queue; a grant that raced in is
-            # released by the same script. The caller waits for that a moment (one round trip,
-            # so it usually returns gone from the queue), never longer: awaited to the end, a
+            # released by the same script. The caller waits for that a moment (a round trip, so
+            # it usually returns gone from the queue), never longer: awaited to the end, a
             # Redis that stopped answering held it past its total deadline (socket timeout,
             # pool wait: up to 10 s). The cancel runs on, retried until Redis answers.
             self.waiters.pop(waiter.id, None)

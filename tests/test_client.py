@@ -121,6 +121,7 @@ async def test_deadline_while_parked_leaves_queue(
     with pytest.raises(DeadlineExceeded, match="150 ms"):
         async with gate.permit(deadline=0.15):
             pytest.fail("must not run")
+    await fleet.runtime.drain(timeout=5.0)  # the cancel leaves in the background (0.25 s wait)
     assert await async_redis.zcard(gate.keys.waiters) == 0
     assert await async_redis.zcard(gate.keys.holders) == 1
     assert sample(registry, "fleetgate_client_deadline_exceeded_total", "slow") == 1
@@ -150,6 +151,7 @@ async def test_cancel_while_parked_consumes_no_permit(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    await fleet.runtime.drain(timeout=5.0)  # the cancel leaves in the background (0.25 s wait)
     assert await async_redis.zcard(gate.keys.waiters) == 0
     await held.release()
     await fleet.flush()
