@@ -223,7 +223,7 @@ def test_master_failover_under_load(
             lambda: sampler.last is not None and sampler.last.t > time.monotonic() - 0.5,
             30,
             0.01,
-            "the sampler reading the promoted master",
+            f"the sampler reading the promoted master (last error: {sampler.last_error})",
         )
         t_back = time.monotonic()
         poll(lambda: sim.running >= LIMIT, 10, 0.002, "every slot in use again")
