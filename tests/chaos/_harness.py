@@ -303,7 +303,7 @@ class LimitSampler:
         asyncio.run(self._loop())
 
     async def _loop(self) -> None:
-        from fleetgate._redis import connect, prepare
+        from fleetgate._redis import RedisMode, connect, prepare
         from fleetgate.keys import GateKeys
         from fleetgate.scripts import GateScripts
 
@@ -332,6 +332,10 @@ class LimitSampler:
                         scripts = GateScripts(client)
                         last_ok = t
                     with contextlib.suppress(Exception):
+                        # as the client does after an outage (Runtime.refresh_connections): a
+                        # connection that was mid-command when the node died goes back to
+                        # redis-py's pool broken, and fails every command after
+                        await RedisMode(client).disconnect_idle()
                         await prepare(client)
                 else:
                     last_ok = t
