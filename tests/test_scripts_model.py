@@ -419,6 +419,7 @@ class GateModel:
         units = self.units()
         queued = self.n_waiters()
         leases_reaped = waiters_reaped = False
+        loop_reaped = False
         if units >= lim:
             units -= self.reap_leases()
             leases_reaped = True
@@ -472,7 +473,9 @@ class GateModel:
             blocked = blocked or lane in self.pending
             if not blocked and units + w > lim and not leases_reaped:
                 leases_reaped = True
-                units -= self.reap_leases()
+                freed = self.reap_leases()
+                units -= freed
+                loop_reaped = loop_reaped or freed > 0
             if not blocked and units + w <= lim:
                 units += w
                 self.check_grant(lane, token_at + 1, lim, None)
@@ -490,6 +493,7 @@ class GateModel:
                     waiters_reaped = True
                     reaped = self.reap_waiters()
                     if reaped > 0:
+                        loop_reaped = True
                         queued -= reaped
                         self.readmit(lim)
                         top["known"] = False
@@ -528,8 +532,10 @@ class GateModel:
             if was_empty:
                 self.lane_enter(lane, ws[0].w, lim)
         self.pending = {}
-        if parked and units < lim:
-            self.handoff(lim, units)  # a park of this call may have put a fitting head first
+        if (parked or loop_reaped) and units < lim:
+            # a park of this call may have put a fitting head first; a reap in the loop may
+            # have freed units or removed a head
+            self.handoff(lim, units)
         statuses = Counter(s for s, _ in decided)
         self.stats["granted"] += statuses[GRANTED]
         self.stats["parked"] += statuses[PARKED]
