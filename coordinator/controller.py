@@ -60,6 +60,7 @@ __all__ = [
     "load_state",
     "restart_from_floor",
     "step",
+    "unknown_poll",
 ]
 
 _EPS = 1e-9  # so a product such as 0.29 * 100 = 28.999999999999996 does not floor one too low
@@ -375,6 +376,12 @@ def restart_from_floor(state: ControllerState, p: ControllerParams) -> Controlle
     the floor): the floor, with the capacity memory kept, so the next ramp stops at it instead
     of jumping back to a stale level or overshooting."""
     return ControllerState(target=p.floor, capacity=state.capacity, kv_capacity=state.kv_capacity)
+
+
+def unknown_poll(state: ControllerState, p: ControllerParams) -> Decision:
+    """A poll with no usable view of the server (see :func:`step`): held, unpublished; the
+    floor after ``unknown_reset_polls`` of them. For a caller that could not run :func:`step`."""
+    return _unknown(msgspec.structs.replace(state, target=_clamp(state.target, p)), p, None)
 
 
 def _unknown(state: ControllerState, p: ControllerParams, sat: bool | None) -> Decision:

@@ -49,8 +49,8 @@ from .controller import (
     ControllerState,
     Decision,
     Observation,
-    Reason,
     step,
+    unknown_poll,
 )
 from .election import Election, Leadership
 from .gradient import (
@@ -61,6 +61,7 @@ from .gradient import (
     cut_for_overload,
     load_gradient_state,
     step_latency,
+    unknown_latency_poll,
 )
 from .httpget import LeanHttp
 from .metrics import CoordinatorMetrics
@@ -561,16 +562,20 @@ class Coordinator:
         return pub
 
     def _held(self, gate: GateConfig, in_flight: int | None, now: float) -> Publication:
-        """This gate's stored state, held and not published (as an unknown poll)."""
+        """An unknown poll for this gate: held, not published, and from the floor after
+        ``unknown_reset_polls`` of them (its target has run out by then), as for a scrape that
+        failed -- else the first good poll would publish the stale target at once."""
         decision: Decision | GradientDecision
         if gate.name in self.latency_params:
             lp = self.latency_params[gate.name]
             gs = self.latency_states.get(gate.name) or GradientState.initial(lp)
-            decision = GradientDecision(gs, gs.target, Reason.HOLD_UNKNOWN, False)
+            decision = unknown_latency_poll(gs, lp)
+            self.latency_states[gate.name] = decision.state
         else:
             cp = self.params[gate.name]
             cs = self.states.get(gate.name) or ControllerState.initial(cp)
-            decision = Decision(cs, cs.target, Reason.HOLD_UNKNOWN, publish=False)
+            decision = unknown_poll(cs, cp)
+            self.states[gate.name] = decision.state
         return Publication(gate, decision, None, in_flight, now)
 
     def _decide(

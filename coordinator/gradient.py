@@ -48,6 +48,7 @@ __all__ = [
     "load_gradient_state",
     "overload_factor",
     "step_latency",
+    "unknown_latency_poll",
 ]
 
 _EPS = 1e-9
@@ -235,13 +236,7 @@ def _step(
     target = _clamp(state.target, p)
     state = msgspec.structs.replace(state, target=target)
     if view is None or view.outcomes is None or _errors_only(view.outcomes):
-        streak = state.unknown_streak + 1
-        if streak >= p.unknown_reset_polls:
-            reset = GradientState(target=p.floor, no_load=state.no_load, unknown_streak=streak)
-            reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
-            return GradientDecision(reset, p.floor, reason, False)
-        held = msgspec.structs.replace(state, unknown_streak=streak)
-        return GradientDecision(held, target, Reason.HOLD_UNKNOWN, False)
+        return unknown_latency_poll(state, p)
     state = msgspec.structs.replace(state, unknown_streak=0)
     w = view.outcomes
     p50 = typical_latency(view.latency) if view.latency is not None else None
@@ -325,6 +320,19 @@ def _step(
     else:
         reason = Reason.HOLD_CAPACITY
     return GradientDecision(new, wanted, reason, True, queueing, p50)
+
+
+def unknown_latency_poll(state: GradientState, p: GradientParams) -> GradientDecision:
+    """A poll with nothing to read (see :func:`step_latency`): held, unpublished; the floor
+    (the no-load latency kept) after ``unknown_reset_polls`` of them."""
+    target = _clamp(state.target, p)
+    streak = state.unknown_streak + 1
+    if streak >= p.unknown_reset_polls:
+        reset = GradientState(target=p.floor, no_load=state.no_load, unknown_streak=streak)
+        reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
+        return GradientDecision(reset, p.floor, reason, False)
+    held = msgspec.structs.replace(state, target=target, unknown_streak=streak)
+    return GradientDecision(held, target, Reason.HOLD_UNKNOWN, False)
 
 
 def _errors_only(w: Reading) -> bool:

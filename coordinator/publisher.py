@@ -127,9 +127,10 @@ class Publisher:
         for name in names:
             pipe.hget(self.keys(name).util, "state")
             pipe.hget(self.keys(name).target, "expires_at")
-        pipe.time()
         raw = await pipe.execute()
-        sec, usec = raw[-1]
+        # after the reads (a target read live stays live until then); not in the pipeline:
+        # redis-py refuses TIME in a Cluster pipeline
+        sec, usec = await self.client.time()
         now_ms = int(sec) * 1000 + int(usec) // 1000
         out: dict[str, tuple[str | None, bool]] = {}
         for i, name in enumerate(names):

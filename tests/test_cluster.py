@@ -156,3 +156,25 @@ scrape_timeout = 0.2
         stop.set()
         await task
         await client.aclose()
+
+
+async def test_stored_controller_states_are_read_on_cluster(cluster_rut: RedisUnderTest) -> None:
+    """A new leader reads each gate's stored state and whether its target is live (found by
+    review: the read put TIME in a pipeline, which redis-py refuses on Cluster, so every leader
+    change there started cold)."""
+    from fleetgate.coordinator.publisher import Publisher
+
+    client = connect(cluster_rut.url)
+    publisher = Publisher(client, cluster_rut.prefix)
+    sec, _ = await client.time()
+    for g, expires in (("live", sec + 60), ("lapsed", sec - 60)):
+        keys = GateKeys.of(cluster_rut.prefix, g)
+        await client.hset(keys.util, "state", '{"target":40}')
+        await client.hset(keys.target, mapping={"value": 40, "expires_at": expires * 1000})
+    stored = await publisher.stored_states(["live", "lapsed", "none"])
+    await client.aclose()
+    assert stored == {
+        "live": ('{"target":40}', False),
+        "lapsed": ('{"target":40}', True),
+        "none": (None, True),
+    }

@@ -117,3 +117,44 @@ floor = 2
     coord = daemon.Coordinator(cfg, registry=CollectorRegistry())
     with pytest.raises(ConfigError, match=r"^metrics_listen: cannot listen on no-such-host"):
         await coord.run(asyncio.Event())
+
+
+async def test_a_gate_held_by_failing_decisions_restarts_from_the_floor(
+    rut: RedisUnderTest, async_redis: aredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held polls count as unknown: after unknown_reset_polls of them the gate's state restarts
+    from the floor, as its target has run out (found by review: the held state kept 40, and the
+    first good poll published 40 at once to a fleet at the floor)."""
+    keys = GateKeys.of(rut.prefix, "good")
+    with serve_in_thread(metrics_stub(StubValues(running=0))) as served:
+        cfg = _config(rut, f"{served.url}/metrics")
+        await async_redis.hset(keys.util, "state", '{"target":40,"slow_start":false}')
+        sec, _ = await async_redis.time()
+        live = {"value": 40, "expires_at": sec * 1000 + 1500}
+        await async_redis.hset(keys.target, mapping=live)  # type: ignore[arg-type]
+        real_step = daemon.step
+        failing = True
+
+        def step(state: Any, obs: Any, params: ControllerParams, now: float) -> Any:
+            if failing:
+                raise RuntimeError("simulated bug in the decision")
+            return real_step(state, obs, params, now)
+
+        monkeypatch.setattr(daemon, "step", step)
+        async with running(cfg) as coord:
+            await eventually(lambda: _floor_state(coord), 10, "the state back at the floor")
+            failing = False
+            await eventually(
+                lambda: _published_after(async_redis, keys, sec + 2), 10, "a fresh target"
+            )
+            assert int(await async_redis.hget(keys.target, "value") or 0) <= 8
+
+
+async def _floor_state(coord: daemon.Coordinator) -> bool:
+    state = coord.states.get("good")
+    return state is not None and state.target == 4
+
+
+async def _published_after(r: aredis.Redis, keys: GateKeys, sec: int) -> bool:
+    expires = await r.hget(keys.target, "expires_at")
+    return expires is not None and float(expires) > sec * 1000
