@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -962,10 +963,15 @@ SETTINGS = settings(
 )
 
 
+# ~10 s alone, but twice past the suite's 120 s in full runs (the cause is not found yet: not the
+# chaos tests before it, and 12,000 more examples found no discrepancy); a real failure still
+# fails, with its example
+@pytest.mark.timeout(600)
 def test_random_transitions_match_the_model(rut: RedisUnderTest) -> None:
     run_state_machine_as_test(lambda: GateMachine(rut.url), settings=SETTINGS)
 
 
+@pytest.mark.timeout(600)
 def test_default_requests_keep_the_fifo_rules(rut: RedisUnderTest) -> None:
     run_state_machine_as_test(
         lambda: DefaultGateMachine(rut.url),
