@@ -49,6 +49,7 @@ from .controller import (
     ControllerState,
     Decision,
     Observation,
+    load_state,
     step,
     unknown_poll,
 )
@@ -325,8 +326,16 @@ class Coordinator:
         self.metrics.epoch.set(term.epoch)
         self.windows.clear()
         try:
-            self.states = await self.publisher.load_states(self.config.gates, self.params)
-            self.latency_states = await self._load_latency_states()
+            # one read for every gate: its stored state, and whether its target has run out
+            stored = await self.publisher.stored_states([g.name for g in self.config.gates])
+            self.states = {
+                name: load_state(state, self.params[name], lapsed=lapsed)
+                for name, (state, lapsed) in stored.items()
+            }
+            self.latency_states = {
+                name: load_gradient_state(stored[name][0], lp, lapsed=stored[name][1])
+                for name, lp in self.latency_params.items()
+            }
         except Exception as exc:
             # Unreachable or a util key of the wrong type: lead anyway, from a cold start.
             log.warning(
@@ -515,17 +524,6 @@ class Coordinator:
         )
         by_name = dict(zip((g.name for g in wanted), readings, strict=True))
         return [by_name.get(g.name) for g in gates]
-
-    async def _load_latency_states(self) -> dict[str, GradientState]:
-        """The latency controllers' states the previous leader stored (cold where none)."""
-        names = list(self.latency_params)
-        if not names:
-            return {}
-        stored = await self.publisher.stored_states(names)
-        return {
-            n: load_gradient_state(stored[n][0], self.latency_params[n], lapsed=stored[n][1])
-            for n in names
-        }
 
     def _decide_latency(
         self, gate: GateConfig, in_flight: int | None, now: float, reading: Reading | None

@@ -322,13 +322,18 @@ def _step(
     return GradientDecision(new, wanted, reason, True, queueing, p50)
 
 
+def _from_floor(state: GradientState, p: GradientParams) -> GradientState:
+    """Once the last published target has run out: the floor, the no-load latency kept."""
+    return GradientState(target=p.floor, no_load=state.no_load)
+
+
 def unknown_latency_poll(state: GradientState, p: GradientParams) -> GradientDecision:
     """A poll with nothing to read (see :func:`step_latency`): held, unpublished; the floor
     (the no-load latency kept) after ``unknown_reset_polls`` of them."""
     target = _clamp(state.target, p)
     streak = state.unknown_streak + 1
     if streak >= p.unknown_reset_polls:
-        reset = GradientState(target=p.floor, no_load=state.no_load, unknown_streak=streak)
+        reset = msgspec.structs.replace(_from_floor(state, p), unknown_streak=streak)
         reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
         return GradientDecision(reset, p.floor, reason, False)
     held = msgspec.structs.replace(state, target=target, unknown_streak=streak)
@@ -457,5 +462,5 @@ def load_gradient_state(
     except (msgspec.DecodeError, msgspec.ValidationError):
         return GradientState.initial(params)
     if lapsed:
-        return GradientState(target=params.floor, no_load=state.no_load)
+        return _from_floor(state, params)
     return msgspec.structs.replace(state, target=_clamp(state.target, params))

@@ -21,7 +21,7 @@ from fleetgate.registry import read_registry
 from fleetgate.scripts import PRUNED, GateScripts
 
 from .config import GateConfig
-from .controller import ControllerParams, ControllerState, Decision, load_state
+from .controller import Decision
 from .gradient import GradientDecision
 from .signals import Signals
 
@@ -141,17 +141,6 @@ class Publisher:
                 lapsed = True
             out[name] = (state, lapsed)
         return out
-
-    async def load_states(
-        self, gates: Sequence[GateConfig], params: dict[str, ControllerParams]
-    ) -> dict[str, ControllerState]:
-        """The controller states the previous leader stored (cold start where none; from the
-        floor where the gate's last target has run out, see :func:`load_state`)."""
-        stored = await self.stored_states([g.name for g in gates])
-        return {
-            g.name: load_state(stored[g.name][0], params[g.name], lapsed=stored[g.name][1])
-            for g in gates
-        }
 
     async def publish(
         self, epoch: int, target_ttl_ms: int, pubs: Sequence[Publication]

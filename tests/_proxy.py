@@ -23,8 +23,10 @@ from starlette.routing import Route
 
 from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
-from fleetgate.proxy import ProxyConfig
-from fleetgate.tools.sim._server import run_unless_disconnected
+from fleetgate.proxy import ProxyConfig, serve_in_thread
+from fleetgate.tools.sim._server import Served, run_unless_disconnected
+
+from .conftest import RedisUnderTest
 
 
 @dataclass
@@ -207,6 +209,19 @@ def proxy_config(
     raw = {"redis": {"url": redis_url, "prefix": prefix}, "proxy": proxy, "routes": routes}
     config: ProxyConfig = ProxyConfig.from_mapping(raw, env={})
     return config
+
+
+def upstream_log(up: Served) -> UpstreamLog:
+    """What the :func:`upstream_app` served by ``up`` saw."""
+    log: UpstreamLog = up.state.log
+    return log
+
+
+def serve_proxy(rut: RedisUnderTest, upstream: Served | str, **route: Any) -> Any:
+    """A proxy on a thread (:func:`fleetgate.proxy.serve_in_thread`, a context manager giving
+    its URL) with one route to ``upstream`` through gate ``g`` (see :func:`proxy_config`)."""
+    url = upstream if isinstance(upstream, str) else upstream.url
+    return serve_in_thread(proxy_config(rut.url, rut.prefix, url, **route))
 
 
 def gate_counts(url: str, prefix: str, gate: str) -> tuple[int, int]:

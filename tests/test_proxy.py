@@ -25,25 +25,16 @@ from fleetgate.client import Fleet
 from fleetgate.proxy import serve_in_thread
 from fleetgate.tools.redisproc import free_port
 from fleetgate.tools.sim._server import Served
-from fleetgate.tools.sim._server import serve_in_thread as serve_app
 
-from ._proxy import UpstreamLog, gate_counts, proxy_config, upstream_app, wait_idle, wait_until
+from ._proxy import (
+    gate_counts,
+    proxy_config,
+    serve_proxy,
+    upstream_log,
+    wait_idle,
+    wait_until,
+)
 from .conftest import RedisUnderTest
-
-
-@pytest.fixture
-def upstream() -> Iterator[Served]:
-    with serve_app(upstream_app()) as served:
-        yield served
-
-
-def _log(up: Served) -> UpstreamLog:
-    log: UpstreamLog = up.state.log
-    return log
-
-
-def _proxy(rut: RedisUnderTest, up: Served, **route: Any) -> Any:
-    return serve_in_thread(proxy_config(rut.url, rut.prefix, up.url, **route))
 
 
 def _raw(url: str, data: bytes, read: bool = True) -> bytes:
@@ -86,7 +77,7 @@ def _status(response: bytes) -> int:
 def test_forwards_and_passes_upstream_answers_through(
     rut: RedisUnderTest, upstream: Served
 ) -> None:
-    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         ok = http.post("/work?tag=a", json={"x": 1})
         assert ok.status_code == 200 and ok.json() == {"tag": "a"}
         assert ok.headers["via"] == "1.1 fleetgate"
@@ -111,7 +102,7 @@ def test_hop_by_hop_and_fleetgate_headers_are_not_forwarded_and_secrets_not_logg
         "X-Fleetgate-Tenant": "a",
         "X-Fleetgate-Priority": "0",
     }
-    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         r = http.post("/echo?api_key=also-secret&x=1", content=b"hello", headers=headers)
     assert r.status_code == 200
     seen = r.json()
@@ -133,7 +124,7 @@ def test_429_when_the_wait_list_is_full(rut: RedisUnderTest, upstream: Served) -
             calls = [http.post("/work?ms=400", content=b"{}") for _ in range(6)]
             return await asyncio.gather(*calls)
 
-    with _proxy(rut, upstream, gate_defaults={"floor": 1, "max_queued": 2}) as url:
+    with serve_proxy(rut, upstream, gate_defaults={"floor": 1, "max_queued": 2}) as url:
         answers = asyncio.run(scenario(url))
     codes = sorted(r.status_code for r in answers)
     assert codes == [200, 200, 200, 429, 429, 429], codes
@@ -143,7 +134,7 @@ def test_429_when_the_wait_list_is_full(rut: RedisUnderTest, upstream: Served) -
             error = r.json()["error"]
             assert error["type"] == "overloaded" and error["gate"] == "g"
             assert "wait list is full" in error["message"] and error["retry_after_s"] == 1
-    assert _log(upstream).peak == 1
+    assert upstream_log(upstream).peak == 1
     wait_idle(rut.url, rut.prefix, "g")
 
 
@@ -151,7 +142,7 @@ async def test_504_when_the_deadline_expires_while_queued(
     rut: RedisUnderTest, upstream: Served, fleet: Fleet
 ) -> None:
     gate = fleet.gate("g", floor=1)
-    with _proxy(rut, upstream, gate_defaults={"floor": 1}) as url:
+    with serve_proxy(rut, upstream, gate_defaults={"floor": 1}) as url:
         async with gate.permit(deadline=30), httpx.AsyncClient(base_url=url) as http:
             t0 = time.monotonic()
             r = await http.post("/work", headers={"X-Fleetgate-Deadline-Ms": "300"})
@@ -160,7 +151,7 @@ async def test_504_when_the_deadline_expires_while_queued(
         error = r.json()["error"]
         assert error["type"] == "deadline_exceeded" and error["gate"] == "g"
         assert "300 ms" in error["message"] and "queued" in error["message"]
-        assert _log(upstream).arrivals == []  # the work was never started
+        assert upstream_log(upstream).arrivals == []  # the work was never started
     await fleet.flush()
     wait_idle(rut.url, rut.prefix, "g")
 
@@ -168,17 +159,17 @@ async def test_504_when_the_deadline_expires_while_queued(
 def test_504_when_the_upstream_does_not_answer_in_time(
     rut: RedisUnderTest, upstream: Served
 ) -> None:
-    with _proxy(rut, upstream, deadline_ms=400) as url, httpx.Client(base_url=url) as http:
+    with serve_proxy(rut, upstream, deadline_ms=400) as url, httpx.Client(base_url=url) as http:
         r = http.get("/hang")
         assert r.status_code == 504 and r.json()["error"]["gate"] == "g"
         assert "before the upstream's response headers" in r.json()["error"]["message"]
-        wait_until(lambda: _log(upstream).cancelled == 1, 5, "the upstream call cancelled")
+        wait_until(lambda: upstream_log(upstream).cancelled == 1, 5, "the upstream call cancelled")
     wait_idle(rut.url, rut.prefix, "g")
 
 
 def test_502_when_the_upstream_is_down(rut: RedisUnderTest) -> None:
     dead = Served(f"http://127.0.0.1:{free_port()}", None)  # type: ignore[arg-type]
-    with _proxy(rut, dead) as url, httpx.Client(base_url=url) as http:
+    with serve_proxy(rut, dead) as url, httpx.Client(base_url=url) as http:
         r = http.get("/work")
         assert r.status_code == 502
         error = r.json()["error"]
@@ -193,7 +184,7 @@ async def test_a_caller_that_disconnects_while_queued_leaves_the_queue(
     rut: RedisUnderTest, upstream: Served, fleet: Fleet
 ) -> None:
     gate = fleet.gate("g", floor=1)
-    with _proxy(rut, upstream, gate_defaults={"floor": 1}) as url:
+    with serve_proxy(rut, upstream, gate_defaults={"floor": 1}) as url:
         async with gate.permit(deadline=30), httpx.AsyncClient(base_url=url) as http:
             call = asyncio.ensure_future(http.post("/work?tag=gone", content=b"{}"))
             await asyncio.to_thread(
@@ -207,7 +198,7 @@ async def test_a_caller_that_disconnects_while_queued_leaves_the_queue(
         await fleet.flush()
         await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")
         await asyncio.sleep(0.2)
-        assert _log(upstream).arrivals == []  # no permit consumed, the work never started
+        assert upstream_log(upstream).arrivals == []  # no permit consumed, the work never started
         metrics = await asyncio.to_thread(lambda: httpx.get(url + "/metrics").text)
     assert 'fleetgate_proxy_client_disconnects_total{phase="queued",route="/"} 1.0' in metrics
 
@@ -215,7 +206,7 @@ async def test_a_caller_that_disconnects_while_queued_leaves_the_queue(
 async def test_a_caller_that_disconnects_mid_stream_cancels_the_upstream(
     rut: RedisUnderTest, upstream: Served
 ) -> None:
-    with _proxy(rut, upstream) as url:
+    with serve_proxy(rut, upstream) as url:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             async with http.stream("GET", "/sse?n=200&ms=50") as r:
                 assert r.status_code == 200
@@ -224,7 +215,7 @@ async def test_a_caller_that_disconnects_mid_stream_cancels_the_upstream(
                 assert gate_counts(rut.url, rut.prefix, "g")[0] == 1  # held while it streams
             # leaving the block closed the connection mid-stream
         await asyncio.to_thread(
-            wait_until, lambda: _log(upstream).cancelled == 1, 5, "upstream cancelled"
+            wait_until, lambda: upstream_log(upstream).cancelled == 1, 5, "upstream cancelled"
         )
         await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")
         metrics = await asyncio.to_thread(lambda: httpx.get(url + "/metrics").text)
@@ -235,7 +226,7 @@ async def test_sse_passes_through_chunk_by_chunk_in_order(
     rut: RedisUnderTest, upstream: Served
 ) -> None:
     got: list[tuple[float, str]] = []
-    with _proxy(rut, upstream) as url:
+    with serve_proxy(rut, upstream) as url:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             async with http.stream("POST", "/sse?n=6&ms=150", json={"stream": True}) as r:
                 assert r.headers["content-type"].startswith("text/event-stream")
@@ -243,7 +234,7 @@ async def test_sse_passes_through_chunk_by_chunk_in_order(
                     if line:
                         got.append((time.monotonic(), line))
         wait_idle(rut.url, rut.prefix, "g")
-    sent = _log(upstream).sse_sent
+    sent = upstream_log(upstream).sse_sent
     events = [json.loads(line[6:])["i"] for _, line in got[:-1]]
     assert events == list(range(6)) and got[-1][1] == "data: [DONE]"
     # each event reaches the caller as it is sent, not when the stream ends
@@ -284,24 +275,24 @@ async def test_priority_header_changes_the_order(
     rut: RedisUnderTest, upstream: Served, fleet: Fleet
 ) -> None:
     route = {"gate_defaults": {"floor": 1}, "min_priority": 0, "max_priority": 10}
-    with _proxy(rut, upstream, **route) as url:
+    with serve_proxy(rut, upstream, **route) as url:
         calls = [(f"low{i}", {}) for i in range(3)]
         calls.append(("high", {"X-Fleetgate-Priority": "10"}))
         calls.append(("clamped", {"X-Fleetgate-Priority": "50"}))  # 50 -> the route's 10
         assert await _queue_in_order(url, rut, fleet, calls) == [200] * 5
-    assert _log(upstream).arrivals == ["high", "clamped", "low0", "low1", "low2"]
+    assert upstream_log(upstream).arrivals == ["high", "clamped", "low0", "low1", "low2"]
 
 
 async def test_tenant_header_shares_a_band_fairly(
     rut: RedisUnderTest, upstream: Served, fleet: Fleet
 ) -> None:
     route = {"gate_defaults": {"floor": 1}, "tenants": ["a", "b"]}
-    with _proxy(rut, upstream, **route) as url:
+    with serve_proxy(rut, upstream, **route) as url:
         calls = [(f"a{i}", {"X-Fleetgate-Tenant": "a"}) for i in range(4)]
         calls += [(f"b{i}", {"X-Fleetgate-Tenant": "b"}) for i in range(2)]
         calls += [("x0", {"X-Fleetgate-Tenant": "x"})]  # not allowed: the default tenant
         assert await _queue_in_order(url, rut, fleet, calls) == [200] * 7
-    order = _log(upstream).arrivals
+    order = upstream_log(upstream).arrivals
     # FIFO would serve a0..a3 first; fair queuing alternates the backlogged tenants
     assert [t[0] for t in order[:6]].count("b") == 2 and order.index("b1") < order.index("a3")
     assert sorted(order) == sorted(tag for tag, _ in calls)
@@ -362,7 +353,7 @@ def test_hostile_input_gets_a_clear_4xx_never_a_500_nor_a_leaked_permit(
     proxy = {"max_header_bytes": 4096, "max_request_bytes": 64 * 1024}
     route = {"proxy": proxy, "max_priority": 10, "tenants": ["*"], "max_weight": 4}
     statuses: list[int] = []
-    with _proxy(rut, upstream, **route) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream, **route) as url, httpx.Client(base_url=url, timeout=10) as http:
 
         def bad(status: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
             r = http.request(*args, **kwargs)
@@ -429,7 +420,7 @@ def test_hostile_input_gets_a_clear_4xx_never_a_500_nor_a_leaked_permit(
 
 def test_a_too_large_upstream_response_is_refused(rut: RedisUnderTest, upstream: Served) -> None:
     proxy = {"max_response_bytes": 1024 * 1024}
-    with _proxy(rut, upstream, proxy=proxy) as url, httpx.Client(base_url=url) as http:
+    with serve_proxy(rut, upstream, proxy=proxy) as url, httpx.Client(base_url=url) as http:
         r = http.get("/big?mb=2")
         assert r.status_code == 502 and r.json()["error"]["type"] == "response_too_large"
         assert http.get("/big?mb=1").status_code == 200

@@ -9,22 +9,17 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
-from fleetgate.proxy import serve_in_thread
 from fleetgate.tools.sim._server import Served
-from fleetgate.tools.sim._server import serve_in_thread as serve_app
 
 from ._proxy import (
-    UpstreamLog,
     counting_upstream,
     gate_counts,
-    proxy_config,
-    upstream_app,
+    serve_proxy,
+    upstream_log,
     wait_idle,
     wait_until,
 )
@@ -32,12 +27,6 @@ from .conftest import RedisUnderTest
 from .test_proxy import _raw, _status
 
 PARSERS = ["httptools", "h11"]
-
-
-@pytest.fixture
-def upstream() -> Iterator[Served]:
-    with serve_app(upstream_app()) as served:
-        yield served
 
 
 @pytest.fixture(params=PARSERS)
@@ -49,32 +38,25 @@ def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     return name
 
 
-def _log(up: Served) -> UpstreamLog:
-    log: UpstreamLog = up.state.log
-    return log
-
-
-def _proxy(rut: RedisUnderTest, up: str, **route: Any) -> Any:
-    return serve_in_thread(proxy_config(rut.url, rut.prefix, up, **route))
-
-
 def test_a_pipelined_caller_that_leaves_frees_its_permit(
     rut: RedisUnderTest, upstream: Served, parser: str
 ) -> None:
     """A caller that sends two requests in one write and closes: uvicorn (httptools) marked
     only the newest request as disconnected, so the first kept its permit (and its upstream
     call) until the upstream answered -- here never."""
-    with _proxy(rut, upstream.url) as url:
+    with serve_proxy(rut, upstream.url) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\nGET /work HTTP/1.1\r\nHost: x\r\n\r\n")
-            wait_until(lambda: _log(upstream).running == 1, 5, "the first call at the upstream")
+            wait_until(
+                lambda: upstream_log(upstream).running == 1, 5, "the first call at the upstream"
+            )
             assert gate_counts(rut.url, rut.prefix, "g")[0] == 1
         t0 = time.monotonic()
         wait_idle(rut.url, rut.prefix, "g", timeout=5)
         assert time.monotonic() - t0 < 2.0
-        wait_until(lambda: _log(upstream).cancelled == 1, 5, "the upstream call cancelled")
-        assert _log(upstream).arrivals == []  # the second request never went upstream
+        wait_until(lambda: upstream_log(upstream).cancelled == 1, 5, "the upstream call cancelled")
+        assert upstream_log(upstream).arrivals == []  # the second request never went upstream
 
 
 def _odd(head: bytes) -> tuple[bytes, bool]:
@@ -101,7 +83,7 @@ def _odd(head: bytes) -> tuple[bytes, bool]:
 def test_odd_upstream_answers(rut: RedisUnderTest, parser: str) -> None:
     with (
         counting_upstream(_odd) as (up, _),
-        _proxy(rut, up, proxy={"max_response_bytes": 1024 * 1024}) as url,
+        serve_proxy(rut, up, proxy={"max_response_bytes": 1024 * 1024}) as url,
         httpx.Client(base_url=url, timeout=10) as http,
     ):
         for _ in range(2):  # and the connection to the caller stays usable after each
@@ -125,7 +107,7 @@ def test_request_trailers_are_not_forwarded_as_headers(
 ) -> None:
     """RFC 9110 6.5.1: trailer fields are not merged into the header section (httptools
     appended them to the request's headers, which the proxy forwarded)."""
-    with _proxy(rut, upstream.url) as url:
+    with serve_proxy(rut, upstream.url) as url:
         answer = _raw(
             url,
             b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -143,7 +125,7 @@ def test_a_loopback_caller_cannot_forge_its_address(
 ) -> None:
     """uvicorn trusts X-Forwarded-For/-Proto from loopback by default: a caller there could
     set the address the proxy logs and appends. The proxy appends the peer it sees."""
-    with _proxy(rut, upstream.url) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream.url) as url, httpx.Client(base_url=url, timeout=10) as http:
         r = http.get("/echo", headers={"x-forwarded-for": "6.6.6.6", "x-forwarded-proto": "https"})
         headers = r.json()["headers"]
         assert headers["x-forwarded-for"] == "6.6.6.6, 127.0.0.1", headers
@@ -157,7 +139,7 @@ def test_an_upstream_cut_mid_body_is_logged_once_as_such(
     and uvicorn's ERROR about a response not completed (the proxy cut it on purpose) is not
     logged."""
     caplog.set_level(logging.INFO)
-    with counting_upstream(_odd) as (up, _), _proxy(rut, up) as url:
+    with counting_upstream(_odd) as (up, _), serve_proxy(rut, up) as url:
         with httpx.Client(base_url=url, timeout=10) as http, pytest.raises(httpx.HTTPError):
             http.get("/cut")
         wait_idle(rut.url, rut.prefix, "g")

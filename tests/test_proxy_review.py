@@ -23,22 +23,17 @@ from fleetgate.tools.sim._server import Served
 from fleetgate.tools.sim._server import serve_in_thread as serve_app
 
 from ._proxy import (
-    UpstreamLog,
     counting_upstream,
     gate_counts,
     proxy_config,
+    serve_proxy,
     upstream_app,
+    upstream_log,
     wait_idle,
     wait_until,
 )
 from .conftest import RedisUnderTest
 from .test_proxy import _raw, _status
-
-
-@pytest.fixture
-def upstream() -> Iterator[Served]:
-    with serve_app(upstream_app()) as served:
-        yield served
 
 
 @pytest.fixture
@@ -48,29 +43,20 @@ def elsewhere() -> Iterator[Served]:
         yield served
 
 
-def _log(up: Served) -> UpstreamLog:
-    log: UpstreamLog = up.state.log
-    return log
-
-
-def _proxy(rut: RedisUnderTest, up: Served, **route: Any) -> Any:
-    return serve_in_thread(proxy_config(rut.url, rut.prefix, up.url, **route))
-
-
 def test_a_request_target_not_starting_with_a_slash_is_refused(
     rut: RedisUnderTest, upstream: Served, elsewhere: Served
 ) -> None:
     """``GET @host:port/x`` made the upstream URL ``http://up:port@host:port/x``: the proxy
     called a host of the caller's choosing (the upstream's address as its user name)."""
     hostport = elsewhere.url.removeprefix("http://")
-    with _proxy(rut, upstream) as url:
+    with serve_proxy(rut, upstream) as url:
         for target in (f"@{hostport}/echo", "*", "echo"):
             data = f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
             answer = _raw(url, data)
             assert _status(answer) == 400, (target, answer[:300])
         # absolute-form: refused, or (an HTTP parser that takes its path) the upstream's path
         _raw(url, f"GET http://{hostport}/echo HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    assert _log(elsewhere).headers == []
+    assert upstream_log(elsewhere).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
 
@@ -79,21 +65,21 @@ def test_content_length_with_transfer_encoding_is_refused(
 ) -> None:
     """RFC 9112 6.3: both framings at once is the request-smuggling shape; the proxy would
     forward the caller's Content-Length beside a body of another length."""
-    with _proxy(rut, upstream) as url:
+    with serve_proxy(rut, upstream) as url:
         data = (
             b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
         )
         answer = _raw(url, data)
         assert _status(answer) == 400, answer[:300]  # the proxy's (h11) or httptools' own
-    assert _log(upstream).headers == []
+    assert upstream_log(upstream).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
 
 def test_cookies_of_one_caller_never_reach_another(rut: RedisUnderTest, upstream: Served) -> None:
     """The upstream's Set-Cookie goes to the caller that got it; the proxy keeps no cookie jar
     (httpx's client did: alice's session went upstream with bob's next request)."""
-    with _proxy(rut, upstream) as url:
+    with serve_proxy(rut, upstream) as url:
         with httpx.Client(base_url=url, timeout=10) as alice:
             r = alice.get("/cookie?v=alice")
             assert r.headers["set-cookie"].startswith("session=alice")
@@ -109,7 +95,7 @@ def test_no_log_line_has_the_query_string(
     """``fleetgate proxy`` logs at INFO; httpx logged every upstream URL there, query string
     (``?api_key=...``) included."""
     caplog.set_level(logging.DEBUG)
-    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         assert http.post("/echo?api_key=sk-secret-in-query", content=b"x").status_code == 200
     # the proxy's own records (the test's client logs its URLs on this thread)
     text = "\n".join(r.getMessage() for r in caplog.records if r.threadName == "fleetgate-proxy")
@@ -119,7 +105,7 @@ def test_no_log_line_has_the_query_string(
 
 def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
     """The upstream's Date passes through; uvicorn added a second one to every response."""
-    with _proxy(rut, upstream) as url:
+    with serve_proxy(rut, upstream) as url:
         answer = _raw(url, b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
         head = answer.partition(b"\r\n\r\n")[0].lower()
         assert _status(answer) == 200 and head.count(b"\r\ndate:") == 1, head
@@ -200,7 +186,7 @@ def test_a_body_still_arriving_is_streamed_upstream(rut: RedisUnderTest, upstrea
             time.sleep(0.002)
             yield f"{i:04d}".encode()
 
-    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         seen = http.post("/echo", content=chunks()).json()
         assert seen["body"] == "".join(f"{i:04d}" for i in range(50))
         assert seen["headers"].get("transfer-encoding") == "chunked"
@@ -208,11 +194,11 @@ def test_a_body_still_arriving_is_streamed_upstream(rut: RedisUnderTest, upstrea
 
 
 def test_the_metrics_path_is_never_forwarded(rut: RedisUnderTest, upstream: Served) -> None:
-    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         r = http.post("/metrics", content=b"x")
         assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
         assert http.get("/metrics").status_code == 200
-    assert _log(upstream).headers == []
+    assert upstream_log(upstream).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
 
@@ -223,7 +209,7 @@ async def test_a_request_still_queued_when_the_drain_ends_gets_503(
     cancelled request 500 (text, "Internal Server Error"): now a 503 naming the gate, and the
     request leaves the wait list."""
     gate = fleet.gate("g", floor=1)
-    proxy = _proxy(rut, upstream, gate_defaults={"floor": 1}, proxy={"drain_seconds": 1})
+    proxy = serve_proxy(rut, upstream, gate_defaults={"floor": 1}, proxy={"drain_seconds": 1})
     url = proxy.__enter__()
     stopping: asyncio.Future[Any] | None = None
     try:
@@ -242,7 +228,7 @@ async def test_a_request_still_queued_when_the_drain_ends_gets_503(
     assert r.status_code == 503, (r.status_code, r.text[:200])
     error = r.json()["error"]
     assert error["type"] == "shutting_down" and error["gate"] == "g"
-    assert _log(upstream).arrivals == []
+    assert upstream_log(upstream).arrivals == []
     await fleet.flush()
     await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")
 
@@ -257,7 +243,7 @@ def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
     was dropped and the upstream got Content-Length: 0."""
     if parser == "h11":
         monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
-    with _proxy(rut, upstream) as url:
+    with serve_proxy(rut, upstream) as url:
         for _ in range(2):
             answer = _raw(
                 url,
@@ -288,7 +274,7 @@ def test_outcomes_land_in_the_gates_observed_counters(
         with redis.Redis.from_url(rut.url) as r:
             return Reading.parse(r.hgetall(GateKeys.of(rut.prefix, "g").obs))
 
-    with _proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         for _ in range(3):
             assert http.post("/work?ms=40", content=b"{}").status_code == 200
         for _ in range(2):
