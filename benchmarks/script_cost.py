@@ -71,16 +71,16 @@ class Bench:
         self.members: dict[str, str] = {}
         self.holder = "holder:0"
         self.seq = 0
-        assert self.s["acquire"](keys=self.keys, args=self.acq_args(self.holder))[4] == 1
+        assert self.s["acquire"](keys=self.keys, args=self.acq_args(self.holder))[5] == 1
 
     @staticmethod
     def acq_args(wid: str) -> list[Any]:
-        # 8 default settings, no release, no report, one request of the default class
-        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", 0, 0, wid, HOUR_MS, ""]
+        # 8 default settings, no fence, no release, no report, one request of the default class
+        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", 0, "", 0, 0, wid, HOUR_MS, ""]
 
     def note_parked(self, ids: list[str], replies: list[Any]) -> None:
         for wid, reply in zip(ids, replies, strict=True):
-            self.members[wid] = class_member("", int(reply[5]), wid)
+            self.members[wid] = class_member("", int(reply[6]), wid)
 
     def new_id(self) -> str:
         self.seq += 1

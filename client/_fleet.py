@@ -64,6 +64,15 @@ class Fleet:
 
     pod_id is a label (logs, the worker's metrics); lease ids stay unique per process whatever
     it says (:attr:`pod_key` adds a random suffix), so several processes may share one.
+
+    recovery_fence (seconds; None = one registration period, ``3 × heartbeat_interval``): when
+    this pod is the first to find a gate without state in Redis (Redis restarted empty or was
+    flushed, or the gate is new), the gate grants nothing for that long, so that pods still
+    running work the lost state counted can count it again first; callers park meanwhile. On a
+    standalone Redis only gates first seen within a fence period of the server's first
+    fleetgate state pay it (a restarted or flushed server); on Cluster every new gate does. 0
+    turns it off: safe only when Redis keeps its state (AOF persistence) or one process uses
+    the prefix. See docs/failure-modes.md.
     """
 
     def __init__(
@@ -77,6 +86,7 @@ class Fleet:
         wake_block: float = 2.0,
         registry: CollectorRegistry | None = None,
         redis_options: dict[str, Any] | None = None,
+        recovery_fence: float | None = None,
     ) -> None:
         if on_redis_error not in ("fair_share", "fail"):
             raise ConfigError(
@@ -84,6 +94,10 @@ class Fleet:
             )
         if heartbeat_interval <= 0:
             raise ConfigError(f"heartbeat_interval: expected > 0, got {heartbeat_interval}")
+        if recovery_fence is not None and not 0 <= recovery_fence <= 3600:
+            raise ConfigError(
+                f"recovery_fence: expected None or 0 to 3600 seconds, got {recovery_fence}"
+            )
         self.url = url
         self.prefix = validate_prefix(prefix)
         self.pod_id = pod_id or _default_pod_id()
@@ -107,6 +121,7 @@ class Fleet:
             heartbeat_interval=heartbeat_interval,
             metrics=self.metrics,
             redis_options=dict(redis_options or {}),
+            recovery_fence=recovery_fence,
         )
         self._gates: dict[str, Gate] = {}
         self._gates_lock = threading.Lock()

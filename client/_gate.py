@@ -272,6 +272,9 @@ class Gate:
         # When (loop time) this gate's leases and waiters were last renewed (or, for a gate
         # that just got its first work, granted): the heartbeat paces the next renewal by it.
         self.renewed_at = 0.0
+        # Loop time by which the heartbeat should beat this gate whatever its schedule (inf:
+        # none): the end of a recovery fence its waiters park behind (see beat_after).
+        self.beat_by = math.inf
         # Permits granted locally while Redis was unreachable (the fair-share fallback).
         self.local_leases: dict[str, Lease] = {}
         # Listed in the fleet's gate registry (`fg:gates`, for `fleetgate status`).
@@ -493,6 +496,8 @@ class Gate:
                 raise
             self.last_limit = reply.limit
             self.note_ttls(reply.lease_ms, reply.waiter_ms)
+            if reply.fence_ms > 0:
+                self.beat_after(reply.fence_ms / 1000)
             if reply.status == GRANTED:
                 self.waiters.pop(lease_id, None)
                 return self._granted(lease_id, reply.token, reply.expires_at, ask)
@@ -561,7 +566,12 @@ class Gate:
             return [None] * len(calls)
         replies = iter(
             await scripts.acquire_many(
-                self.keys, requests, self.defaults, releases=releases, observed=observed
+                self.keys,
+                requests,
+                self.defaults,
+                releases=releases,
+                observed=observed,
+                fence_ms=self.runtime.fence_ms,
             )
         )
         return [None if wait_ms is None else next(replies) for _, wait_ms, _ in calls]
@@ -768,6 +778,16 @@ class Gate:
             max_token=max((lease.token for lease in held), default=0),
         )
 
+    def beat_after(self, seconds: float) -> None:
+        """Beat this gate ``seconds`` from now, even if it is not due: the gate's recovery
+        fence ends then, and the heartbeat's script hands the free units to the waiters that
+        parked behind it (else they would wait up to a renewal period longer)."""
+        # a few ms after the fence's end in server time: a beat that came early hands nothing
+        when = asyncio.get_running_loop().time() + seconds + 0.005
+        if when < self.beat_by:
+            self.beat_by = when
+            self.runtime.renew_by(when)
+
     def note_ttls(self, lease_ms: int, waiter_ms: int) -> None:
         """The TTLs in force in Redis; a shorter one re-paces the heartbeat at once."""
         ttl = min(lease_ms, waiter_ms)
@@ -915,7 +935,7 @@ class Gate:
             return
         max_token = max((lease.token for lease in held), default=0)
         scripts = self.runtime.scripts
-        _, expires_at = await scripts.adopt(self.keys, ids, max_token)
+        _, expires_at = await scripts.adopt(self.keys, ids, max_token, self.runtime.fence_ms)
         for lease in (*held, *local):
             lease.expires_at = expires_at
         for lease in local:

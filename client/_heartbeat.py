@@ -53,17 +53,23 @@ class Heartbeat:
                     wait = rt.heartbeat_interval if rt.fallback_active else nxt - now
                     await self._nap(max(0.001, wait))
                     continue
-                # Due now, or within half its period: beat together.
-                due = [g for g in gates if now >= self._next_beat(g) - g.renewal_period / 2]
+                # Due now, or within half its period: beat together. A beat asked for by a
+                # time (Gate.beat_after) is never sent early, and stays asked for until then.
+                due = [g for g in gates if self._due(g, now)]
                 for g in due:
                     g.renewed_at = now
+                    if now >= g.beat_by:
+                        g.beat_by = math.inf
                 await self._beat(due)
             except Exception as exc:  # never ends: the next round retries
                 rt.background_error("heartbeat", exc)
                 await asyncio.sleep(min(1.0, rt.heartbeat_interval))
 
     def _next_beat(self, gate: Gate) -> float:
-        return gate.renewed_at + gate.renewal_period
+        return min(gate.renewed_at + gate.renewal_period, gate.beat_by)
+
+    def _due(self, gate: Gate, now: float) -> bool:
+        return now >= gate.beat_by or now >= gate.renewed_at + gate.renewal_period / 2
 
     async def _nap(self, seconds: float) -> None:
         """Sleep ``seconds`` or until the runtime's ``replan`` is set (no asyncio.wait_for:
@@ -94,6 +100,7 @@ class Heartbeat:
                 r.waiters,
                 max_token=r.max_token,
                 defaults=g.defaults,
+                fence_ms=rt.fence_ms,
             )
             for g, r in zip(gates, renewals, strict=True)
         ]

@@ -55,6 +55,7 @@ class Runtime:
         heartbeat_interval: float,
         metrics: ClientMetrics,
         redis_options: dict[str, Any],
+        recovery_fence: float | None = None,
     ) -> None:
         self.url = url
         self.prefix = prefix
@@ -65,6 +66,10 @@ class Runtime:
         # Every pod registers itself as live on each gate it uses at least this often (an idle
         # gate's heartbeat); a live-pod count is trusted one such period after registering.
         self.register_period = 3 * heartbeat_interval
+        # How long a gate this pod finds without state holds every grant (Fleet's
+        # recovery_fence; lua/lib.lua gate_birth): one registration period by default.
+        fence = self.register_period if recovery_fence is None else recovery_fence
+        self.fence_ms = int(fence * 1000)
         self.metrics = metrics
         self.redis_options = redis_options
         #: set while Redis is unreachable and gates serve under their local fair share

@@ -4,12 +4,23 @@ Every key of one gate carries the gate's hash tag ``{G}`` so the whole gate live
 Cluster slot and every script touches a single slot. The registry of gates and the leadership
 keys are outside any gate's slot and are written by separate commands.
 
-    {prefix}:{G}:cfg       hash    floor, ceiling, max_queued, lease_ms, waiter_ms
+    {prefix}:{G}:cfg       hash    floor, ceiling, max_queued, lease_ms, waiter_ms,
+                                   max_queued_per_tenant, shed_below, schema; born and
+                                   fence (server ms: the recovery fence, lua/lib.lua)
     {prefix}:{G}:target    hash    value, epoch, expires_at (server ms)
-    {prefix}:{G}:holders   zset    lease id  -> lease expiry (server ms)
-    {prefix}:{G}:queue     zset    waiter id -> sequence number (FIFO order, fencing token)
-    {prefix}:{G}:waiters   zset    waiter id -> waiter expiry (server ms)
-    {prefix}:{G}:seq       string  counter for FIFO order and fencing tokens
+    {prefix}:{G}:holders   zset    lease id  -> lease expiry (server ms); a lease of weight
+                                   W > 1 is '<pod>:<n>w<W>'
+    {prefix}:{G}:queue     string  a fence against fleetgate 0.1 (schema 1 kept its FIFO here)
+    {prefix}:{G}:lanes     zset    every waiter '<tenant>}<R>}<seq20>}<id>', scores 0: FIFO
+                                   per (band, tenant) lane by bytes (docs/admission.md)
+    {prefix}:{G}:waiters   zset    waiter member -> waiter expiry (server ms)
+    {prefix}:{G}:fair      zset    eligible lanes in service order '<R>}<F20>}<tenant>'
+    {prefix}:{G}:big       zset    lane -> head weight, for heads heavier than the limit
+    {prefix}:{G}:adm       hash    extra units, virtual times, lane tags, reservations
+    {prefix}:{G}:tw        hash    tenant -> weight
+    {prefix}:{G}:evicted   zset    waiter id -> until (evicted by a higher band)
+    {prefix}:{G}:seq       string  counter for lane order and fencing tokens (never below
+                                   server ms x 1000)
     {prefix}:{G}:stats     hash    granted, rejected, expired_leases, abandoned_waiters, ...
     {prefix}:{G}:pods      zset    pod id -> liveness expiry (for the fair-share fallback)
     {prefix}:{G}:util      hash    the coordinator's last utilisation snapshot
@@ -23,6 +34,8 @@ keys are outside any gate's slot and are written by separate commands.
     {prefix}:gates         set     registry of gate names
     {prefix}:leader        string  coordinator leadership lease
     {prefix}:epoch         string  coordinator epoch counter
+    {prefix}:born          string  server ms this Redis first held gate state under the prefix
+                                   (standalone; the recovery fence)
 """
 
 from __future__ import annotations
@@ -256,6 +269,13 @@ class FleetKeys:
     @property
     def epoch(self) -> str:
         return f"{self.prefix}:epoch"
+
+    @property
+    def born(self) -> str:
+        """Server time (ms) this Redis first held gate state under the prefix; ``0`` for state
+        older than the mark (the recovery fence: ``lua/lib.lua`` gate_birth). Standalone and
+        Sentinel only."""
+        return f"{self.prefix}:born"
 
 
 def fleet_keys(prefix: str) -> FleetKeys:

@@ -240,14 +240,18 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
     expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
+    #: ms the gate's recovery fence still holds every grant (0: none; ``lua/lib.lua``
+    #: gate_birth): a caller parked behind it asks for its hand-off when it ends
+    fence_ms: int = 0
 
     @classmethod
     def decode_many(cls, reply: Any) -> list[AcquireReply]:
-        """acquire.lua's reply: {limit, lease_ms, waiter_ms, released, then per request:
-        status, token, n, expires_at}."""
+        """acquire.lua's reply: {limit, lease_ms, waiter_ms, released, fence_ms, then per
+        request: status, token, n, expires_at}."""
         limit, lease_ms, waiter_ms = int(reply[0]), int(reply[1]), int(reply[2])
+        fence_ms = int(reply[4])
         out = []
-        for i in range(4, len(reply), 4):
+        for i in range(5, len(reply), 4):
             status, token, n, expires_at = (int(x) for x in reply[i : i + 4])
             out.append(
                 cls(
@@ -260,6 +264,7 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
                     lease_ms=lease_ms,
                     waiter_ms=waiter_ms,
                     expires_at=expires_at,
+                    fence_ms=fence_ms,
                 )
             )
         return out
@@ -468,16 +473,19 @@ class HeartbeatRequest:
     waiters: list[tuple[str, int]]
     max_token: int = 0
     defaults: GateSettings | None = None
+    #: the recovery fence this pod sets on a gate it finds without state (see
+    #: :meth:`GateScripts.acquire_many`); 0 sets none
+    fence_ms: int = 0
 
-    def argv(self) -> list[Any]:
-        """heartbeat.lua's ARGV."""
+    def argv(self, node_key: str = "") -> list[Any]:
+        """heartbeat.lua's ARGV (``node_key``: :meth:`GateScripts.node_key`)."""
         args: list[Any] = [self.pod_id, self.pod_ttl_ms, len(self.leases)]
         for lid, expires_at in self.leases:
             args += [lid, expires_at]
         args.append(len(self.waiters))
         for wid, remaining_ms in self.waiters:
             args += [wid, max(1, remaining_ms)]
-        args.append(self.max_token)
+        args += [self.max_token, self.fence_ms, node_key if self.fence_ms else ""]
         if self.defaults is not None:
             args += self.defaults.argv()
         return args
@@ -500,7 +508,7 @@ class _ManyHeartbeats:
                 self.keys += mode.script_keys(req.keys)
         self.args: list[Any] = [len(requests)]
         for req in requests:
-            argv = req.argv()
+            argv = req.argv(mode.node_key(req.keys))
             self.args += [len(argv), *argv]
 
     def __call__(self, client: Any) -> Any:
@@ -649,16 +657,22 @@ class GateScripts:
         *,
         releases: Sequence[str] = (),
         observed: Sequence[str | int] = (),
+        fence_ms: int = 0,
     ) -> list[AcquireReply]:
         """One acquire call for several callers of one gate, each ``(lease id, wait_ms)`` or
         ``(lease id, wait_ms, class)`` (:func:`fleetgate.admission.lane_class`; the weight is in
         the id, :func:`fleetgate.admission.weighted_id`): granted, parked or refused in order,
         as if they had asked one after the other, after ``releases`` (lease ids) were released
         and ``observed`` (their reports, :func:`fleetgate.observed.tally`) counted.
-        At most :data:`MAX_BATCH` of each."""
+        At most :data:`MAX_BATCH` of each.
+
+        ``fence_ms``: if the gate has no state (a new gate, or Redis lost it), no grant is made
+        for that long, so pods whose work the lost state counted can count it again first
+        (``lua/lib.lua`` gate_birth; 0: no fence)."""
         _check_batch(len(requests))
         _check_batch(len(releases), least=0)
-        args: list[Any] = [*_encoded_argv(defaults), len(releases), *releases]
+        args: list[Any] = [*_encoded_argv(defaults), *self._fence(keys, fence_ms)]
+        args += (len(releases), *releases)
         args += (len(observed), *observed)
         for req in requests:
             args += (req[0], max(1, req[1]), req[2] if len(req) > 2 else "")
@@ -694,11 +708,16 @@ class GateScripts:
         *,
         max_token: int = 0,
         defaults: GateSettings | None = None,
+        fence_ms: int = 0,
     ) -> HeartbeatReply:
         """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((waiter member,
-        remaining deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate."""
-        req = HeartbeatRequest(keys, pod_id, pod_ttl_ms, leases, waiters, max_token, defaults)
-        return await self._run(self._call("heartbeat", keys, req.argv(), HeartbeatReply.decode))
+        remaining deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate.
+        ``fence_ms`` as for :meth:`acquire_many`."""
+        req = HeartbeatRequest(
+            keys, pod_id, pod_ttl_ms, leases, waiters, max_token, defaults, fence_ms
+        )
+        argv = req.argv(self.redis.node_key(keys))
+        return await self._run(self._call("heartbeat", keys, argv, HeartbeatReply.decode))
 
     async def heartbeats(
         self, requests: Sequence[HeartbeatRequest], *, units: int = HEARTBEAT_UNITS_PER_CALL
@@ -735,7 +754,8 @@ class GateScripts:
         chunks = singles + many
         raw = await self._batch_raw(
             [
-                self._call("heartbeat", requests[c[0]].keys, requests[c[0]].argv(), _identity)
+                self._call("heartbeat", requests[c[0]].keys, requests[c[0]].argv(self.redis.node_key(requests[c[0]].keys)),
+                    _identity)
                 for c in singles
             ]
         )
@@ -762,7 +782,12 @@ class GateScripts:
                     out[i] = HeartbeatReply.decode(r)
         if retry:
             one_by_one: list[BatchCall] = [
-                self._call("heartbeat", requests[i].keys, requests[i].argv(), _identity)
+                self._call(
+                    "heartbeat",
+                    requests[i].keys,
+                    requests[i].argv(self.redis.node_key(requests[i].keys)),
+                    _identity,
+                )
                 for i in retry
             ]
             for i, reply in zip(retry, await self._batch_raw(one_by_one), strict=True):
@@ -790,6 +815,10 @@ class GateScripts:
 
     async def _gate_error(self, exc: Exception, keys: GateKeys) -> Exception:
         return await self.translate(exc, keys) if isinstance(exc, ResponseError) else exc
+
+    def _fence(self, keys: GateKeys, fence_ms: int) -> tuple[int, str]:
+        """The recovery fence's two script arguments: its length and the node key."""
+        return (fence_ms, self.redis.node_key(keys)) if fence_ms > 0 else (0, "")
 
     def sweep_call(self, keys: GateKeys) -> ScriptCall[Any]:
         """A heartbeat without a pod: renews nothing, only reaps and hands off (the reaper)."""
@@ -832,11 +861,13 @@ class GateScripts:
         return self._call("prune", keys, [epoch, idle_after_ms], _first)
 
     async def adopt(
-        self, keys: GateKeys, lease_ids: list[str], max_token: int = 0
+        self, keys: GateKeys, lease_ids: list[str], max_token: int = 0, fence_ms: int = 0
     ) -> tuple[int, int]:
         """Count ``lease_ids`` (running work) as leases again after an outage; raise the gate's
-        token counter above ``max_token``. Returns (ids added, server-ms expiry)."""
-        return await self._run(self._call("adopt", keys, [max_token, *lease_ids], _pair))
+        token counter above ``max_token``; ``fence_ms`` as for :meth:`acquire_many`. Returns
+        (ids added, server-ms expiry)."""
+        args: list[Any] = [*self._fence(keys, fence_ms), max_token, *lease_ids]
+        return await self._run(self._call("adopt", keys, args, _pair))
 
     async def snapshot(
         self, keys: GateKeys, listed: int = 10, defaults: GateSettings | None = None

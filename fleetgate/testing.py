@@ -91,6 +91,10 @@ def _fleet_kwargs(server: FakeServer, fleet_kwargs: dict[str, Any]) -> dict[str,
             raise ConfigError(f"{name}: a fake fleet has no Redis URL (pass server= to share one)")
     kwargs = dict(fleet_kwargs)
     kwargs["redis_options"] = fake_redis_options(server, kwargs.get("redis_options"))
+    # The recovery fence waits for pods of other processes to count work that a wiped Redis
+    # forgot; an in-memory server is never wiped under its fleets and no other process uses it,
+    # so a fake fleet grants a new gate at once (unless the caller asks for a fence).
+    kwargs.setdefault("recovery_fence", 0.0)
     return kwargs
 
 

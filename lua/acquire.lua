@@ -6,14 +6,18 @@
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
 --       7 shed_below  8 tenant weights ('name}w}...')  (defaults, registered only when the gate
---       has no configuration yet), 9 n = leases to release, then n lease ids, then m, then m
+--       has no configuration yet), 9 fence_ms  10 node key (the recovery fence of a gate found
+--       without state: lib.lua gate_birth; 0 and '' for none), 11 n = leases to release, then
+--       n lease ids, then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
 --       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>'
 --       or '<pod>:<n>w<W>' for weight W), wait_ms (time the caller is willing to park, > 0),
 --       class ('' = priority 0 of the default tenant, else '<R>}<tenant>' with R = 100 - priority
 --       as three digits)
--- Returns {limit, lease_ms, waiter_ms, released, then per request: status, token, n,
+-- Returns {limit, lease_ms, waiter_ms, released, fence_ms, then per request: status, token, n,
 --   expires_at}: released = how many of the ids given held a lease (release.lua's reply);
+--   fence_ms = how long the gate's recovery fence still holds every grant (0: none), so a
+--   caller that parked behind it asks for its hand-off when it ends;
 --   status 1 = granted (n = units held), 2 = parked (n = waiters, this one included),
 --   0 = rejected because the wait list is full (n = max_queued), 3 = rejected because the
 --   tenant's waiters reached max_queued_per_tenant (n = that bound), 4 = rejected because the
@@ -30,9 +34,9 @@
 -- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
-local n_release = tonumber(ARGV[9])
-local n_obs = tonumber(ARGV[10 + n_release])
-local first = 11 + n_release + n_obs  -- ARGV index of the first request
+local n_release = tonumber(ARGV[11])
+local n_obs = tonumber(ARGV[12 + n_release])
+local first = 13 + n_release + n_obs  -- ARGV index of the first request
 -- A class the client library would never send is refused before anything is written: it would
 -- make lane members that sort and parse wrongly.
 for i = first + 2, #ARGV, 3 do
@@ -44,14 +48,17 @@ for i = first + 2, #ARGV, 3 do
 end
 local released = 0
 if n_release > 0 then
-  released = remove_leases(ARGV, 10, 9 + n_release)
+  released = remove_leases(ARGV, 12, 11 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-observe(ARGV, 11 + n_release, 10 + n_release + n_obs)
+observe(ARGV, 13 + n_release, 12 + n_release + n_obs)
 
 local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]},
   true)
+gate_birth(now, cfg, num(ARGV[9], 0), ARGV[10] or '')
+-- behind the recovery fence nothing is granted at once: every request parks (or is refused)
+local fenced = cfg.fence > now
 local lim = current_limit(now, cfg)
 -- The adm fields this call needs, in one read: the extra units, and the tag of each lane asked
 -- for (a lane in the fair order has waiters: its callers park behind them, nothing else to read).
@@ -156,7 +163,7 @@ for i = first, #ARGV, 3 do
         blocked = (top ~= nil and top <= r) or lane_count(lane) > 0
       end
     end
-    blocked = blocked or parked_in[lane] ~= nil
+    blocked = blocked or fenced or parked_in[lane] ~= nil
     if not blocked and units + w > lim and not leases_reaped then
       leases_reaped = true
       local freed = reap_leases(now)
@@ -213,7 +220,8 @@ end
 
 -- Tokens in request order (a batch is one arrival instant; grants and parks keep their order),
 -- then every new entry of a set in one ZADD.
-local out = {lim, cfg.lease_ms, cfg.waiter_ms, released}
+local out = {lim, cfg.lease_ms, cfg.waiter_ms, released, 0}
+if fenced then out[5] = cfg.fence - now end
 local token = 0
 if n_granted + n_parked > 0 then token = next_tokens(now, n_granted + n_parked) end
 local lease_expires = now + cfg.lease_ms

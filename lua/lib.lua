@@ -146,7 +146,8 @@ end
 -- register defaults only where none exist; the coordinator's publish overwrites them).
 local function load_cfg(d, register)
   d = d or {}
-  local v = redis.call('HMGET', K_CFG, 'schema', unpack(CFG_FIELDS))
+  local v = redis.call('HMGET', K_CFG, 'born', 'fence', 'schema', unpack(CFG_FIELDS))
+  local born, fence = table.remove(v, 1), table.remove(v, 1)
   local schema = check_schema(table.remove(v, 1))
   local has = false
   for i = 1, N_SETTINGS do has = has or v[i] end
@@ -174,7 +175,49 @@ local function load_cfg(d, register)
   cfg.ceiling = math.max(cfg.floor, cfg_field(v, d, 2, 'ceiling'))
   cfg.max_queued_per_tenant = math.max(0, math.floor(num(v[6], num(d[6], cfg.max_queued))))
   cfg.shed_below = math.floor(num(v[7], num(d[7], 0)))
+  -- the recovery fence (gate_birth): when the state was born (false: not marked yet) and the
+  -- server time until which nothing is granted
+  cfg.born, cfg.fence = born, num(fence, 0)
   return cfg
+end
+
+-- The recovery fence. A gate found without state (a Redis restarted empty, FLUSHALL, a new gate:
+-- inside Redis the three look the same) may still have work running in pods that counted it in
+-- the lost state: pods in the fair-share fallback adopt theirs when their probe succeeds, pods
+-- that saw nothing count theirs again with their next heartbeat. Until they have, no grant is
+-- made: the first client script that finds the state missing (acquire, heartbeat, adopt) marks
+-- the gate born ('born' in cfg) and fences it for fence_ms, one registration period of the
+-- calling pod (every pod with work beats its gates well within it). Waiters park meanwhile and
+-- are handed off when it ends. node_key ('<prefix>:born', '' on Cluster, where a script reaches
+-- only its gate's slot) remembers when this server first held fleetgate state under the prefix:
+-- a gate born a fence period after that is new, not wiped, and is not fenced, so only the
+-- first moments of an empty server (or a wiped one) pay, and a gate with state never does (its
+-- 'born' comes with the HMGET above). fence_ms 0 (the coordinator's sweep, a fleet without a
+-- fence) marks nothing. State left by a fleetgate without birth marks (holders, waiters or
+-- live pods present) is marked born without a fence.
+local function gate_birth(now, cfg, fence_ms, node_key)
+  if cfg.born or fence_ms <= 0 then return end
+  local until_ = 0
+  if redis.call('EXISTS', K_HOLDERS, K_WAITERS, K_PODS) == 0 then
+    until_ = now + fence_ms
+    if node_key ~= '' then
+      local first = num(redis.call('GET', node_key), nil)
+      if first == nil then
+        first = now
+        redis.call('SET', node_key, string.format('%.0f', now))
+      end
+      until_ = math.min(until_, first + fence_ms)
+    end
+  elseif node_key ~= '' then
+    redis.call('SET', node_key, '0', 'NX')  -- a server with state from before birth marks
+  end
+  cfg.born = now
+  if until_ > now then
+    cfg.fence = until_
+    redis.call('HSET', K_CFG, 'born', now, 'fence', until_)
+  else
+    redis.call('HSET', K_CFG, 'born', now)
+  end
 end
 
 -- limit = the unexpired target, else floor; clamped to [floor, ceiling].
@@ -510,17 +553,21 @@ local function send_wakes(wakes, cfg)
 end
 
 -- The first of k new fencing tokens, k >= 1: the call's tokens are first .. first + k - 1.
--- Monotonic per gate, also across a Redis restart: a counter that has to start again (INCRBY
--- made it k) starts from server time x 1000 instead, above any token issued before unless the
--- gate issued more than 1000 per millisecond on average since its counter was born. Holders
--- raise it above their own tokens (raise_seq) after a rollback that kept the counter. A parked
--- caller's seq (its place in its lane) comes from the same counter; its fencing token is a
--- fresh one taken when it is granted.
+-- Never below server time x 1000: a token issued at server time t lies in [t x 1000, the
+-- counter], and the counter runs ahead of the clock only while the gate grants more than 1000
+-- per millisecond. So tokens stay above every token the gate ever issued when the counter is
+-- lost (a restart: it starts again at the clock) or rolled back (a failover to a replica that
+-- missed the last grants: the clock is past them), unless the new server's clock is behind the
+-- old one's by more than the time between (tests/test_fault_holes.py). Holders also raise it
+-- above their own tokens (raise_seq). A parked caller's seq (its place in its lane) comes from
+-- the same counter, so later arrivals never sort before it; its fencing token is a fresh one
+-- taken when it is granted.
 local SEQ_PER_MS = 1000
 local function next_tokens(now, k)
   local t = redis.call('INCRBY', K_SEQ, k)
-  if t == k then
-    t = now * SEQ_PER_MS + k - 1
+  local least = now * SEQ_PER_MS + k - 1
+  if t < least then
+    t = least
     redis.call('SET', K_SEQ, string.format('%.0f', t))
   end
   return t - k + 1
@@ -541,7 +588,7 @@ end
 -- caller knows them. Returns (grants, waiters removed, units granted).
 local function handoff(now, cfg, lim, units)
   local free = lim - (units or units_held())
-  if free <= 0 then
+  if free <= 0 or cfg.fence > now then  -- full, or behind the recovery fence (gate_birth)
     adm_flush()
     return 0, 0, 0
   end

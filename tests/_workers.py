@@ -260,3 +260,23 @@ def hammer_with(
         return peak
 
     return asyncio.run(main())
+
+
+def hold_and_report(
+    url: str, prefix: str, gate: str, control_url: str, report: str, stop: str, hb: float
+) -> None:
+    """Take one permit, push its lease id and fencing token to ``report`` (a list on the
+    control Redis), and hold it -- through outages, renewed and adopted as the fleet does --
+    until ``stop`` exists there."""
+
+    async def main() -> None:
+        ctl = redis.asyncio.Redis.from_url(control_url, decode_responses=True)
+        fleet = Fleet(url, prefix=prefix, registry=CollectorRegistry(), heartbeat_interval=hb)
+        async with fleet:
+            async with fleet.gate(gate, floor=4).permit(deadline=30) as lease:
+                await ctl.rpush(report, lease.id, lease.token)
+                while not await ctl.exists(stop):
+                    await asyncio.sleep(0.02)
+        await ctl.aclose()
+
+    asyncio.run(main())

@@ -22,6 +22,7 @@ import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
+from fleetgate.keys import fleet_keys
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisClusterProcess, RedisProcess
 
 
@@ -68,8 +69,18 @@ def shared_redis() -> Iterator[RedisUnderTest]:
 
 @pytest.fixture
 def rut(shared_redis: RedisUnderTest) -> RedisUnderTest:
-    """The shared server with a fresh key prefix for this test."""
-    return RedisUnderTest(shared_redis.url, f"t{uuid.uuid4().hex[:10]}", shared_redis.process)
+    """The shared server with a fresh key prefix for this test.
+
+    The prefix is marked as one this server has held state under for long (``<prefix>:born``
+    = 0), which is true of every test prefix in the sense that matters: no process ran work
+    under it that a wipe could have lost. So a test's first gate is not held behind the
+    recovery fence (lua/lib.lua gate_birth) that a server seen empty imposes; tests of the
+    fence use their own servers (``own_redis``).
+    """
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    with redis.Redis.from_url(shared_redis.url) as client:
+        client.set(fleet_keys(prefix).born, 0)
+    return RedisUnderTest(shared_redis.url, prefix, shared_redis.process)
 
 
 @pytest.fixture(scope="session")

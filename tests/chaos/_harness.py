@@ -504,7 +504,7 @@ class Workers:
                 if not w.alive():
                     raise RuntimeError(f"worker {w.pod} exited early:\n{w.tail()}")
             st = self.control.statuses([w.pod for w in procs])
-            return all(s.get("state") in ("running", "done") for s in st.values())
+            return all(s.get("state") in ("running", "waiting", "done") for s in st.values())
 
         poll(ready, timeout, 0.05, "workers ready")
 

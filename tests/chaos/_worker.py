@@ -232,6 +232,14 @@ class Worker:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump_tasks)
         await self.ctl.delete(self.k_status, self.k_events, self.k_result)
         reporter = asyncio.create_task(self.reporter())
+        # ``open_key``: the process is up (imports done, reporting) but opens its fleet only
+        # once that control key exists: a pod with fresh connections at a moment the test picks
+        # (say the instant a wiped Redis answers again).
+        open_key = spec.get("open_key")
+        if open_key:
+            self.state = "waiting"
+            while not await self.ctl.exists(open_key):
+                await asyncio.sleep(0.002)
         fleet = Fleet(
             spec["url"],
             prefix=spec["prefix"],
