@@ -62,7 +62,10 @@ PRIORITIES = (-1, 0, 0, 1, 2)
 WEIGHTS = (1, 1, 1, 1, 2, 2, 3, 3, 5, 5, 6, 7)  # 6 = CEILING (above most limits), 7 never grantable
 TENANT_WEIGHTS = ("a}2", "", "a}2}b}3")  # the first is the gate's initial configuration
 LONG_MS = 600_000  # nothing expires by itself during a run; expiry is a rule
-SEQ0 = 1_000  # the gate's token counter at the start (so every token is predictable)
+# The gate's token counter at the start, so every token is predictable: ahead of server ms x
+# 1000 (the floor tokens never go below, lib.lua next_tokens; tested in tests/test_tokens.py)
+# until about 2096, and exact in a Lua double.
+SEQ0 = 4_000_000_000_000_000
 # lib.lua's per-call bounds
 REAP_MAX, HANDOFF_MAX, READMIT_MAX = 64, 256, 16
 DROP_MAX = 2 * REAP_MAX
