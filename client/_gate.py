@@ -86,6 +86,9 @@ _Call = tuple[str, int | None, str]
 
 # The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.
 _EVICTED = "x"
+# The wake value of a waiter refused because it weighs more than the ceiling C, lowered after it
+# parked, starts so: '<id>=c<C>'.
+_REFUSED = "c"
 
 
 @dataclass(frozen=True)
@@ -717,10 +720,13 @@ class Gate:
     # -- hand-offs (from the wake listener and the heartbeat) ----------------------------------
 
     def _woken(self, value: str) -> None:
-        """A wake: '<id>=<token>' (granted) or '<id>=x' (evicted by a higher band)."""
+        """A wake: '<id>=<token>' (granted), '<id>=x' (evicted by a higher band) or
+        '<id>=c<ceiling>' (heavier than the ceiling now in force)."""
         lease_id, _, token = value.rpartition("=")
         if token == _EVICTED:
             self.on_evicted(lease_id)
+        elif token.startswith(_REFUSED) and token[1:].isdigit():
+            self.on_too_heavy(lease_id, int(token[1:]))
         elif lease_id and token.isdigit():
             self.on_granted(lease_id, int(token))
 
@@ -735,6 +741,19 @@ class Gate:
                     0,
                     reason=f"the wait list is full and a call of a higher priority than "
                     f"{waiter.ask.priority} took this call's place in it",
+                )
+            )
+
+    def on_too_heavy(self, lease_id: str, ceiling: int) -> None:
+        """The gate's ceiling was lowered below ``lease_id``'s weight while it waited: it can
+        never be granted (the error an arrival that heavy gets)."""
+        waiter = self.waiters.get(lease_id)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_exception(
+                ConfigError(
+                    f"gate {self.name!r}: weight: {waiter.ask.weight} is above the gate's "
+                    f"ceiling ({ceiling}); it could never be granted (the ceiling was lowered "
+                    "while the call waited)"
                 )
             )
 
@@ -821,6 +840,8 @@ class Gate:
             self.on_granted(lease_id, token)
         for lease_id in reply.evicted:
             self.on_evicted(lease_id)
+        for lease_id in reply.too_heavy:
+            self.on_too_heavy(lease_id, reply.ceiling)
         for lease_id in reply.lost_waiters:
             waiter = self.waiters.get(lease_id)
             if waiter is not None and not waiter.future.done():

@@ -288,6 +288,10 @@ class HeartbeatReply:
     granted_tokens: list[int] = field(default_factory=list)
     #: waiters evicted by a higher band (they get Overloaded)
     evicted: list[str] = field(default_factory=list)
+    #: waiters refused because they weigh more than the ceiling, lowered after they parked
+    #: (they get ConfigError, as an arrival that heavy: TOO_HEAVY)
+    too_heavy: list[str] = field(default_factory=list)
+    ceiling: int = 0  # the ceiling in force
 
     @classmethod
     def decode(cls, r: Any) -> HeartbeatReply:
@@ -306,6 +310,8 @@ class HeartbeatReply:
             adopted=[_s(x) for x in r[11]],
             granted_tokens=[int(x) for x in r[12]],
             evicted=[_s(x) for x in r[13]],
+            too_heavy=[_s(x) for x in r[14]],
+            ceiling=int(r[15]),
         )
 
 

@@ -13,10 +13,12 @@
 --       (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate whose configuration is
 --       gone (read, never registered here).
 -- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,
---   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted}: the fencing
---   tokens of granted_waiters (fresh), the waiters evicted by a higher band (Overloaded),
---   the TTLs in force (the client paces its
---   heartbeat by them), the server time renewed leases now expire at, pod_new = 1 when this
---   pod's entry had to be created (first registration, or the entry expired or was wiped), and
---   the ids counted again because the gate had lost them before they could expire.
+--   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted, too_heavy,
+--   ceiling}: the fencing tokens of granted_waiters (fresh), the waiters evicted by a higher
+--   band (Overloaded), the waiters refused because they weigh more than the ceiling (lowered
+--   after they parked: ConfigError, as acquire's status 5; wake '<id>=c<ceiling>'), the
+--   ceiling in force, the TTLs in force (the client paces its heartbeat by them), the server
+--   time renewed leases now expire at, pod_new = 1 when this pod's entry had to be created
+--   (first registration, or the entry expired or was wiped), and the ids counted again
+--   because the gate had lost them before they could expire.
 return heartbeat_gate(ARGV)

@@ -23,9 +23,13 @@ local function heartbeat_gate(A)
   -- work the fence waits for
   gate_birth(now, cfg, num(A[i_tail + 1], 0), A[i_tail + 2] or '')
   reap(now)
+  -- heads heavier than the ceiling (lowered while they waited in big) are refused first, so
+  -- this pod's own are reported in this reply (too_heavy)
+  refuse_big(now, cfg)
 
   local lease_expiry = now + cfg.lease_ms
   local lost, granted, lost_waiters, adopted, evicted = {}, {}, {}, {}, {}
+  local too_heavy = {}
   -- Renew id's lease if it still holds an unexpired one; one that expired is removed, never
   -- revived, unless the pod knows it was renewed to a time still ahead (known > now): then it
   -- is counted again (its weight too, before it is added).
@@ -63,10 +67,16 @@ local function heartbeat_gate(A)
       redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
     elseif renew(id, 0) then
       granted[#granted + 1] = id
-    elseif redis.call('ZSCORE', K_EVICTED, id) then
-      evicted[#evicted + 1] = id
     else
-      lost_waiters[#lost_waiters + 1] = id
+      -- evicted by a higher band ('<id>'), or refused as heavier than the ceiling ('<id>=c')
+      local gone = redis.call('ZMSCORE', K_EVICTED, id, id .. '=c')
+      if gone[1] then
+        evicted[#evicted + 1] = id
+      elseif gone[2] then
+        too_heavy[#too_heavy + 1] = id
+      else
+        lost_waiters[#lost_waiters + 1] = id
+      end
     end
   end
   if #adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #adopted) end
@@ -89,5 +99,5 @@ local function heartbeat_gate(A)
   adm_flush()
   return {lim, live, lost, granted, lost_waiters,
     redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
-    lease_expiry, pod_new, adopted, tokens, evicted}
+    lease_expiry, pod_new, adopted, tokens, evicted, too_heavy, cfg.ceiling}
 end

@@ -523,9 +523,12 @@ local function reap(now)
   reap_evicted(now)
 end
 
+local refuse_heads  -- defined below, after handoff (which calls it)
+
 -- Wake-ups of one call, grouped by pod: one RPUSH (and PEXPIRE) per pod, not per id. Ids are
 -- '<pod-id>:<n>[w<W>]'; the pod id is everything before the last colon. A wake is
--- '<id>=<token>' (granted, with its fencing token) or '<id>=x' (evicted: Overloaded).
+-- '<id>=<token>' (granted, with its fencing token), '<id>=x' (evicted: Overloaded) or
+-- '<id>=c<C>' (refused: heavier than the ceiling C now in force; ConfigError, see refuse_heads).
 local function new_wakes()
   return {pods = {}, values = {}}
 end
@@ -644,7 +647,9 @@ local function handoff(now, cfg, lim, units)
         local id = member_id(m)
         local w = weight_of(id)
         local expires = tonumber(alive[i])
-        if expires == nil or expires <= now then
+        -- a head heavier than the ceiling (lowered after it parked) can never be granted: it is
+        -- dropped as a dead one is, and refused below (refuse_heads)
+        if expires == nil or expires <= now or w > cfg.ceiling then
           gone[#gone + 1] = m
           dropped = dropped + 1
           if rsv == m then
@@ -723,16 +728,74 @@ local function handoff(now, cfg, lim, units)
     redis.call('HINCRBY', K_STATS, 'granted', #grants)
     redis.call('HINCRBY', K_STATS, 'handed_off', #grants)
   end
-  if dropped > 0 then redis.call('HINCRBY', K_STATS, 'abandoned_waiters', dropped) end
+  if dropped > 0 then
+    -- of the heads dropped, those heavier than the ceiling are refused (dead or not: a waiter
+    -- whose entry expired would be refused as it parked again); granted heads never weigh that
+    local refused = {}
+    for _, m in ipairs(gone) do
+      local id = member_id(m)
+      if weight_of(id) > cfg.ceiling then refused[#refused + 1] = id end
+    end
+    if dropped > #refused then
+      redis.call('HINCRBY', K_STATS, 'abandoned_waiters', dropped - #refused)
+    end
+    refuse_heads(now, cfg, refused)
+  end
   adm_flush()
   return #grants, #gone, granted_units
 end
 
--- Reap, re-admit lanes that fit the limit now, then move the wait list: the epilogue of the
--- rare transitions (cancel, set_target, publish). Returns (limit, grants made); handoff has
--- written the adm fields.
+-- Waiters heavier than the gate can ever hold: the ceiling in force was lowered after they
+-- parked (an arrival that heavy is refused by acquire: status 5). Such a head is refused as that
+-- arrival would be (the client raises the same ConfigError), and its lane moves on: ids (already
+-- removed from lanes and waiters) are recorded in fg:{G}:evicted as '<id>=c' for 2 x waiter_ms,
+-- so a pod that missed the wake '<id>=c<ceiling>' learns of it from its heartbeat (reply field
+-- too_heavy), and counted in stats too_heavy.
+refuse_heads = function(now, cfg, ids)
+  if #ids == 0 then return end
+  local until_, c = now + 2 * cfg.waiter_ms, string.format('%.0f', cfg.ceiling)
+  local records, wakes = {}, new_wakes()
+  for _, id in ipairs(ids) do
+    records[#records + 1] = until_
+    records[#records + 1] = id .. '=c'
+    add_wake(wakes, id, id .. '=c' .. c)
+  end
+  redis.call('ZADD', K_EVICTED, unpack(records))
+  send_wakes(wakes, cfg)
+  redis.call('HINCRBY', K_STATS, 'too_heavy', #ids)
+end
+
+-- Lanes of big whose head weighs more than the ceiling (it was lowered while they waited there)
+-- refuse their heads (refuse_heads): at most REFUSE_LANES lanes and REFUSE_HEADS heads of each
+-- per call; a lane with more such heads stays in big, scored by the next one, for the next
+-- call. A lane whose new head fits the limit is re-admitted by the readmit that follows.
+-- handoff refuses such heads of the fair order as it meets them. Returns the refusals.
+local REFUSE_LANES, REFUSE_HEADS = 16, 16
+local function refuse_big(now, cfg)
+  local c = string.format('%.0f', cfg.ceiling)
+  local lanes = redis.call('ZRANGEBYSCORE', K_BIG, '(' .. c, '+inf', 'LIMIT', 0, REFUSE_LANES)
+  if #lanes == 0 then return 0 end
+  local members, ids = {}, {}
+  for _, lane in ipairs(lanes) do
+    local lo, hi = lane_range(lane)
+    for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, REFUSE_HEADS)) do
+      local id = member_id(m)
+      if weight_of(id) <= cfg.ceiling then break end
+      members[#members + 1] = m
+      ids[#ids + 1] = id
+    end
+  end
+  remove_waiters(members)  -- a lane left in big is scored by its new head
+  refuse_heads(now, cfg, ids)
+  return #ids
+end
+
+-- Reap, refuse heads heavier than the ceiling, re-admit lanes that fit the limit now, then move
+-- the wait list: the epilogue of the rare transitions (cancel, set_target, publish). Returns
+-- (limit, grants made); handoff has written the adm fields.
 local function settle(now, cfg)
   reap(now)
+  refuse_big(now, cfg)
   local lim = current_limit(now, cfg)
   readmit(lim)
   return lim, handoff(now, cfg, lim)

@@ -1,7 +1,8 @@
 -- publish: everything the coordinator writes of one gate per poll, fenced by the leader's epoch in
 -- one call: the gate configuration, the utilisation snapshot (with the controller state a new
 -- leader resumes from), and optionally a new target; then any new room is handed to the head
--- waiters at once (a target increase or a raised floor).
+-- waiters at once (a target increase or a raised floor); a lowered ceiling refuses the waiters
+-- heavier than it (lib.lua refuse_heads: ConfigError, as an arrival that heavy gets).
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 epoch  2 ttl_ms (of the target)  3 target value, or '' to leave the target alone
 --       4 n = number of cfg fields, then n (field, value) pairs for fg:{G}:cfg (the pair

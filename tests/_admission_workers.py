@@ -17,7 +17,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
-from fleetgate.errors import DeadlineExceeded, Overloaded
+from fleetgate.errors import ConfigError, DeadlineExceeded, Overloaded
 
 T = TypeVar("T")
 
@@ -195,5 +195,31 @@ def flood(
 
             await asyncio.gather(*(one() for _ in range(calls)))
         return {"tokens": tokens, "overloaded": overloaded}
+
+    return asyncio.run(main())
+
+
+def park_heavy(
+    url: str, prefix: str, gate: str, limit: int, weight: int, wait_s: float
+) -> dict[str, Any]:
+    """One call of ``weight`` with no deadline on a gate of floor = ceiling = ``limit``; returns
+    how it ended (``error``: the exception's type name, '' when granted; ``message``) and the
+    wall time it ended at. Gives up (``error`` 'still parked') after ``wait_s``, so a call that
+    would park for ever cannot hang the test."""
+
+    async def main() -> dict[str, Any]:
+        async with Fleet(
+            url, prefix=prefix, registry=CollectorRegistry(), heartbeat_interval=0.2
+        ) as fleet:
+            g = fleet.gate(gate, floor=limit, ceiling=limit)
+            error, message = "", ""
+            try:
+                lease = await asyncio.wait_for(g.acquire(deadline=None, weight=weight), wait_s)
+                await lease.release()
+            except asyncio.TimeoutError:
+                error = "still parked"
+            except (ConfigError, Overloaded, DeadlineExceeded) as exc:
+                error, message = type(exc).__name__, str(exc)
+            return {"error": error, "message": message, "at": time.time()}
 
     return asyncio.run(main())

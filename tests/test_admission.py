@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from fleetgate.admission import member_id
 from fleetgate.client import Fleet
-from fleetgate.errors import ConfigError, Overloaded
+from fleetgate.errors import ConfigError, DeadlineExceeded, Overloaded
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import SCHEMA, GateScripts
 from fleetgate.settings import GateSettings
@@ -261,6 +261,66 @@ async def test_oversize_head_waits_for_the_limit_without_blocking_others(
     lease = await asyncio.wait_for(task, 5)
     assert lease.weight == 6
     await lease.release()
+
+
+async def test_a_lowered_ceiling_refuses_the_parked_head_and_its_lane_moves_on(
+    rut: RedisUnderTest, r: redis.Redis, fleet: Fleet
+) -> None:
+    """Issue 21 item 3. floor = ceiling = 8; another process parks a weight-8 call (no
+    deadline) while this one holds a unit; the coordinator lowers floor and ceiling to 4 and
+    the unit is released. The heavy call can never be granted now: its caller gets the
+    ConfigError an arrival of weight 8 gets, and a weight-1 call of the same lane is granted at
+    once. Was: the heavy head sat in `big` for ever and the weight-1 call timed out after 3 s
+    with 0 of 4 units held."""
+    gate = fleet.gate("lowered", floor=8, ceiling=8)
+    held = await gate.acquire()
+    with ctx.Pool(1) as pool:
+        heavy = pool.apply_async(workers.park_heavy, (rut.url, rut.prefix, "lowered", 8, 8, 20.0))
+        await asyncio.to_thread(wait_for, lambda: r.zcard(gate.keys.waiters) == 1, 30)
+        published = time.time()
+        await publish_cfg(rut.url, gate.keys, {"floor": 4, "ceiling": 4})
+        await held.release()
+        t0 = time.monotonic()
+        try:
+            lease = await gate.acquire(deadline=3)
+        except DeadlineExceeded:
+            pytest.fail(
+                f"the weight-1 call timed out after {time.monotonic() - t0:.1f} s with "
+                f"{units(r, gate.keys)} of 4 units held"
+            )
+        granted_ms = (time.monotonic() - t0) * 1000
+        assert units(r, gate.keys) == 1
+        await lease.release()
+        out = await asyncio.to_thread(heavy.get, 30)
+    refused_ms = (out["at"] - published) * 1000
+    print(f"weight-1 granted in {granted_ms:.0f} ms; heavy caller {out['error']} "
+          f"{refused_ms:.0f} ms after the publish")  # fmt: skip
+    assert out["error"] == "ConfigError", out
+    assert "weight: 8 is above the gate's ceiling (4)" in out["message"]
+    assert granted_ms < 1000 and refused_ms < 2000, (granted_ms, refused_ms)
+    assert int(r.hget(gate.keys.stats, "too_heavy") or 0) == 1
+    wait_for(lambda: units(r, gate.keys) == 0, 5)
+    assert_no_trace(r, gate.keys)
+
+
+async def test_a_refusal_whose_wake_is_lost_reaches_its_caller_by_the_heartbeat(
+    fleet: Fleet, r: redis.Redis
+) -> None:
+    """As above, with the wake of the refusal lost: the pod's next heartbeat reports the waiter
+    as too heavy and its caller gets the ConfigError (not Overloaded, not parked again)."""
+    gate = fleet.gate("lowered-lost", floor=8, ceiling=8)
+    held = await gate.acquire()
+    gate._woken = lambda value: None  # type: ignore[method-assign]
+    heavy = asyncio.create_task(gate.acquire(deadline=None, weight=8))
+    await asyncio.to_thread(wait_for, lambda: r.zcard(gate.keys.waiters) == 1, 10)
+    t0 = time.monotonic()
+    await publish_cfg(fleet.url, gate.keys, {"floor": 4, "ceiling": 4})
+    with pytest.raises(ConfigError, match=r"weight: 8 is above the gate's ceiling \(4\)"):
+        await asyncio.wait_for(heavy, 5)
+    print(f"heavy caller ConfigError {(time.monotonic() - t0) * 1000:.0f} ms after the publish "
+          "(wake lost, heartbeat 0.2 s)")  # fmt: skip
+    assert r.zcard(gate.keys.waiters) == 0
+    await held.release()
 
 
 async def test_full_list_evicts_the_lowest_band(fleet: Fleet, async_redis: aredis.Redis) -> None:

@@ -15,7 +15,7 @@ import redis
 
 from fleetgate.admission import lane_class
 from fleetgate.keys import GateKeys
-from fleetgate.scripts import SCRIPT_NAMES, script_source
+from fleetgate.scripts import SCRIPT_NAMES, HeartbeatReply, script_source
 
 from .conftest import RedisUnderTest
 
@@ -164,3 +164,158 @@ def test_units_an_acquire_reaps_go_to_the_waiters_even_when_it_refuses(r: redis.
     assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:h1", "pw:1w2"]
     [wake] = r.lrange(g.keys.wake("pw"), 0, -1)
     assert wake.startswith("pw:1w2=")
+
+
+# -- Issue 21 item 3: a lowered ceiling wedged a lane for good ---------------------------------
+# A head heavier than the ceiling in force (lowered after it parked) waited in `big` for a limit
+# the ceiling forbids, and every waiter of its lane behind it waited too (a weight-1 call timed
+# out with 0 of 4 units held). Now it is refused as an arrival that heavy is (ConfigError: wake
+# '<id>=c<ceiling>', or the heartbeat's too_heavy list when the wake is lost) and its lane moves
+# on; a head heavier than the limit but within the ceiling still waits.
+
+
+def publish(g: Gate, **cfg: object) -> list[Any]:
+    flat = [x for kv in cfg.items() for x in kv]
+    reply = g.call("publish", 1, LONG_MS, "", len(cfg), *flat)
+    assert reply[0] == 1
+    return reply  # type: ignore[no-any-return]
+
+
+def member_of(g: Gate, lease_id: str) -> str:
+    [m] = [m for m in g.r.zrange(g.keys.lanes, 0, -1) if m.endswith("}" + lease_id)]
+    return m
+
+
+def heartbeat(g: Gate, pod: str, *members: str) -> HeartbeatReply:
+    args: list[object] = [pod, 10_000, 0, len(members)]
+    for m in members:
+        args += [m, LONG_MS]
+    args.append(0)
+    return HeartbeatReply.decode(g.call("heartbeat", *args))
+
+
+def wakes(g: Gate, pod: str) -> list[str]:
+    return g.r.lrange(g.keys.wake(pod), 0, -1)  # type: ignore[return-value]
+
+
+def refused_once(g: Gate, lease_id: str) -> None:
+    """lease_id was refused (heavier than the ceiling), recorded for the heartbeat, counted."""
+    assert lease_id not in {m.rsplit("}", 1)[1] for m in g.r.zrange(g.keys.waiters, 0, -1)}
+    assert g.r.zscore(g.keys.evicted, f"{lease_id}=c") is not None
+    assert g.r.zscore(g.keys.evicted, lease_id) is None  # not an eviction (Overloaded)
+    assert int(g.r.hget(g.keys.stats, "too_heavy") or 0) == 1
+    assert g.scheduled() == g.lanes()
+
+
+def test_a_publish_lowering_the_ceiling_refuses_a_parked_head_too_heavy_for_it(
+    r: redis.Redis,
+) -> None:
+    """The issue's scenario at script level: floor = ceiling = 8, pb:1w8 parks (reserved) while
+    a unit is held, pb:2 parks behind it in the same lane; the publish lowering floor and
+    ceiling to 4 refuses pb:1w8 and hands a unit to pb:2 in the same call."""
+    g = Gate(r, max_queued=10, floor=8, ceiling=8)
+    assert g.acquire(("pa:1", 0, None)) == [1]
+    assert g.acquire(("pb:1w8", 0, None), ("pb:2", 0, None)) == [2, 2]
+    assert publish(g, floor=4, ceiling=4)[3] == 1  # one grant: pb:2
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:1", "pb:2"]
+    [refusal, grant] = sorted(wakes(g, "pb"))
+    assert refusal == "pb:1w8=c4" and grant.startswith("pb:2=")
+    refused_once(g, "pb:1w8")
+    assert r.zcard(g.keys.lanes) == 0 and r.zcard(g.keys.big) == 0
+
+
+def test_a_lane_already_in_big_is_refused_by_the_publish_that_lowers_the_ceiling(
+    r: redis.Redis,
+) -> None:
+    """pb:1w8 waits in big (limit 2 < 8 <= ceiling 8) with pb:2 behind it; a publish lowering
+    the ceiling to 4 refuses it from big, and pb:2 is granted."""
+    g = Gate(r, max_queued=10, floor=2, ceiling=8)
+    assert g.acquire(("pa:1", 0, None)) == [1]
+    assert g.acquire(("pb:1w8", 0, None), ("pb:2", 0, None)) == [2, 2]
+    assert r.zrange(g.keys.big, 0, -1, withscores=True) == [("}100", 8.0)]
+    assert publish(g, ceiling=4)[3] == 1
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:1", "pb:2"]
+    assert "pb:1w8=c4" in wakes(g, "pb")
+    refused_once(g, "pb:1w8")
+
+
+def test_a_set_target_refuses_a_head_above_a_ceiling_lowered_without_a_settle(
+    r: redis.Redis,
+) -> None:
+    """A ceiling written without a settle (by hand, or an older coordinator's publish): the next
+    set_target refuses the head of big that weighs more than it."""
+    g = Gate(r, max_queued=10, floor=2, ceiling=8)
+    assert g.acquire(("pa:1", 0, None)) == [1]
+    assert g.acquire(("pb:1w8", 0, "t"), ("pb:2w3", 0, "t")) == [2, 2]
+    r.hset(g.keys.cfg, "ceiling", 4)
+    assert g.call("set_target", 4, 1, LONG_MS)[:2] == [1, 4]
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:1", "pb:2w3"]
+    assert "pb:1w8=c4" in wakes(g, "pb")
+    refused_once(g, "pb:1w8")
+
+
+def test_a_heartbeat_refuses_a_head_above_the_ceiling_and_reports_it(r: redis.Redis) -> None:
+    """The heartbeat refuses a head of big heavier than the ceiling, reports it to its own pod
+    in the same reply (too_heavy, with the ceiling), and the lane's next head is granted."""
+    g = Gate(r, max_queued=10, floor=2, ceiling=8)
+    assert g.acquire(("pa:1", 0, None)) == [1]
+    assert g.acquire(("pb:1w8", 0, None), ("pb:2", 0, None)) == [2, 2]
+    heavy, light = member_of(g, "pb:1w8"), member_of(g, "pb:2")
+    r.hset(g.keys.cfg, "ceiling", 4)
+    reply = heartbeat(g, "pb", heavy, light)
+    assert (reply.too_heavy, reply.ceiling) == (["pb:1w8"], 4)
+    assert reply.evicted == [] and reply.lost_waiters == []
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:1", "pb:2"]
+    assert "pb:1w8=c4" in wakes(g, "pb")
+    refused_once(g, "pb:1w8")
+
+
+def test_a_refusal_whose_wake_is_lost_is_reported_by_the_next_heartbeat(r: redis.Redis) -> None:
+    """The publish refused pb:1w8 but its wake list is gone (a Redis failover, a pod that popped
+    and died): the pod's next heartbeat reports it in too_heavy, not as lost (which would park
+    it again) nor as evicted (Overloaded)."""
+    g = Gate(r, max_queued=10, floor=8, ceiling=8)
+    assert g.acquire(("pa:1", 0, None)) == [1]
+    assert g.acquire(("pb:1w8", 0, None)) == [2]
+    heavy = member_of(g, "pb:1w8")
+    publish(g, floor=4, ceiling=4)
+    assert r.delete(g.keys.wake("pb")) == 1
+    reply = heartbeat(g, "pb", heavy)
+    assert (reply.too_heavy, reply.ceiling) == (["pb:1w8"], 4)
+    assert reply.lost_waiters == [] and reply.evicted == [] and reply.granted_waiters == []
+
+
+def test_a_release_refuses_a_fair_head_the_lowered_ceiling_left_when_the_gate_was_full(
+    r: redis.Redis,
+) -> None:
+    """The gate was full when the ceiling was lowered, so the publish's hand-off never met the
+    heavy head (still first in the fair order); the release that frees a unit refuses it and
+    grants the next head."""
+    g = Gate(r, max_queued=10, floor=8, ceiling=8)
+    held = [f"pa:{i}" for i in range(8)]
+    assert g.acquire(*((h, 0, None) for h in held)) == [1] * 8
+    assert g.acquire(("pb:1w8", 0, None), ("pb:2", 0, None)) == [2, 2]
+    assert publish(g, floor=4, ceiling=4)[3] == 0
+    assert r.zcard(g.keys.evicted) == 0  # not met yet (the limit is held)
+    assert g.call("release", 0, *held[:5]) == 5
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == [*held[5:], "pb:2"]
+    assert "pb:1w8=c4" in wakes(g, "pb")
+    refused_once(g, "pb:1w8")
+    assert int(r.hget(g.keys.stats, "abandoned_waiters") or 0) == 0
+
+
+def test_a_head_above_the_limit_within_the_ceiling_keeps_waiting(r: redis.Redis) -> None:
+    """Unchanged rule: a head heavier than the limit but not than the ceiling waits in big
+    through publishes, heartbeats and set_targets below it, and is granted once the limit
+    reaches its weight."""
+    g = Gate(r, max_queued=10, floor=2, ceiling=8)
+    assert g.acquire(("pb:1w6", 0, None)) == [2]
+    heavy = member_of(g, "pb:1w6")
+    publish(g, ceiling=6)  # lowered to its weight exactly: still grantable
+    reply = heartbeat(g, "pb", heavy)
+    assert reply.too_heavy == [] and reply.ceiling == 6
+    assert g.call("set_target", 5, 1, LONG_MS)[:2] == [1, 5]
+    assert r.zrange(g.keys.big, 0, -1, withscores=True) == [("}100", 6.0)]
+    assert r.zcard(g.keys.evicted) == 0 and r.hget(g.keys.stats, "too_heavy") is None
+    assert g.call("set_target", 6, 1, LONG_MS)[:2] == [1, 6]
+    assert r.zrange(g.keys.holders, 0, -1) == ["pb:1w6"]
