@@ -69,6 +69,8 @@ SEQ0 = 4_000_000_000_000_000
 # lib.lua's per-call bounds
 REAP_MAX, HANDOFF_MAX, READMIT_MAX = 64, 256, 16
 DROP_MAX = 2 * REAP_MAX
+REFUSE_LANES, REFUSE_HEADS = 16, 16
+CEILINGS = (CEILING, CEILING, 4, 3)  # what the coordinator's publish sets (lowered: refusals)
 
 # FLEETGATE_MODEL_MIRROR=0 checks the rules alone (not the exact state): to see that a mutation
 # of lib.lua breaks a rule, not only the mirror.
@@ -159,7 +161,8 @@ class GateModel:
         self.seq = SEQ0
         self.stats: Counter[str] = Counter()
         self.wakes: dict[str, list[str]] = {}
-        self.evicted: set[str] = set()  # ids
+        self.evicted: set[str] = set()  # ids (evicted), '<id>=c' (refused: above the ceiling)
+        self.ceiling = CEILING
         self.tokens: list[int] = []  # fencing tokens in grant order
         self.granted_seq: dict[str, int] = {}  # lane -> seq of its last waiter granted
         # this acquire call's parks (not yet in Redis: lib.lua adds them at the end)
@@ -171,7 +174,7 @@ class GateModel:
         lim = FLOOR
         if self.target["value"] is not None and not self.target["expired"]:
             lim = self.target["value"]
-        return max(FLOOR, min(CEILING, lim))
+        return max(FLOOR, min(self.ceiling, lim))
 
     def units(self) -> int:
         return sum(weight_of(h) for h in self.holders)
@@ -296,6 +299,7 @@ class GateModel:
         if free <= 0:
             return 0, 0, 0
         grants: list[str] = []
+        refused: list[str] = []  # heads heavier than the ceiling, dead or not (in dropped too)
         gone = dropped = granted_units = 0
         stop, turns = False, 0
         while not stop and len(grants) < HANDOFF_MAX and dropped < DROP_MAX:
@@ -337,7 +341,9 @@ class GateModel:
             i = 0
             while i < last:
                 m = heads[i]
-                if m.member in self.expired:
+                if m.member in self.expired or m.w > self.ceiling:
+                    if m.w > self.ceiling:
+                        refused.append(m.id)
                     self.lanes[lane].remove(m)
                     self.expired.discard(m.member)
                     gone += 1
@@ -402,11 +408,33 @@ class GateModel:
                 self.wake(lid, f"{lid}={first + k}")
             self.stats["granted"] += len(grants)
             self.stats["handed_off"] += len(grants)
-        self.stats["abandoned_waiters"] += dropped
+        self.stats["abandoned_waiters"] += dropped - len(refused)
+        self.refuse_heads(refused)
         return len(grants), gone, granted_units
+
+    def refuse_heads(self, ids: list[str]) -> None:
+        for lid in ids:
+            self.evicted.add(f"{lid}=c")
+            self.wake(lid, f"{lid}=c{self.ceiling}")
+        self.stats["too_heavy"] += len(ids)
+
+    def refuse_big(self) -> None:
+        """lib.lua's refuse_big: the heads of big heavier than the ceiling are refused."""
+        lanes = sorted((s, lane) for lane, s in self.big.items() if s > self.ceiling)
+        members, ids = [], []
+        for _, lane in lanes[:REFUSE_LANES]:
+            for w in self.lanes.get(lane, [])[:REFUSE_HEADS]:
+                if w.w <= self.ceiling:
+                    break
+                members.append(w.member)
+                ids.append(w.id)
+        if members:
+            self.remove_waiters(members)
+        self.refuse_heads(ids)
 
     def settle(self) -> int:
         self.reap()
+        self.refuse_big()
         lim = self.limit()
         self.readmit(lim)
         self.handoff(lim)
@@ -467,8 +495,8 @@ class GateModel:
         token_at = self.seq  # tokens of this call's grants and parks follow in request order
         for req in reqs:
             w, lane, r = req.w, req.lane, band(req.lane)
-            if w > CEILING:
-                decided.append((TOO_HEAVY, CEILING))
+            if w > self.ceiling:
+                decided.append((TOO_HEAVY, self.ceiling))
                 continue
             blocked = False
             if queued > 0:
@@ -577,7 +605,8 @@ class GateModel:
 
     def heartbeat(self, leases: list[str], members: list[str]) -> dict[str, Any]:
         self.reap()
-        lost, granted, lost_waiters, evicted = [], [], [], []
+        self.refuse_big()
+        lost, granted, lost_waiters, evicted, too_heavy = [], [], [], [], []
         for lid in leases:
             if lid not in self.holders:
                 lost.append(lid)
@@ -590,6 +619,8 @@ class GateModel:
                 granted.append(lid)
             elif lid in self.evicted:
                 evicted.append(lid)
+            elif f"{lid}=c" in self.evicted:
+                too_heavy.append(lid)
             else:
                 lost_waiters.append(lid)
         tokens = []
@@ -607,6 +638,8 @@ class GateModel:
             "units": self.units(),
             "tokens": tokens,
             "evicted": evicted,
+            "too_heavy": too_heavy,
+            "ceiling": self.ceiling,
         }
 
 
@@ -755,26 +788,26 @@ class GateMachine(RuleBasedStateMachine):
         assert accepted == 1
         self.epoch = max(self.epoch, epoch)
         self.m.target.update(value=value, epoch=epoch, expired=False)
-        self.m.reap()
-        lim = self.m.limit()
-        self.m.readmit(lim)
-        self.m.handoff(lim)
+        self.m.settle()
         self.step(handed_off=True)
 
     @precondition(lambda self: not self.default_only)
-    @rule(tw=st.sampled_from(TENANT_WEIGHTS), shed_below=st.sampled_from((-1, 0)))
-    def publish(self, tw: str, shed_below: int) -> None:
-        """The coordinator's poll: tenant weights and shed_below (the target left alone)."""
-        cfg = ["tenant_weights", tw, "shed_below", shed_below]
-        assert self.call("publish", self.epoch, LONG_MS, "", 2, *cfg)[0] == 1
+    @rule(
+        tw=st.sampled_from(TENANT_WEIGHTS),
+        shed_below=st.sampled_from((-1, 0)),
+        ceiling=st.sampled_from(CEILINGS),
+    )
+    def publish(self, tw: str, shed_below: int, ceiling: int) -> None:
+        """The coordinator's poll: tenant weights, shed_below and the ceiling (the target left
+        alone); a lowered ceiling refuses the waiters heavier than it."""
+        cfg = ["tenant_weights", tw, "shed_below", shed_below, "ceiling", ceiling]
+        assert self.call("publish", self.epoch, LONG_MS, "", 3, *cfg)[0] == 1
         parts = tw.split("}") if tw else []
         self.m.tw = {parts[i]: int(parts[i + 1]) for i in range(0, len(parts), 2)}
         self.m.shed_below = shed_below
+        self.m.ceiling = ceiling
         self.m.target["epoch"] = self.epoch
-        self.m.reap()
-        lim = self.m.limit()
-        self.m.readmit(lim)
-        self.m.handoff(lim)
+        self.m.settle()
         self.step(handed_off=True)
 
     @rule()
@@ -812,10 +845,13 @@ class GateMachine(RuleBasedStateMachine):
             "units": int(reply[6]),
             "tokens": [int(x) for x in reply[12]],
             "evicted": reply[13],
+            "too_heavy": reply[14],
+            "ceiling": int(reply[15]),
         }
         assert got == want or not MIRROR
         for m in members:
-            if m.rpartition("}")[2] not in want["granted"] + want["lost_waiters"] + want["evicted"]:
+            ended = want["granted"] + want["lost_waiters"] + want["evicted"] + want["too_heavy"]
+            if m.rpartition("}")[2] not in ended:
                 continue
             self.believed[pod].discard(m)
         self.step(handed_off=True)
