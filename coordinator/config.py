@@ -136,7 +136,8 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     #: the leader's lease (whole milliseconds in Redis: at least 0.01 s)
     leader_ttl: Annotated[float, Meta(ge=0.01, le=3600)] = 10.0
     metrics_listen: str = "127.0.0.1:9464"
-    #: a published target expires after this many poll intervals without a fresh poll
+    #: a published target expires after this many poll intervals without a fresh poll, plus one
+    #: leader takeover (``target_ttl``): a dead leader's targets outlive its successor's election
     target_ttl_polls: Annotated[int, Meta(ge=1)] = 3
     #: total seconds per /metrics scrape; unset = min(2 s, poll_interval), so it always fits the
     #: poll (an explicit value above poll_interval is refused)
@@ -164,9 +165,33 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
         return _parse_listen(self.metrics_listen)
 
     @property
+    def campaign_interval(self) -> float:
+        """Seconds between a standby's tries of the leader lease (at most 1 s, ttl/3 below)."""
+        return min(1.0, self.leader_ttl / 3)
+
+    @property
+    def takeover(self) -> float:
+        """The longest a SIGKILLed leader's gates go without a new target, beyond the poll gap:
+        its lease lapses at most ``leader_ttl`` after its death (it renewed at most then), a
+        standby tries it ``campaign_interval`` later at most, and its first poll (at once on
+        winning) publishes after one scrape, at most ``scrape_timeout``."""
+        return self.leader_ttl + self.campaign_interval + self.scrape_timeout
+
+    @property
     def target_ttl(self) -> float:
-        """Lifetime of a published target in seconds (``target_ttl_polls`` poll intervals)."""
-        return self.target_ttl_polls * self.poll_interval
+        """Lifetime of a published target in seconds: ``target_ttl_polls`` poll intervals plus
+        one :attr:`takeover` (6 + 13 = 19 s with the defaults).
+
+        Why the takeover is in it: a new leader resumes a gate's stored controller state only
+        while the gate's target is live (one that ran out restarts from the floor: every
+        coordinator was gone). With 3 polls alone (6 s) every target ran out during a takeover
+        (~10 s), so a SIGKILLed leader restarted every adaptive gate from its floor (64 -> 8 in
+        tests/test_leader_failover.py) and the pods ran at the floor meanwhile. With the
+        takeover added, targets outlive it by construction for every accepted configuration,
+        and a real blackout (no coordinator left) still decays to the floor, one takeover later.
+        A live leader that is blind to a server does not wait for that: its controller
+        publishes the floor after ``target_ttl_polls`` unknown polls (docs/aimd.md)."""
+        return self.target_ttl_polls * self.poll_interval + self.takeover
 
 
 class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

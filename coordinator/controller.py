@@ -19,7 +19,8 @@ estimate alone, else unknown.
    allowed when the engine runs fewer than the target while queueing (its capacity is lower).
 3. signals unknown / scrape failed        -> ``hold_unknown`` (not re-published, so the published
    lease decays); after ``unknown_reset_polls`` such polls -> ``reset`` to floor and slow start
-   (``C`` is kept, so the next ramp stops at it).
+   (``C`` is kept, so the next ramp stops at it), the floor published once (the last target
+   may outlive those polls: its lifetime includes a leader takeover).
 4. near-full -- the server runs >= 0.8*T *and* the fleet holds >= 0.8*T (either alone when the
    other is unknown) -- and not saturated:
    * ``C`` known and above T -> ``min(2T, C)`` (``slow_start`` while doubling, ``increase`` when
@@ -389,10 +390,15 @@ def _unknown(state: ControllerState, p: ControllerParams, sat: bool | None) -> D
     ``unknown_reset_polls`` such polls restart from the floor."""
     streak = state.unknown_streak + 1
     if streak >= p.unknown_reset_polls:
-        # The last published lease has run out by now: the fleet is at the floor.
+        # The last published target may still be live (it outlives a leader takeover:
+        # CoordinatorSettings.target_ttl): the reset publishes the floor once, so a leader that
+        # is blind to a server brings its fleet to the floor after these polls, not a takeover
+        # later. (A target at the floor already, or never published, needs no write.)
         new = msgspec.structs.replace(restart_from_floor(state, p), unknown_streak=streak)
-        reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
-        return Decision(new, p.floor, reason, publish=False, saturated=sat)
+        first = streak == p.unknown_reset_polls
+        reason = Reason.RESET if first else Reason.HOLD_UNKNOWN
+        publish = first and state.target > p.floor
+        return Decision(new, p.floor, reason, publish=publish, saturated=sat)
     new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=streak, probes=0)
     return Decision(new, state.target, Reason.HOLD_UNKNOWN, publish=False, saturated=sat)
 

@@ -319,7 +319,8 @@ class Coordinator:
                     await self._diagnose(exc)
             leading = election.is_leader
             self.metrics.leader.set(1 if leading else 0)
-            await asyncio.sleep(ttl / 3 if leading else min(1.0, ttl / 3))
+            # a standby's period is part of a target's lifetime (CoordinatorSettings.takeover)
+            await asyncio.sleep(ttl / 3 if leading else self.config.coordinator.campaign_interval)
 
     async def _on_new_term(self, term: Leadership) -> None:
         """Warm failover: continue from the controller states the last leader stored."""
@@ -560,9 +561,9 @@ class Coordinator:
         return pub
 
     def _held(self, gate: GateConfig, in_flight: int | None, now: float) -> Publication:
-        """An unknown poll for this gate: held, not published, and from the floor after
-        ``unknown_reset_polls`` of them (its target has run out by then), as for a scrape that
-        failed -- else the first good poll would publish the stale target at once."""
+        """An unknown poll for this gate: held, not published, and from the floor (published
+        once) after ``unknown_reset_polls`` of them, as for a scrape that failed -- else the
+        first good poll would publish the stale target at once."""
         decision: Decision | GradientDecision
         if gate.name in self.latency_params:
             lp = self.latency_params[gate.name]

@@ -329,13 +329,16 @@ def _from_floor(state: GradientState, p: GradientParams) -> GradientState:
 
 def unknown_latency_poll(state: GradientState, p: GradientParams) -> GradientDecision:
     """A poll with nothing to read (see :func:`step_latency`): held, unpublished; the floor
-    (the no-load latency kept) after ``unknown_reset_polls`` of them."""
+    (the no-load latency kept, published once) after ``unknown_reset_polls`` of them."""
     target = _clamp(state.target, p)
     streak = state.unknown_streak + 1
     if streak >= p.unknown_reset_polls:
+        # As the AIMD controller's reset: the floor is published once (the last target may
+        # outlive these polls by a leader takeover: CoordinatorSettings.target_ttl).
         reset = msgspec.structs.replace(_from_floor(state, p), unknown_streak=streak)
-        reason = Reason.RESET if streak == p.unknown_reset_polls else Reason.HOLD_UNKNOWN
-        return GradientDecision(reset, p.floor, reason, False)
+        first = streak == p.unknown_reset_polls
+        reason = Reason.RESET if first else Reason.HOLD_UNKNOWN
+        return GradientDecision(reset, p.floor, reason, first and target > p.floor)
     held = msgspec.structs.replace(state, target=target, unknown_streak=streak)
     return GradientDecision(held, target, Reason.HOLD_UNKNOWN, False)
 

@@ -63,10 +63,30 @@ def test_design_example_decodes() -> None:
     assert rerank.metrics_urls == () and not config.is_adaptive(rerank)
     assert rerank.ceiling == DEFAULT_CEILING and rerank.lease_ms == 10_000
     assert config.coordinator.metrics_address == ("127.0.0.1", 9464)
-    assert config.coordinator.target_ttl == pytest.approx(36.0)
+    # 3 polls of 12 s plus one takeover: leader_ttl 10 + a standby's retry 1 + a scrape 2
+    assert config.coordinator.target_ttl == pytest.approx(36.0 + 13.0)
     assert config.gate("bge-m3") is embed
     with pytest.raises(KeyError):
         config.gate("nope")
+
+
+@pytest.mark.parametrize(
+    ("coordinator", "takeover"),
+    [
+        ("", 10.0 + 1.0 + 2.0),  # the defaults: a target lives 3 x 2 s + 13 s = 19 s
+        ("leader_ttl = 0.3\npoll_interval = 0.5", 0.3 + 0.1 + 0.5),  # retry ttl/3, scrape <= poll
+        ("leader_ttl = 600.0\ntarget_ttl_polls = 1", 600.0 + 1.0 + 2.0),
+        ("leader_ttl = 2.0\npoll_interval = 0.5\nscrape_timeout = 0.4", 2.0 + 2 / 3 + 0.4),
+    ],
+)
+def test_a_target_outlives_a_leader_takeover(coordinator: str, takeover: float) -> None:
+    """Found by review: a target lived target_ttl_polls polls (6 s), a takeover ~10 s, so a
+    SIGKILLed leader's successor restarted every gate from its floor. The lifetime now adds the
+    whole takeover: the lease lapsing, a standby's next try, the new leader's first scrape."""
+    c = parse(f"[coordinator]\n{coordinator}\n").coordinator
+    assert c.takeover == pytest.approx(takeover)
+    assert c.target_ttl == pytest.approx(c.target_ttl_polls * c.poll_interval + takeover)
+    assert c.takeover > c.leader_ttl + c.campaign_interval  # the first poll's scrape too
 
 
 def test_empty_file_gives_defaults() -> None:

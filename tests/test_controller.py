@@ -250,12 +250,13 @@ def test_unknown_holds_unpublished_then_resets_to_floor() -> None:
     assert (d.target, d.reason, d.publish) == (200, Reason.HOLD_UNKNOWN, False)
     d = step(d.state, unknowns[1], P, now=24)
     assert (d.target, d.reason, d.publish) == (200, Reason.HOLD_UNKNOWN, False)
-    # Third unknown poll: the last published lease (3 polls) has expired -> floor, slow start.
+    # Third unknown poll -> floor, slow start; the floor is published once (the last target
+    # may still be live: its lifetime includes a leader takeover, config.target_ttl).
     d = step(d.state, unknowns[2], P, now=36)
-    assert (d.target, d.reason, d.publish) == (4, Reason.RESET, False)
+    assert (d.target, d.reason, d.publish) == (4, Reason.RESET, True)
     assert d.state.slow_start and d.state.last_decrease is None
     d = step(d.state, None, P, now=48)
-    assert (d.target, d.reason) == (4, Reason.HOLD_UNKNOWN)
+    assert (d.target, d.reason, d.publish) == (4, Reason.HOLD_UNKNOWN, False)
     # Signals come back: ramp from the floor again.
     d = step(d.state, busy(4), P, now=60)
     assert (d.target, d.reason, d.publish) == (8, Reason.SLOW_START, True)

@@ -35,9 +35,6 @@ prefix = "{rut.prefix}"
 poll_interval = {POLL}
 poll_jitter = 0.0
 leader_ttl = {TTL}
-# targets outlive a failover (4 s > TTL + a poll): the standby resumes them warm (a target
-# that ran out first restarts from the floor: test_coordinator.py)
-target_ttl_polls = 8
 metrics_listen = "127.0.0.1:0"
 scrape_timeout = 0.4
 [[gates]]
