@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from fleetgate.coordinator.config import Config
+from fleetgate.coordinator.config import Config, CoordinatorSettings
 from fleetgate.demo.processes import GATES, _config_toml
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess
 
@@ -85,7 +85,12 @@ def test_generated_config_is_valid() -> None:
     cfg = Config.from_toml_text(_config_toml("redis://127.0.0.1:1/0", "fg", urls), env={})
     assert [g.name for g in cfg.gates] == [g.name for g in GATES]
     assert [cfg.is_adaptive(g) for g in cfg.gates] == [True, True, False]
-    assert cfg.coordinator.leader_ttl < cfg.coordinator.target_ttl  # targets outlive a failover
+    # the default lifetimes, not shorter ones that hide a slow takeover (issue 21, item 4)
+    defaults = CoordinatorSettings()
+    assert cfg.coordinator.leader_ttl == defaults.leader_ttl
+    assert cfg.coordinator.poll_interval == defaults.poll_interval
+    assert cfg.coordinator.target_ttl_polls == defaults.target_ttl_polls
+    assert cfg.coordinator.takeover < cfg.coordinator.target_ttl  # targets outlive a failover
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import msgspec
 import redis
 
 from fleetgate._redis import redact
+from fleetgate.coordinator.config import CoordinatorSettings
 from fleetgate.demo.interactive import SPEC_ENV as INTERACTIVE_ENV
 from fleetgate.demo.interactive import InteractiveSpec
 from fleetgate.demo.report import worker_totals
@@ -46,10 +47,13 @@ __all__ = [
     "read_worker_totals",
 ]
 
-POLL_INTERVAL = 2.0
+# The coordinators run with the default poll, leader lease and target lifetime (no override in
+# the generated config), so the failover shown is the one a default deployment gets.
+_DEFAULTS = CoordinatorSettings()
+POLL_INTERVAL = _DEFAULTS.poll_interval
 SEARCH_RATE = 4.0  # the search pod's interactive calls per second
 INGEST_LOOPS = 240  # its batch backlog at two thirds of the run
-LEADER_TTL = 4.0
+LEADER_TTL = _DEFAULTS.leader_ttl
 COORDINATORS = ("coord-a", "coord-b")
 STARTUP_TIMEOUT = 30.0
 # Variables that would override the generated coordinator config in the children.
@@ -319,9 +323,7 @@ def _config_toml(redis_url: str, prefix: str, urls: dict[str, str]) -> str:
         f"prefix = {q(prefix).decode()}",
         "",
         "[coordinator]",
-        f"poll_interval = {POLL_INTERVAL}",
-        "poll_jitter = 0.1",
-        f"leader_ttl = {LEADER_TTL}",
+        "# poll_interval, leader_ttl and target_ttl_polls: the defaults",
         'metrics_listen = "127.0.0.1:0"',
         "scrape_timeout = 1.0",
     ]
