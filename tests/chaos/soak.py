@@ -17,7 +17,12 @@ Faults, one every ``--every`` seconds (uniform in [every/2, 3·every/2]), chosen
 * ``pause_long``: SIGSTOP a worker past its lease TTL (TTL + 0.5-1.5 s), then SIGCONT;
 * ``kill_leader``: SIGKILL the coordinator leader, start a new standby;
 * ``redis_restart`` (only with ``--redis-restarts``): SIGKILL Redis, start it empty 1-2 s later
-  and wait until every worker is back in fleet mode.
+  and wait until every worker is back in fleet mode;
+* ``wipe`` (only with ``--redis-restarts``): a fresh worker process is started, then Redis loses
+  every key -- a restart as above, or a ``FLUSHALL`` under the running fleet -- and the fresh
+  worker opens its fleet the moment Redis answers (new connections, a gate it never used): the
+  recovery fence must keep it from being granted the work the wipe forgot. After a FLUSHALL no
+  pod sees an outage, so no allowance applies at all.
 
 With ``--mixed`` every permit draws a weight (1-3 units), a band (priority 0 or 10) and a tenant
 (one of three) and runs ``weight`` simulator calls at once, so what runs at the simulator is the
@@ -163,6 +168,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
     rng = random.Random(cfg.seed)
     if cfg.redis_restarts:
         cfg.weights.setdefault("redis_restart", 0.15)
+        cfg.weights.setdefault("wipe", 0.15)
     logdir = Path(cfg.logdir or tempfile.mkdtemp(prefix="fleetgate-soak-"))
     logdir.mkdir(parents=True, exist_ok=True)
     prefix, gate = "fg", "soak"
@@ -217,8 +223,9 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                     now = time.monotonic()
                     return sampler.held([pod], now - 0.2, now)[pod]
 
-                def restart_redis(now: float) -> Window:
-                    """Kill Redis, start it empty, wait for every live pod to be back."""
+                def restart_redis(now: float, answered: Callable[[], None] = lambda: None) -> Window:
+                    """Kill Redis, start it empty (then ``answered()``), wait for every live pod
+                    to be back."""
                     pods = [w for w in live if w.alive() and not w.paused]
                     st = control.statuses([w.pod for w in pods])
                     total = 0
@@ -229,6 +236,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                     red.kill()
                     time.sleep(rng.uniform(1.0, 2.0))
                     red.start()
+                    answered()
                     with contextlib.suppress(TimeoutError):
                         poll(
                             lambda: all(
@@ -239,6 +247,26 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                         )  # fmt: skip
                     win.end = time.monotonic() + 1.0
                     return win
+
+                def wipe(now: float) -> Window:
+                    """A fresh pod ready to open its fleet; Redis loses every key (restart or
+                    FLUSHALL); the fresh pod opens as Redis answers."""
+                    key = f"{control.run}:open:{time.monotonic_ns()}"
+                    fresh = pool.spawn(
+                        calls_per_permit=1, passages=rng.randint(5, 60), open_key=key, **mixed
+                    )
+                    poll(
+                        lambda: control.statuses([fresh.pod])[fresh.pod].get("state")
+                        == "waiting",
+                        30, 0.02, "fresh pod up",
+                    )  # fmt: skip
+                    live.append(fresh)
+                    if rng.random() < 0.5:
+                        log("[soak]   (FLUSHALL under the running fleet)")
+                        r.flushall()
+                        control.r.set(key, 1)
+                        return Window(now, now, 0, "flushall", "*")  # no allowance at all
+                    return restart_redis(now, answered=lambda: control.r.set(key, 1))
 
                 while time.monotonic() < t_stop:
                     now = time.monotonic()
@@ -280,6 +308,8 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                             pending_resume.append((now + ttl + rng.uniform(0.5, 1.5), w, win))
                         elif kind == "redis_restart":
                             windows.append(restart_redis(now))
+                        elif kind == "wipe":
+                            windows.append(wipe(time.monotonic()))
                         else:
                             leader = r.get(f"{prefix}:leader")
                             if leader in coords.procs:
