@@ -722,8 +722,11 @@ class GateScripts:
         req = HeartbeatRequest(
             keys, pod_id, pod_ttl_ms, leases, waiters, max_token, defaults, fence_ms
         )
-        argv = req.argv(self.redis.node_key(keys))
-        return await self._run(self._call("heartbeat", keys, argv, HeartbeatReply.decode))
+        return await self._run(self._heartbeat_call(req, HeartbeatReply.decode))
+
+    def _heartbeat_call(self, req: HeartbeatRequest, decode: Callable[[Any], _R]) -> ScriptCall[_R]:
+        """heartbeat.lua for one gate's request."""
+        return self._call("heartbeat", req.keys, req.argv(self.redis.node_key(req.keys)), decode)
 
     async def heartbeats(
         self, requests: Sequence[HeartbeatRequest], *, units: int = HEARTBEAT_UNITS_PER_CALL
@@ -760,8 +763,7 @@ class GateScripts:
         chunks = singles + many
         raw = await self._batch_raw(
             [
-                self._call("heartbeat", requests[c[0]].keys, requests[c[0]].argv(self.redis.node_key(requests[c[0]].keys)),
-                    _identity)
+                self._heartbeat_call(requests[c[0]], _identity)
                 for c in singles
             ]
         )
@@ -788,13 +790,7 @@ class GateScripts:
                     out[i] = HeartbeatReply.decode(r)
         if retry:
             one_by_one: list[BatchCall] = [
-                self._call(
-                    "heartbeat",
-                    requests[i].keys,
-                    requests[i].argv(self.redis.node_key(requests[i].keys)),
-                    _identity,
-                )
-                for i in retry
+                self._heartbeat_call(requests[i], _identity) for i in retry
             ]
             for i, reply in zip(retry, await self._batch_raw(one_by_one), strict=True):
                 out[i] = (

@@ -223,7 +223,9 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                     now = time.monotonic()
                     return sampler.held([pod], now - 0.2, now)[pod]
 
-                def restart_redis(now: float, answered: Callable[[], None] = lambda: None) -> Window:
+                def restart_redis(
+                    now: float, answered: Callable[[], None] = lambda: None
+                ) -> Window:
                     """Kill Redis, start it empty (then ``answered()``), wait for every live pod
                     to be back."""
                     pods = [w for w in live if w.alive() and not w.paused]

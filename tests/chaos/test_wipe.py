@@ -73,8 +73,9 @@ def _run_wipe(
         t_up = time.monotonic()
     else:
         own_redis.kill()
+        pods = [a.pod, b.pod]
         poll(
-            lambda: all(s.get("fallback") == "1" for s in control.statuses([a.pod, b.pod]).values()),
+            lambda: all(s.get("fallback") == "1" for s in control.statuses(pods).values()),
             10, 0.02, "A and B in fallback",
         )  # fmt: skip
         if kind == "late-probe":
