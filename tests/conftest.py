@@ -100,10 +100,17 @@ def cluster_rut(redis_cluster: RedisClusterProcess) -> RedisUnderTest:
 
 @pytest.fixture
 def own_redis() -> Iterator[RedisProcess]:
-    """A private server for this test alone, which the test may kill and restart."""
+    """A private server for this test alone, which the test may kill and restart.
+
+    Like ``rut``'s prefixes, its default prefix ``fg`` is marked as old (no work ran on the new
+    server), so the recovery fence applies only once the test wipes it (kill and start, or
+    FLUSHALL), as in production. Tests of a first start on an empty server start their own.
+    """
     if not RedisProcess.available():
         pytest.fail(INSTALL_HINT, pytrace=False)
     with RedisProcess() as proc:
+        with redis.Redis.from_url(proc.url) as client:
+            client.set(fleet_keys("fg").born, 0)
         yield proc
 
 

@@ -99,7 +99,9 @@ def test_redis_restart_fair_share(
         )  # fmt: skip
         t_back = time.monotonic()
         granted_at_back = int(r.hget(keys.stats, "granted") or 0)
-        holders_at_back = r.zcard(keys.holders)
+        # adopted as holders (those calls may have ended since: with the recovery fence no
+        # new grant is made for 3 heartbeats after Redis returns, so the holders may be 0 now)
+        adopted_at_back = int(r.hget(keys.stats, "adopted") or 0)
         time.sleep(2.0)
         t_after = time.monotonic()
         granted_after = int(r.hget(keys.stats, "granted") or 0)
@@ -137,7 +139,7 @@ def test_redis_restart_fair_share(
     figure(record_property, "restart.fair_share.max_running_recovery", recovery)
     figure(record_property, "restart.fair_share.max_running_after", after)
     figure(record_property, "restart.fair_share.back_to_fleet_s", round(max(back_times), 3))
-    figure(record_property, "restart.fair_share.holders_at_back", holders_at_back)
+    figure(record_property, "restart.fair_share.adopted_at_back", adopted_at_back)
     figure(
         record_property, "restart.fair_share.grants_in_2s_after", granted_after - granted_at_back
     )
@@ -157,7 +159,7 @@ def test_redis_restart_fair_share(
     assert max(back_times) <= 1.0
     assert local > 0 and fleet_grants > 0
     # State rebuilt: running work adopted back as holders, grants resumed, gate listed again.
-    assert holders_at_back > 0
+    assert adopted_at_back > 0
     assert granted_after - granted_at_back > 20
     # Adopted work may exceed the limit only by what ran over it during the outage.
     assert max(s.holders for s in sampler.samples if s.t >= t_back) <= max(limit, outage)
