@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from fleetgate._redis import redact
+from fleetgate._redis import error_text, redact
 
 from ._gate import Gate
 from ._runtime import OUTAGE_ERRORS, Runtime
@@ -52,7 +52,7 @@ class Fallback:
         log.warning(
             "Redis at %s unreachable (%s): serving with local fair-share bounds until it is back",
             redact(rt.url),
-            exc,
+            error_text(exc),  # some errors have no text (redis-py's MaxConnectionsError)
         )
         for gate in self.gates.values():
             rt.metrics.fallback.labels(gate.name).set(1)

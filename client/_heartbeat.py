@@ -23,6 +23,7 @@ import logging
 import math
 from collections.abc import Mapping
 
+from fleetgate._redis import error_text
 from fleetgate.keys import fleet_keys
 from fleetgate.scripts import HeartbeatRequest
 
@@ -110,7 +111,7 @@ class Heartbeat:
             if rt.on_redis_error == "fail":
                 for g in gates:
                     g.fail_waiters(rt.unreachable(exc))
-                log.warning("heartbeat of %d gate(s) failed: %s", len(gates), exc)
+                log.warning("heartbeat of %d gate(s) failed: %s", len(gates), error_text(exc))
             else:
                 rt.on_outage(exc)
             return

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aredis
 
-from fleetgate._redis import REDIS_ERRORS, connect, prepare, redact
+from fleetgate._redis import REDIS_ERRORS, connect, error_text, prepare, redact
 from fleetgate.errors import FleetgateError, RedisUnavailable
 from fleetgate.scripts import GateScripts
 
@@ -139,7 +139,7 @@ class Runtime:
         await mode.prepare()
 
     def unreachable(self, exc: BaseException) -> RedisUnavailable:
-        return RedisUnavailable(f"Redis at {redact(self.url)} is unreachable: {exc}")
+        return RedisUnavailable(f"Redis at {redact(self.url)} is unreachable: {error_text(exc)}")
 
     def redis_failed(self, exc: BaseException) -> None:
         """Redis could not be reached: raise (``fail``) or hand over to the fallback."""

@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from fleetgate._redis import prepare
+from fleetgate._redis import error_text, prepare
 
 from ._runtime import OUTAGE_ERRORS, Runtime
 
@@ -124,7 +124,7 @@ class WakeListeners:
         except OUTAGE_ERRORS as exc:
             # The listener itself meets the outage, reconnects and pops with every key; the
             # heartbeat recovers grants meanwhile.
-            log.debug("wake re-arm failed: %s", exc)
+            log.debug("wake re-arm failed: %s", error_text(exc))
         except Exception as exc:
             rt.background_error("wake re-arm", exc)
 
@@ -154,7 +154,7 @@ class WakeListeners:
                     if rt.closing:
                         break
                     if isinstance(exc, OUTAGE_ERRORS):
-                        log.debug("wake listener error %s; reconnecting", exc)
+                        log.debug("wake listener error %s; reconnecting", error_text(exc))
                     else:
                         rt.background_error("wake listener", exc)
                     await asyncio.sleep(min(1.0, rt.heartbeat_interval))

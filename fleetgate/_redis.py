@@ -44,6 +44,7 @@ __all__ = [
     "RedisMode",
     "ServerUnavailable",
     "connect",
+    "error_text",
     "prepare",
     "redact",
     "scrub",
@@ -79,6 +80,16 @@ def unavailable_reply(exc: BaseException) -> bool:
         return False
     words = str(exc).split(None, 1)
     return bool(words) and words[0] in UNAVAILABLE_REPLIES
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc`` for a log line or message: its type, and its text if it has one.
+
+    Some of redis-py's errors carry no text (its cluster client's ``MaxConnectionsError()``):
+    logged as ``str(exc)`` they read "Redis ... unreachable ()", naming no cause.
+    """
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # Errors that mean "Redis is not reachable right now" (fallback territory), as opposed to a

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry
+from redis.exceptions import ConnectionError, MaxConnectionsError
 
 from fleetgate.client import Fleet, RedisUnavailable
 from fleetgate.tools.redisproc import RedisProcess
+
+from .conftest import RedisUnderTest
 
 
 async def _wait(predicate, timeout: float) -> None:  # type: ignore[no-untyped-def]
@@ -115,3 +119,29 @@ async def test_running_work_is_adopted_when_redis_returns(own_redis: RedisProces
         await fleet.flush()
         assert await fleet.redis.zcard(gate.keys.holders) == 0
         assert not fleet_lease.is_lost
+
+
+@pytest.mark.parametrize(
+    ("exc", "cause"),
+    [
+        # redis-py's cluster client raises it without text: logged "unreachable ()" before
+        (MaxConnectionsError(), "(MaxConnectionsError)"),
+        (ConnectionError("Connection refused."), "(ConnectionError: Connection refused.)"),
+    ],
+)
+async def test_outage_lines_name_the_cause(
+    rut: RedisUnderTest, caplog: pytest.LogCaptureFixture, exc: Exception, cause: str
+) -> None:
+    """The fallback's line and the fail mode's error name the error's type, also when it has
+    no text (issue 21 item 5: "Redis ... unreachable (): serving with local fair-share
+    bounds", 12 times, said nothing of why)."""
+    async with Fleet(
+        rut.url, prefix=rut.prefix, registry=CollectorRegistry(), heartbeat_interval=0.2
+    ) as fleet:
+        fleet.gate("cause", floor=1)
+        with caplog.at_level(logging.WARNING, logger="fleetgate.client"):
+            fleet.runtime.redis_failed(exc)  # what a failed script call does
+        [line] = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+        assert f"unreachable {cause}: serving with local fair-share bounds" in line
+        assert cause[1:-1] in str(fleet.runtime.unreachable(exc))  # the fail mode's error
+        await _wait(lambda: not fleet.fallback_active, 5)  # the probe finds Redis up
