@@ -6,6 +6,8 @@ behaves as a standalone one; redis-py's Sentinel pool finds the master again aft
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextvars
 import difflib
 import functools
 import os
@@ -16,6 +18,8 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aredis
+from redis._parsers.commands import AsyncCommandsParser
+from redis.asyncio.cluster import ClusterPipeline
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
@@ -24,6 +28,7 @@ from redis.crc import key_slot
 from redis.exceptions import (
     ClusterDownError,
     ClusterError,
+    MaxConnectionsError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -273,11 +278,201 @@ async def prepare(client: Any) -> None:
 # 200 pods x 64 would approach Redis' default maxclients (10,000). A URL's max_connections or
 # redis_options={"max_connections": n} override it.
 MAX_CONNECTIONS = 8
-# redis-py's asyncio RedisCluster has no blocking pool: a call beyond a node's max_connections
-# fails ("Too many connections"), which would read as an outage, so Cluster keeps the larger
-# bound per node (tests/test_cluster.py::test_cap_holds_across_processes_on_cluster, 60 tasks).
+# Cluster: the connections per node, and the commands one cluster client has in flight at once
+# (a command holds at most one connection per node, so no node's pool is asked for more than
+# it has; calls beyond wait: _PooledCluster). 64 as before that wait existed, when it had to
+# cover the concurrent calls (tests/test_cluster.py::test_cap_holds_across_processes_on_cluster,
+# 60 tasks).
 CLUSTER_MAX_CONNECTIONS = 64
+# Seconds a call waits for a free connection (standalone, Sentinel) or a free command slot of a
+# cluster client before it fails as an outage: a pool busy that long means Redis does not answer
+# (every call in flight waits out its socket_timeout, 2 s, meanwhile).
 POOL_TIMEOUT = 10.0
+
+
+class _Permits:
+    """At most ``size`` holders at once, served in arrival order (a semaphore whose wait fails
+    with ``ConnectionError`` after ``timeout`` seconds, as the standalone pool's wait does)."""
+
+    __slots__ = ("_waiters", "free", "size", "timeout")
+
+    def __init__(self, size: int, timeout: float) -> None:
+        self.size = size
+        self.free = size
+        self.timeout = timeout
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(waiter)
+        timer = loop.call_later(self.timeout, self._expire, waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed over as the caller was cancelled: pass it on
+            else:
+                self._drop(waiter)
+            raise
+        finally:
+            timer.cancel()
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():  # a cancelled one may still be queued for a moment
+                waiter.set_result(None)
+                return
+        self.free += 1
+
+    def _expire(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.done():
+            return
+        self._drop(waiter)
+        waiter.set_exception(
+            aredis.ConnectionError(
+                f"no free connection to the Redis Cluster within {self.timeout:g} s "
+                f"({self.size} commands in flight)"
+            )
+        )
+
+    def _drop(self, waiter: asyncio.Future[None]) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+
+
+# The cluster client whose permit the current task holds (a nested call takes none: redis-py
+# runs initialize() and a pipeline's redirected commands inside the call that holds it).
+_HOLDER: contextvars.ContextVar[object] = contextvars.ContextVar("fleetgate_cluster_permit")
+
+# After a connection error redis-py 8.1 closes the connections that were in use as they come
+# back, in a background task: for a moment such a connection is neither free nor closed, and a
+# node whose other connections are all busy raises MaxConnectionsError although fewer commands
+# than max_connections are in flight. Nothing was sent then, so the call is sent again after
+# this pause (until the pool timeout).
+_BUSY_RETRY = 0.002
+
+
+# The command table of each cluster (by URL) this process has loaded: see _CommandTable.
+_COMMAND_TABLES: dict[str, dict[str, Any]] = {}
+
+
+class _CommandTable(AsyncCommandsParser):
+    """redis-py's cluster command table (where each command's keys are), loaded once per
+    process and cluster instead of once per client.
+
+    redis-py loads it with every client's first topology load: ``COMMAND``, whose reply (every
+    command of the server) is most of a cluster client's start-up CPU. Each wake listener is a
+    cluster client of its own (one per gate on Cluster), so a pod parking on 120 gates parsed it
+    120 times at once and held its event loop long enough that connects (1 s) and calls (2 s)
+    timed out, which reads as an outage (with the pool bound alone, on a loaded 2-core machine,
+    tests/test_cluster_pool.py::test_busy_node_pools_are_no_outage failed 3 of 3 runs: connects
+    timed out, once as a fallback). The main client loads it first (:meth:`RedisMode.prepare`);
+    a client that finds no table loads its own. A command missing from the table reloads it
+    (redis-py asks with no node then).
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self._key = key
+
+    async def initialize(self, node: Any | None = None) -> None:
+        table = _COMMAND_TABLES.get(self._key)
+        if node is None or table is None:
+            await super().initialize(node)
+            _COMMAND_TABLES[self._key] = self.commands
+        else:
+            self.node = node
+            self.commands = table  # never changed in place: a reload replaces it
+
+
+class _PooledCluster(aredis.RedisCluster):
+    """redis-py's asyncio ``RedisCluster`` with a blocking bound on commands in flight.
+
+    Its node pools have no wait: a command beyond a node's ``max_connections`` raised
+    ``MaxConnectionsError`` (a ``ConnectionError`` with no text), which fleetgate read as an
+    outage -- 4-5 false fallbacks per run of 3 healthy pods with 120 gates each, and 2-3 permits
+    running on gates of limit 1 under the fallback's local bounds
+    (tests/test_cluster_pool.py::test_busy_node_pools_are_no_outage; after: 0, and 1). Here at
+    most ``max_connections`` commands (and pipelines, and topology loads) of the client are in
+    flight at once; each holds at most one connection of any node, so no node's pool is ever
+    asked for more than it has. The others wait in arrival order, for at most ``pool_timeout``
+    seconds (then ``ConnectionError``, an outage like the standalone pool's), or until the
+    caller's deadline cancels them.
+    """
+
+    __slots__ = ("_permits",)
+
+    def __init__(
+        self, *args: Any, pool_timeout: float = POOL_TIMEOUT, table_key: str = "", **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._permits = _Permits(int(self.connection_kwargs["max_connections"]), pool_timeout)
+        if table_key:
+            self.commands_parser = _CommandTable(table_key)
+
+    async def _take(self) -> contextvars.Token[object] | None:
+        if _HOLDER.get(None) is self:
+            return None
+        await self._permits.acquire()
+        return _HOLDER.set(self)
+
+    def _give(self, token: contextvars.Token[object] | None) -> None:
+        if token is not None:
+            _HOLDER.reset(token)
+            self._permits.release()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        token = await self._take()
+        try:
+            if token is None:
+                return await super().execute_command(*args, **kwargs)
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + self._permits.timeout
+            while True:
+                try:
+                    return await super().execute_command(*args, **kwargs)
+                except MaxConnectionsError:
+                    if loop.time() >= give_up:
+                        raise
+                await asyncio.sleep(_BUSY_RETRY)
+        finally:
+            self._give(token)
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> aredis.RedisCluster:
+        token = await self._take()
+        try:
+            return await super().initialize(*args, **kwargs)
+        finally:
+            self._give(token)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # raises, as redis-py does
+        return _PooledPipeline(self, transaction)  # type: ignore[abstract]
+
+
+class _PooledPipeline(ClusterPipeline):
+    """A cluster pipeline whose execution takes one of its client's permits."""
+
+    __slots__ = ()
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        client = self.cluster_client
+        assert isinstance(client, _PooledCluster)
+        token = await client._take()
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        finally:
+            client._give(token)
 
 
 def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
@@ -315,7 +510,8 @@ def connect(url: str, *, dedicated: bool = False, **overrides: Any) -> Any:
             # another cluster client whose connections nobody else uses.
             options.pop("health_check_interval", None)
             options.setdefault("max_connections", CLUSTER_MAX_CONNECTIONS)
-            return aredis.RedisCluster.from_url(url, **options)
+            pool_timeout = options.pop("timeout", POOL_TIMEOUT)
+            return _PooledCluster.from_url(url, pool_timeout=pool_timeout, table_key=url, **options)
         if dedicated:
             return aredis.Redis.from_url(url, single_connection_client=True, **options)
         options.setdefault("max_connections", MAX_CONNECTIONS)
