@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from fleetgate._redis import error_text
 from fleetgate.admission import (
     class_member,
     lane_class,
@@ -653,7 +654,9 @@ class Gate:
         except OUTAGE_ERRORS as exc:
             # Retried until Redis answers (see _release): a parked entry left behind is handed
             # a slot that nobody uses until its TTL.
-            log.debug("gate %s: cancel of %s failed (%s); retrying", self.name, waiter_id, exc)
+            log.debug(
+                "gate %s: cancel of %s failed (%s); retrying", self.name, waiter_id, error_text(exc)
+            )
             self._forget_later(waiter_id, member)
 
     def _forget_later(self, lease_id: str, member: str = "") -> None:
@@ -675,7 +678,9 @@ class Gate:
             except OUTAGE_ERRORS:
                 pass  # never answered: the entry expires by TTL
             except Exception as exc:  # e.g. WRONGTYPE: logged, never an unretrieved task error
-                log.warning("gate %s: could not cancel %s: %s", self.name, lease_id, exc)
+                log.warning(
+                    "gate %s: could not cancel %s: %s", self.name, lease_id, error_text(exc)
+                )
 
         self.runtime.spawn(forget())
 
@@ -705,7 +710,9 @@ class Gate:
             # but not lost (a cut link, a slot migration, a failover) kept their slots after
             # recovery until their lease TTL: the gate stood still with every slot held by
             # nobody (tests/chaos/test_cluster_faults.py::test_slot_migration_under_load).
-            log.debug("gate %s: release of %s failed (%s); retrying", self.name, lease_id, exc)
+            log.debug(
+                "gate %s: release of %s failed (%s); retrying", self.name, lease_id, error_text(exc)
+            )
             self._forget_later(lease_id)
         else:
             self.runtime.background_error("release", exc, self.name)
