@@ -811,6 +811,13 @@ class Gate:
         # a few ms after the fence's end in server time: a beat that came early hands nothing
         when = asyncio.get_running_loop().time() + seconds + 0.005
         if when < self.beat_by:
+            if self.beat_by == math.inf:  # once per fence, not per caller
+                log.info(
+                    "gate %s: found without state in Redis (new, or Redis restarted or flushed);"
+                    " no grant for %.2f s while pods count their running work again",
+                    self.name,
+                    seconds,
+                )
             self.beat_by = when
             self.runtime.renew_by(when)
 
