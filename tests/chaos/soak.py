@@ -18,11 +18,11 @@ Faults, one every ``--every`` seconds (uniform in [every/2, 3·every/2]), chosen
 * ``kill_leader``: SIGKILL the coordinator leader, start a new standby;
 * ``redis_restart`` (only with ``--redis-restarts``): SIGKILL Redis, start it empty 1-2 s later
   and wait until every worker is back in fleet mode;
-* ``wipe`` (only with ``--redis-restarts``): a fresh worker process is started, then Redis loses
-  every key -- a restart as above, or a ``FLUSHALL`` under the running fleet -- and the fresh
-  worker opens its fleet the moment Redis answers (new connections, a gate it never used): the
-  recovery fence must keep it from being granted the work the wipe forgot. After a FLUSHALL no
-  pod sees an outage, so no allowance applies at all.
+* ``wipe`` (only with ``--redis-restarts``): a fresh worker process is started (it leaves by
+  itself 8-15 s later), then Redis loses every key -- a restart as above, or a ``FLUSHALL``
+  under the running fleet -- and the fresh worker opens its fleet the moment Redis answers (new
+  connections, a gate it never used): the recovery fence must keep it from being granted the
+  work the wipe forgot. After a FLUSHALL no pod sees an outage, so no allowance applies at all.
 
 With ``--mixed`` every permit draws a weight (1-3 units), a band (priority 0 or 10) and a tenant
 (one of three) and runs ``weight`` simulator calls at once, so what runs at the simulator is the
@@ -254,9 +254,12 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                     """A fresh pod ready to open its fleet; Redis loses every key (restart or
                     FLUSHALL); the fresh pod opens as Redis answers."""
                     key = f"{control.run}:open:{time.monotonic_ns()}"
+                    # it leaves by itself after a while, so the fleet does not grow with the
+                    # wipes (more pods: longer queues, larger fallback bounds)
                     fresh = pool.spawn(
-                        calls_per_permit=1, passages=rng.randint(5, 60), open_key=key, **mixed
-                    )
+                        calls_per_permit=1, passages=rng.randint(5, 60), open_key=key,
+                        duration=rng.uniform(8.0, 15.0), **mixed,
+                    )  # fmt: skip
                     poll(
                         lambda: control.statuses([fresh.pod])[fresh.pod].get("state")
                         == "waiting",
