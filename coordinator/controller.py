@@ -17,6 +17,10 @@ estimate alone, else unknown.
    usable estimate to ``0.8*T``. At most once per drain period, else ``hold_cooldown``. Ends
    slow start; the new target is remembered as ``C``. A cut inside the drain period is
    allowed when the engine runs fewer than the target while queueing (its capacity is lower).
+   A **foreign** saturation -- the fleet holds nothing, or less than ``fleet_share`` (1/2) of
+   what the server runs -- cuts to ``0.8*T`` once per saturated stretch and changes nothing
+   learned (``C``, the KV estimate at saturation, slow start): load the fleet did not cause and
+   cannot relieve says nothing of what the engine sustains for it.
 3. signals unknown / scrape failed        -> ``hold_unknown`` (not re-published, so the published
    lease decays); after ``unknown_reset_polls`` such polls -> ``reset`` to floor and slow start
    (``C`` is kept, so the next ramp stops at it), the floor published once (the last target
@@ -125,6 +129,9 @@ class ControllerParams(msgspec.Struct, frozen=True):
     probe_polls: int = 10
     #: the first probe's step as a fraction of the target; it doubles per clean probe (<= increase)
     probe: float = 0.05
+    #: a saturation is foreign (not the fleet's doing: it cuts the target once but teaches no
+    #: capacity) when the fleet holds nothing or less than this fraction of what the server runs
+    fleet_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.floor < 1 or self.ceiling < self.floor:
@@ -142,6 +149,7 @@ class ControllerParams(msgspec.Struct, frozen=True):
             and 0 < self.kv_min <= 1
             and self.probe_polls >= 1
             and 0 < self.probe <= self.increase
+            and 0 < self.fleet_share <= 1
         ):
             raise ConfigError(f"controller constants out of range: {self!r}")
 
@@ -226,10 +234,23 @@ def _clamp(value: int, params: ControllerParams) -> int:
     return max(params.floor, min(params.ceiling, value))
 
 
+def _foreign(obs: Observation, p: ControllerParams) -> bool:
+    """The queue is not the fleet's doing: it holds nothing, or less than ``fleet_share`` of
+    what the server runs. False when the fleet's in-flight is unknown (the old rule applies)."""
+    held = obs.in_flight
+    if held is None or not math.isfinite(held):
+        return False
+    if held <= 0:
+        return True
+    running = obs.running
+    return running is not None and math.isfinite(running) and held < p.fleet_share * running
+
+
 def _may_decrease(
-    state: ControllerState, obs: Observation, p: ControllerParams, now: float
+    state: ControllerState, obs: Observation, p: ControllerParams, now: float, foreign: bool
 ) -> bool:
-    """One decrease per drain period: the period ends when the cut has taken effect."""
+    """One decrease per drain period: the period ends when the cut has taken effect. A foreign
+    saturation cuts once per saturated stretch: cutting again would relieve nothing we hold."""
     if state.last_decrease is None:
         return True
     elapsed = now - state.last_decrease
@@ -237,6 +258,8 @@ def _may_decrease(
         return True
     if elapsed < p.min_decrease_polls * p.poll_interval:
         return False
+    if foreign:
+        return state.drained
     if obs.running is not None and obs.running < state.target:
         # Queueing while running fewer than the cut allows: the engine's capacity is below the
         # cut (it was still draining when the cut was measured). A measurement, not a second
@@ -337,27 +360,28 @@ def _saturated(
     state: ControllerState, obs: Observation, p: ControllerParams, now: float, clamped: bool
 ) -> Decision:
     """The server queues: cut toward what it sustains (once per drain period), and remember
-    where it saturated."""
+    where it saturated -- unless the queue is foreign (:func:`_foreign`): then the target is cut
+    (the fallback 0.8, once per saturated stretch) and nothing is learned."""
     target = state.target
-    if not _may_decrease(state, obs, p, now):
+    foreign = _foreign(obs, p)
+    if not _may_decrease(state, obs, p, now, foreign):
         new = msgspec.structs.replace(state, near_full_streak=0, unknown_streak=0, probes=0)
         return _out(new, Reason.HOLD_COOLDOWN, obs.ok, True, clamped)
-    estimate = _sustainable(obs)
+    estimate = None if foreign else _sustainable(obs)  # the queue says nothing of our share
     if estimate is None or estimate >= target:
         cut = math.floor(target * p.decrease + _EPS)
     else:
         cut = max(math.floor(target * p.deepest_cut + _EPS), math.floor(estimate + _EPS))
     new_target = _clamp(min(cut, target - 1), p)
-    # Remember where the engine saturated: the level chosen now, and the KV-cache estimate
-    # beside it, so a later KV reading says how far the capacity has moved since.
-    memory = {
-        "capacity": float(new_target),
-        "kv_capacity": _kv_estimate(obs, p),
-        "slow_start": False,
-        "near_full_streak": 0,
-        "unknown_streak": 0,
-        "probes": 0,
-    }
+    memory: dict[str, object] = {"near_full_streak": 0, "unknown_streak": 0, "probes": 0}
+    if not foreign:
+        # Remember where the engine saturated: the level chosen now, and the KV-cache estimate
+        # beside it, so a later KV reading says how far the capacity has moved since.
+        memory |= {
+            "capacity": float(new_target),
+            "kv_capacity": _kv_estimate(obs, p),
+            "slow_start": False,
+        }
     if new_target >= target:  # already at the floor
         new = msgspec.structs.replace(state, **memory)
         return Decision(new, target, Reason.CLAMP, publish=True, saturated=True)
@@ -366,7 +390,8 @@ def _saturated(
         target=new_target,
         last_decrease=now,
         drained=False,
-        recovering=True,
+        # the hysteresis is for our own excess still in flight; a foreign cut left none
+        recovering=state.recovering if foreign else True,
         **memory,
     )
     return Decision(new, new_target, Reason.DECREASE, publish=True, saturated=True)

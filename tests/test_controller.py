@@ -159,9 +159,9 @@ def test_one_decrease_per_drain_period() -> None:
 
 def test_no_second_decrease_within_half_a_poll() -> None:
     d = step(state(100, slow_start=False), saturated(running=50, in_flight=100), P, now=0)
-    d = step(d.state, saturated(running=40, in_flight=10), P, now=5.9)
+    d = step(d.state, saturated(running=40, in_flight=40), P, now=5.9)
     assert d.reason is Reason.HOLD_COOLDOWN
-    d = step(d.state, saturated(running=40, in_flight=10), P, now=6.0)
+    d = step(d.state, saturated(running=40, in_flight=40), P, now=6.0)
     assert d.reason is Reason.DECREASE
 
 
@@ -626,3 +626,114 @@ def test_saturated_engine_running_below_a_fresh_cut_cuts_again_at_once() -> None
     d2 = step(state(256, slow_start=False), saturated(135, 256, 116), P, now=0)
     d2 = step(d2.state, saturated(135, 172, 37), P, now=12)
     assert d2.reason is Reason.HOLD_COOLDOWN
+
+
+# ------------------------------------------- foreign load does not teach the capacity (issue 23)
+
+
+def foreign(capacity: int, in_flight: float = 0, kv: bool = False) -> Observation:
+    """Callers that bypass the gate fill the engine and queue 12 more; the fleet holds
+    ``in_flight`` (none by default), as measured against a llama.cpp server."""
+    return Observation(
+        running=capacity,
+        waiting_capacity=12,
+        in_flight=in_flight,
+        kv_cache_usage=1.0 if kv else None,
+    )
+
+
+def after_foreign(
+    capacity: int, floor: int, polls: int, kv: bool, warm: bool
+) -> tuple[list[Decision], list[Decision], ControllerState]:
+    """The fleet's own ramp (40 polls when ``warm``), ``polls`` of foreign saturation, then the
+    foreign callers leave and the fleet fills every permit again: (foreign decisions, the
+    decisions after, the state before the foreign load)."""
+    p = ControllerParams(floor=floor, ceiling=512, poll_interval=2.0)
+    engine = Engine(capacity, kv=kv)
+    s = run(engine, p, polls=40)[-1].state if warm else ControllerState.initial(p)
+    before = s
+    out = []
+    for n in range(polls):
+        d = step(s, foreign(capacity, kv=kv), p, now=1000.0 + 2.0 * n)
+        out.append(d)
+        s = d.state
+    back = []
+    for n in range(60):
+        d = step(s, engine.observe(s.target), p, now=2000.0 + 2.0 * n)
+        back.append(d)
+        s = d.state
+    return out, back, before
+
+
+@pytest.mark.parametrize("kv", [False, True])
+@pytest.mark.parametrize("polls", [1, 3, 10, 50])
+@pytest.mark.parametrize(("capacity", "floor"), [(64, 4), (256, 8)])
+def test_foreign_saturation_leaves_the_learned_capacity(
+    capacity: int, floor: int, polls: int, kv: bool
+) -> None:
+    """Was: every foreign poll cut toward the fleet's 'share' (in_flight - waiting < 0: by half),
+    stored the cut as C, and 13-26 polls (KV gauge: never, E / E_sat stays 1) were needed to get
+    back to 0.8 C once the foreign callers left. Now the learned capacity is kept: one poll."""
+    during, back, before = after_foreign(capacity, floor, polls, kv, warm=True)
+    assert before.target == capacity  # learned: C (no KV gauge) or E (KV gauge)
+    assert {d.state.capacity for d in during} == {before.capacity}
+    assert {d.state.kv_capacity for d in during} == {before.kv_capacity}
+    assert polls_to_reach(back, 0.8 * capacity) <= 3
+    assert max(d.target for d in back[:5]) <= capacity  # no overshoot on the way back
+
+
+@pytest.mark.parametrize("kv", [False, True])
+@pytest.mark.parametrize(("capacity", "floor"), [(64, 4), (256, 8)])
+def test_foreign_saturation_at_a_cold_start_costs_nothing_after_it(
+    capacity: int, floor: int, kv: bool
+) -> None:
+    """Before the fleet has saturated anything itself, foreign load teaches nothing: once it
+    leaves, the ramp is a cold start's (was: C := floor, 23 polls at 64, 26 at 256)."""
+    cold = run(Engine(capacity, kv=kv), ControllerParams(floor, 512, poll_interval=2.0), 60)
+    during, back, _ = after_foreign(capacity, floor, 10, kv, warm=False)
+    assert all(d.state.slow_start and d.state.capacity is None for d in during)
+    assert polls_to_reach(back, 0.8 * capacity) == polls_to_reach(cold, 0.8 * capacity)
+
+
+def test_foreign_saturation_cuts_once_per_saturated_stretch() -> None:
+    """Foreign load may still cut the target (fewer of ours pile onto a queueing server), but
+    once: further cuts would relieve nothing the fleet holds. No estimate of our share (the queue
+    is not ours): the fallback cut, 0.8 T."""
+    s = state(64, slow_start=False, capacity=64.0)
+    d = step(s, foreign(64), P, now=0)
+    assert (d.target, d.reason, d.publish, d.saturated) == (51, Reason.DECREASE, True, True)
+    for n in range(1, 10):
+        d = step(d.state, foreign(64), P, now=12.0 * n)
+        assert (d.target, d.reason, d.publish) == (51, Reason.HOLD_COOLDOWN, True)
+    assert d.state.capacity == 64
+    # The foreign load leaves: straight back to what was learned.
+    d = step(d.state, busy(51), P, now=120)
+    assert (d.target, d.reason) == (64, Reason.INCREASE)
+
+
+def test_a_fleet_holding_well_under_what_the_server_runs_is_not_the_cause() -> None:
+    """Foreign: the fleet holds less than half of what the server runs (or nothing). At half or
+    more, the saturation is the fleet's (or it can relieve it): the old rule, C learned."""
+    s = state(64, slow_start=False, capacity=64.0)
+    d = step(s, foreign(64, in_flight=31), P, now=0)
+    assert (d.target, d.state.capacity, d.state.slow_start) == (51, 64, False)
+    d = step(s, foreign(64, in_flight=32), P, now=0)
+    assert (d.target, d.state.capacity) == (32, 32)  # max(0.5 T, 32 - 12)
+    # Running unknown (TEI): only a fleet holding nothing is surely not the cause.
+    tei = Observation(running=None, waiting_capacity=12, in_flight=0)
+    d = step(state(64), tei, P, now=0)
+    assert (d.target, d.state.capacity, d.state.slow_start) == (51, None, True)
+    tei = Observation(running=None, waiting_capacity=12, in_flight=20)
+    assert step(state(64), tei, P, now=0).state.capacity == 32
+    # In-flight unknown (Redis did not answer): the old rule, as before.
+    unknown = Observation(running=64, waiting_capacity=12, in_flight=None)
+    assert step(state(64), unknown, P, now=0).state.capacity == 51
+
+
+def test_the_fleet_joining_a_foreign_stretch_cuts_by_the_old_rule() -> None:
+    d = step(state(64, slow_start=False, capacity=64.0), foreign(64), P, now=0)
+    assert d.target == 51
+    # Our callers arrive while the foreign load stays: the fleet now holds most of what runs
+    # and still queues; its in-flight is at the cut, so the drain period is over.
+    d = step(d.state, Observation(running=64, waiting_capacity=30, in_flight=50), P, now=12)
+    assert (d.target, d.reason, d.state.capacity) == (25, Reason.DECREASE, 25)
