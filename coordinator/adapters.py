@@ -7,7 +7,8 @@ An adapter is data (:class:`GaugeAdapter`) plus one pure reading rule, :meth:`Ga
 * the model filter uses the kind's model label (``model_name``); kinds without one (TGI, TEI,
   llama.cpp serve one model per process) count every sample;
 * series are **summed** over engines, data-parallel ranks and replicas, but series that differ
-  only in a *shard* label (SGLang's ``tp_rank``/``pp_rank``: every rank of one replica may report
+  only in a *shard* label (SGLang's ``tp_rank``/``pp_rank``/``moe_ep_rank``: every rank of one
+  replica may report
   the same batch; a ``pid`` of prometheus_client's multiprocess mode) are the same requests, so
   the **maximum** of those is taken first;
 * a metric that is absent, or a model that is not in the text, is **unknown** (None), never 0;
@@ -76,6 +77,8 @@ class GaugeAdapter:
     only requests waiting for lack of capacity -- when the text has no such sample for the model,
     ``waiting`` stands in for it (errs towards "saturated"). ``kv_usage`` lists fraction gauges
     (1 = full) in order of preference. ``metrics_path`` is where the server serves the text.
+    ``preemptions`` / ``rejections`` name the preemption (retraction, pause) and admission
+    rejection metric, reported only (None: the kind exports none).
     """
 
     server: str
@@ -86,12 +89,13 @@ class GaugeAdapter:
     model_label: str | None = "model_name"
     shard_labels: frozenset[str] = frozenset()
     metrics_path: str = "/metrics"
+    preemptions: str | None = None
+    rejections: str | None = None
     _wanted: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = {self.waiting, *self.kv_usage}
-        if self.running is not None:
-            names.add(self.running)
+        names.update(n for n in (self.running, self.preemptions, self.rejections) if n)
         if self.capacity is not None:
             names.add(self.capacity[0])
         object.__setattr__(self, "_wanted", frozenset(names))
@@ -172,7 +176,8 @@ class GaugeAdapter:
                 cap = by_reason
         kv = next((accs[n] for n in self.kv_usage if n in accs), _Acc())
         running = get(self.running)
-        errors = [a.bad for a in (running, cap, waiting, kv) if a.bad]
+        preemptions, rejections = get(self.preemptions), get(self.rejections)
+        errors = [a.bad for a in (running, cap, waiting, kv, preemptions, rejections) if a.bad]
         return Signals(
             running=running.value(),
             waiting=waiting.value(),
@@ -182,6 +187,8 @@ class GaugeAdapter:
             # stall adaptation. Every invalid value is still named in ``error``.
             ok=running.bad is None and cap.bad is None,
             error="; ".join(dict.fromkeys(errors)) or None,
+            preemptions=preemptions.value(),
+            admission_rejections=rejections.value(),
         )
 
 
@@ -190,14 +197,19 @@ VLLM = GaugeAdapter(
     running="vllm:num_requests_running",
     waiting="vllm:num_requests_waiting",
     capacity=("vllm:num_requests_waiting_by_reason", "reason", "capacity"),
+    # gpu_cache_usage_perc: the name before vLLM renamed it; read only when the current is absent
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    preemptions="vllm:num_preemptions_total",
+    # the name is assumed (not read in vLLM's source): docs/servers.md
+    rejections="vllm:num_admission_rejections_total",
 )
 SGLANG = GaugeAdapter(
     server="sglang",
     running="sglang:num_running_reqs",
     waiting="sglang:num_queue_reqs",
     kv_usage=("sglang:token_usage",),
-    shard_labels=frozenset({"tp_rank", "pp_rank", "pid"}),
+    shard_labels=frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"}),
+    preemptions="sglang:num_retracted_reqs",
 )
 TGI = GaugeAdapter(
     server="tgi", running="tgi_batch_current_size", waiting="tgi_queue_size", model_label=None
@@ -215,6 +227,7 @@ TRTLLM = GaugeAdapter(
     waiting="trtllm_num_requests_waiting",
     kv_usage=("trtllm_kv_cache_utilization",),
     shard_labels=frozenset({"pid"}),
+    preemptions="trtllm_num_paused_requests",
     metrics_path="/prometheus/metrics",
 )
 NIM = GaugeAdapter(

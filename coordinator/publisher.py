@@ -55,6 +55,8 @@ def _util_mapping(p: Publication) -> dict[str, str]:
         "running": fmt(s.running if s else None),
         "waiting_capacity": fmt(s.waiting_capacity if s else None),
         "kv_cache_usage": fmt(s.kv_cache_usage if s else None),
+        "preemptions": fmt(s.preemptions if s else None),
+        "admission_rejections": fmt(s.admission_rejections if s else None),
         "current_target": str(d.target),
         "floor": str(p.gate.floor),
         "ceiling": str(p.gate.ceiling),

@@ -20,6 +20,13 @@ class Signals(msgspec.Struct, frozen=True):
     ``server`` is the server kind whose adapter read the text (``"vllm"``, ``"tei"``, ...), set
     by the coordinator's metrics source (None when unknown, e.g. nothing was recognised yet).
     A kind without an in-flight gauge (TEI) always reports ``running`` None.
+
+    ``preemptions`` and ``admission_rejections`` are reported, not acted on: requests the
+    engine preempted, retracted or paused (vLLM's cumulative counter ``num_preemptions_total``;
+    SGLang's ``num_retracted_reqs`` and TensorRT-LLM's ``num_paused_requests`` gauges) and
+    requests it refused admission (vLLM), summed over engines and replicas. None when the server
+    exports no such metric (most kinds), never 0. For a counter, its increase between polls is
+    the signal, not its value.
     """
 
     running: float | None = None
@@ -29,6 +36,8 @@ class Signals(msgspec.Struct, frozen=True):
     ok: bool = True
     error: str | None = None
     server: str | None = None
+    preemptions: float | None = None
+    admission_rejections: float | None = None
 
     @classmethod
     def failure(cls, error: str) -> Signals:

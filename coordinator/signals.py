@@ -248,6 +248,8 @@ def combine(parts: Sequence[Signals]) -> Signals:
         waiting_capacity=known_cap if None not in caps else proven_cap,
         waiting=_sum(p.waiting for p in parts),
         kv_cache_usage=None if None in kvs else max(k for k in kvs if k is not None),
+        preemptions=_sum(p.preemptions for p in parts),
+        admission_rejections=_sum(p.admission_rejections for p in parts),
         error="; ".join(p.error for p in parts if p.error) or None,
     )
 

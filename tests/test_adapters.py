@@ -232,3 +232,94 @@ async def test_probing_shares_one_timeout_and_stops_at_an_unreachable_server() -
     assert not sig.ok and sig.error is not None and sig.server is None
     assert sig.error.count("http://127.0.0.1:1/") == 1  # no probing of the other paths
     assert source.kind is None and source.urls is None  # retried next poll
+
+
+# ------------------------------------------------------------------- issue 23, item 4 details
+
+# SGLang with tensor parallelism 4 and expert parallelism 4 (--tp 4 --ep 4): every scheduler
+# reports the same batch, labelled with its tp_rank and its moe_ep_rank.
+SGLANG_EP = "".join(
+    f'sglang:{name}{{dp_rank="0",engine_type="unified",model_name="s",moe_ep_rank="{r}",'
+    f'pp_rank="0",tp_rank="{r}"}} {value}\n'
+    for name, value in (("num_running_reqs", 6.0), ("num_queue_reqs", 1.0), ("token_usage", 0.3))
+    for r in range(4)
+) + "".join(
+    f'sglang:num_retracted_reqs{{dp_rank="0",engine_type="unified",model_name="s",'
+    f'moe_ep_rank="{r}",pp_rank="0",tp_rank="{r}"}} 2.0\n'
+    for r in range(4)
+)
+
+
+def test_sglang_expert_parallel_ranks_count_once() -> None:
+    """Was: moe_ep_rank was no shard label, so the four ranks' series were summed: 24 / 4."""
+    sig = get_adapter("sglang").parse(SGLANG_EP, None)
+    assert (sig.running, sig.waiting_capacity, sig.kv_cache_usage) == (6.0, 1.0, 0.3)
+    assert sig.preemptions == 2.0
+
+
+VLLM_COUNTERS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 4.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 17.0
+vllm:num_preemptions_total{engine="1",model_name="m"} 5.0
+vllm:num_preemptions_created{engine="0",model_name="m"} 1.7712e+09
+# TYPE vllm:num_admission_rejections_total counter
+vllm:num_admission_rejections_total{engine="0",model_name="m"} 2.0
+vllm:num_admission_rejections_total{engine="1",model_name="m"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.4
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.9
+"""
+
+TRTLLM_PAUSED = (
+    TRTLLM
+    + "# TYPE trtllm_num_paused_requests gauge\n"
+    + 'trtllm_num_paused_requests{engine_type="undefined",model_name="undefined",pid="41"} 3.0\n'
+)
+
+
+def test_preemption_and_rejection_counters_are_read() -> None:
+    sig = get_adapter("vllm").parse(VLLM_COUNTERS, "m")
+    assert (sig.preemptions, sig.admission_rejections) == (22.0, 3.0)  # summed over engines
+    assert get_adapter("trtllm").parse(TRTLLM_PAUSED, None).preemptions == 3.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "text"),
+    [
+        ("vllm", 'vllm:num_requests_running{model_name="m"} 1\n'),
+        ("sglang", SGLANG_TP),
+        ("trtllm", TRTLLM),
+        ("tgi", TGI),
+        ("llamacpp", LLAMACPP),
+        ("nim", NIM),
+    ],
+)
+def test_absent_preemption_counters_are_unknown_not_zero(kind: str, text: str) -> None:
+    sig = get_adapter(kind).parse(text, None)
+    assert sig.ok and sig.preemptions is None and sig.admission_rejections is None
+
+
+def test_invalid_preemption_counter_is_named_but_does_not_fail_the_poll() -> None:
+    text = VLLM_COUNTERS.replace(
+        '{engine="1",model_name="m"} 5.0', '{engine="1",model_name="m"} NaN'
+    )
+    sig = get_adapter("vllm").parse(text, "m")
+    assert sig.ok and sig.running == 7.0 and sig.preemptions is None
+    assert sig.error is not None and "vllm:num_preemptions_total" in sig.error
+
+
+def test_old_vllm_kv_gauge_is_only_a_fallback() -> None:
+    """vllm:gpu_cache_usage_perc no longer exists in current vLLM; an exposition with both (a
+    proxy merging versions) reads the current name."""
+    assert get_adapter("vllm").parse(VLLM_COUNTERS, "m").kv_cache_usage == 0.4
+    old = VLLM_COUNTERS.replace("vllm:kv_cache_usage_perc", "vllm:other")
+    assert get_adapter("vllm").parse(old, "m").kv_cache_usage == 0.9

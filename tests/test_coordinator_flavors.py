@@ -94,6 +94,10 @@ async def test_coordinator_publishes_from_each_flavour(
             else:
                 assert util["running"] != ""
             assert util["waiting_capacity"] != ""
+            # Reported, not acted on: the simulator's vLLM counter (0, nothing preempted);
+            # the other flavours export none, so unknown (empty), not 0.
+            assert util["preemptions"] == ("0.0" if flavor == "vllm" else ""), flavor
+            assert util["admission_rejections"] == ""
             # The URL shown is the one detection found (NIM /v1/metrics, TensorRT-LLM
             # /prometheus/metrics), not the first path probed.
             path = ADAPTERS[flavor].metrics_path

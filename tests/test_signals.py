@@ -170,13 +170,17 @@ def test_vllm_sums_over_engines_per_model() -> None:
     assert bge == Signals(running=12.0, waiting_capacity=0.0, waiting=1.0, kv_cache_usage=0.07)
     assert bge.saturated is False
     llama = parse_signals(VLLM_TEXT, model_name="llama")
-    assert llama == Signals(running=64.0, waiting_capacity=7.0, waiting=9.0, kv_cache_usage=0.92)
+    assert llama == Signals(
+        running=64.0, waiting_capacity=7.0, waiting=9.0, kv_cache_usage=0.92, preemptions=17.0
+    )
     assert llama.saturated is True
 
 
 def test_no_model_filter_sums_every_model() -> None:
     every = parse_signals(VLLM_TEXT, model_name=None)
-    assert every == Signals(running=76.0, waiting_capacity=7.0, waiting=10.0, kv_cache_usage=0.92)
+    assert every == Signals(
+        running=76.0, waiting_capacity=7.0, waiting=10.0, kv_cache_usage=0.92, preemptions=17.0
+    )
 
 
 def test_model_absent_is_unknown_not_zero() -> None:
@@ -216,7 +220,9 @@ vllm:num_requests_waiting_by_reason_seconds_count{model_name="llama"} 3.0
 vllm:num_requests_waiting_by_reason_seconds_sum{model_name="llama"} 9.0
 """
     sig = parse_signals(decoys + VLLM_TEXT, model_name="llama")
-    assert sig == Signals(running=64.0, waiting_capacity=7.0, waiting=9.0, kv_cache_usage=0.92)
+    assert sig == Signals(
+        running=64.0, waiting_capacity=7.0, waiting=9.0, kv_cache_usage=0.92, preemptions=17.0
+    )
     assert parse_signals(decoys, model_name="llama") == Signals()
 
 
@@ -531,7 +537,9 @@ async def test_parses_the_vllm_simulator(legacy: bool) -> None:
             asyncio.create_task(client.post("/v1/embeddings", json={"model": "m", "input": "x"}))
             for _ in range(5)
         ]
-        expected = Signals(running=2.0, waiting_capacity=3.0, waiting=3.0, kv_cache_usage=1.0)
+        expected = Signals(
+            running=2.0, waiting_capacity=3.0, waiting=3.0, kv_cache_usage=1.0, preemptions=0.0
+        )
         for _ in range(100):  # until all five have arrived (well inside the first 500 ms)
             sig = await fetch_signals(
                 client, ["http://sim/metrics"], model_name="m", timeout=2.0, max_bytes=1 << 20
@@ -545,3 +553,10 @@ async def test_parses_the_vllm_simulator(legacy: bool) -> None:
         assert [r.status_code for r in await asyncio.gather(*calls)] == [200] * 5
     assert sig == expected
     assert other == Signals()
+
+
+def test_combine_sums_preemption_counters_and_unknown_stays_unknown() -> None:
+    a = Signals(running=1, waiting_capacity=0, preemptions=4, admission_rejections=1)
+    b = Signals(running=2, waiting_capacity=0, preemptions=6, admission_rejections=None)
+    both = combine([a, b])
+    assert (both.preemptions, both.admission_rejections) == (10, None)
