@@ -228,6 +228,9 @@ async def test_a_request_still_queued_when_the_drain_ends_gets_503(
     assert r.status_code == 503, (r.status_code, r.text[:200])
     error = r.json()["error"]
     assert error["type"] == "shutting_down" and error["gate"] == "g"
+    # not an overload (another replica can serve it): retryable, on a new connection
+    assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+    assert "x-should-retry" not in r.headers
     assert upstream_log(upstream).arrivals == []
     await fleet.flush()
     await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")

@@ -383,8 +383,19 @@ class ProxyApp:
             # left the wait list or released its permit on the way out)
             if not self.draining or ex.status != 0:
                 raise
+            # not an overload: another replica can serve it, so retryable (Retry-After), on a
+            # new connection (this one closes)
             msg = "the proxy is shutting down: the drain ended before this request's answer"
-            await self._error(send, 503, "shutting_down", msg, ex, gate=ex.gate or None)
+            await self._error(
+                send,
+                503,
+                "shutting_down",
+                msg,
+                ex,
+                gate=ex.gate or None,
+                retry_after_s=1,
+                close=True,
+            )
         except Exception:
             # A bug of ours: log it (no header values), answer 502 if nothing was sent yet.
             log.exception("proxy: unexpected error on %s %s", ex.method, ex.path)
@@ -537,12 +548,19 @@ class ProxyApp:
         except Overloaded as exc:
             seconds = retry_after(route.retry_after_s)
             await self._error(
-                send, 429, "overloaded", str(exc), ex, gate=route.gate, retry_after_s=seconds
+                send,
+                429,
+                "overloaded",
+                str(exc),
+                ex,
+                gate=route.gate,
+                retry_after_s=seconds,
+                retry=False,
             )
             return
         except DeadlineExceeded as exc:
             msg = f"{exc} (expired while queued for a permit)"
-            await self._error(send, 504, "deadline_exceeded", msg, ex, gate=route.gate)
+            await self._error(send, 504, "deadline_exceeded", msg, ex, gate=route.gate, retry=False)
             return
         except ConfigError as exc:  # a weight above the gate's ceiling
             await self._error(send, 400, "bad_header", str(exc), ex, gate=route.gate)
@@ -794,10 +812,21 @@ class ProxyApp:
         *,
         gate: str | None = None,
         retry_after_s: int | None = None,
+        retry: bool | None = None,
+        close: bool = False,
     ) -> None:
-        """A JSON error of the proxy's own: ``{"error": {"type", "message", "gate", ...}}``."""
+        """A JSON error of the proxy's own: ``{"error": {"type", "message", "gate", ...}}``.
+
+        ``retry=False`` says ``x-should-retry: false``: the header the openai SDK obeys before
+        its status rules (it retries 408, 409, 429 and 5xx twice by default), for an overload
+        rejection, which retrying deepens. ``close`` ends the connection after it.
+        """
         error: dict[str, Any] = {"type": kind, "message": message}
         extra: list[tuple[bytes, bytes]] = []
+        if retry is not None:
+            extra.append((b"x-should-retry", b"true" if retry else b"false"))
+        if close:
+            extra.append((b"connection", b"close"))
         if gate is not None:
             error["gate"] = gate
             extra.append((b"x-fleetgate-gate", gate.encode("utf-8")))
