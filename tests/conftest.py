@@ -194,3 +194,12 @@ def upstream() -> Iterator[Any]:
 
     with serve_in_thread(upstream_app()) as served:
         yield served
+
+
+@pytest.fixture(params=["httptools", "h11"])
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A proxy test on both request parsers (httptools: the fast extra's; h11: the fallback)."""
+    if request.param == "h11":
+        monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
+    name: str = request.param
+    return name

@@ -26,17 +26,6 @@ from ._proxy import (
 from .conftest import RedisUnderTest
 from .test_proxy import _raw, _status
 
-PARSERS = ["httptools", "h11"]
-
-
-@pytest.fixture(params=PARSERS)
-def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test on both request parsers (httptools: the fast extra's; h11: the fallback)."""
-    if request.param == "h11":
-        monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
-    name: str = request.param
-    return name
-
 
 def test_a_pipelined_caller_that_leaves_frees_its_permit(
     rut: RedisUnderTest, upstream: Served, parser: str

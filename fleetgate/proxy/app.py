@@ -40,7 +40,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from fleetgate.client import DeadlineExceeded, Fleet, Gate, Lease, Overloaded
 from fleetgate.errors import ConfigError, FleetgateError
 
-from ._inbound import BodyTooLarge, ClientGone, Inbound
+from ._inbound import BodyStalled, BodyTooLarge, ClientGone, Inbound
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
 from .policy import (
@@ -233,14 +233,16 @@ class _Permit:
 
 async def _race(
     task: asyncio.Future[T],
-    gone: asyncio.Event,
+    inbound: Inbound,
     timeout: float | None = None,
     discard: Callable[[T], Awaitable[None]] | None = None,
 ) -> T:
-    """``task``'s result, unless the caller goes away (:class:`ClientGone`) or ``timeout``
-    passes (:class:`TimeoutError`) first: then ``task`` is cancelled and a result it produced
-    anyway is handed to ``discard`` (a lease to release, a response to close)."""
-    waiter: asyncio.Future[Any] = asyncio.ensure_future(gone.wait())
+    """``task``'s result, unless the caller's side stops the exchange first (gone, a body too
+    large or stalled: :meth:`Inbound.failure` is raised) or ``timeout`` passes
+    (:class:`TimeoutError`): then ``task`` is cancelled and a result it produced anyway is
+    handed to ``discard`` (a lease to release, a response to close)."""
+    stop = inbound.stop
+    waiter: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
     pending: set[asyncio.Future[Any]] = {task, waiter}
     try:
         await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -251,7 +253,7 @@ async def _race(
         raise
     finally:
         waiter.cancel()
-    if task.done() and not gone.is_set():
+    if task.done() and not stop.is_set():
         return task.result()
     task.cancel()
     try:
@@ -263,8 +265,8 @@ async def _race(
     else:
         if discard is not None:
             await discard(result)
-    if gone.is_set():
-        raise ClientGone
+    if stop.is_set():
+        raise inbound.failure()
     raise TimeoutError
 
 
@@ -459,7 +461,7 @@ class ProxyApp:
         if not routes:
             await self._error(send, 404, "no_route", f"no route for path {ex.path!r}", ex)
             return
-        inbound = Inbound(receive, settings.max_request_bytes)
+        inbound = Inbound(receive, settings.max_request_bytes, settings.body_timeout_s)
         pump = asyncio.ensure_future(inbound.run())
         try:
             await self._routed(scope, send, ex, routes, inbound)
@@ -479,11 +481,8 @@ class ProxyApp:
         if route.models:
             try:
                 body = await inbound.read_all()
-            except BodyTooLarge:
-                await self._too_large(send, ex)
-                return
-            except ClientGone:
-                ex.status = CLIENT_CLOSED
+            except (BodyTooLarge, BodyStalled, ClientGone) as exc:
+                await self._caller_failed(send, ex, routes[0], exc, "body")
                 return
             try:
                 model = msgspec.json.decode(body, type=_Model).model
@@ -540,10 +539,9 @@ class ProxyApp:
             await lease.release()
 
         try:
-            lease = await _race(acquire, inbound.gone, discard=give_back)
-        except ClientGone:
-            self.metrics.disconnects.labels(route.label, "queued").inc()
-            ex.status, ex.note = CLIENT_CLOSED, "left the queue"
+            lease = await _race(acquire, inbound, discard=give_back)
+        except (BodyTooLarge, BodyStalled, ClientGone) as exc:
+            await self._caller_failed(send, ex, route, exc, "queued")
             return
         except Overloaded as exc:
             seconds = retry_after(route.retry_after_s)
@@ -600,6 +598,10 @@ class ProxyApp:
             await permit.release()
             await self._error(send, 504, "deadline_exceeded", deadline_msg, ex, gate=gate)
             return
+        if inbound.stop.is_set():  # the body passed its limit or stalled as the grant came
+            await permit.release()
+            await self._caller_failed(send, ex, route, inbound.failure(), "queued")
+            return
         upstream = self._upstreams[id(route)]
         query: bytes = scope.get("query_string") or b""
         if query:
@@ -632,18 +634,13 @@ class ProxyApp:
         try:
             answer = await _race(
                 asyncio.ensure_future(upstream.send(request)),
-                inbound.gone,
+                inbound,
                 remaining,
                 discard=close,
             )
-        except ClientGone:
+        except (BodyTooLarge, BodyStalled, ClientGone) as exc:
             await permit.release()
-            self.metrics.disconnects.labels(route.label, "upstream").inc()
-            ex.status, ex.note = CLIENT_CLOSED, "gone while the upstream worked"
-            return
-        except BodyTooLarge:
-            await permit.release()
-            await self._too_large(send, ex)
+            await self._caller_failed(send, ex, route, exc, "upstream")
             return
         except TimeoutError:
             await permit.release("timeout")
@@ -842,6 +839,25 @@ class ProxyApp:
         limit = self.config.proxy.max_request_bytes
         msg = f"the request body exceeds {limit} bytes"
         await self._error(send, 413, "body_too_large", msg, ex)
+
+    async def _caller_failed(
+        self, send: Send, ex: _Exchange, route: RouteConfig, exc: Exception, phase: str
+    ) -> None:
+        """The caller's side stopped the exchange (:meth:`Inbound.failure`): gone (nothing to
+        answer), a body past ``max_request_bytes`` (413) or stalled (408). Both answers close
+        the connection: the rest of the body is not waited for."""
+        if isinstance(exc, ClientGone):
+            if phase != "body":  # the metric's phases: queued, upstream, response
+                self.metrics.disconnects.labels(route.label, phase).inc()
+            notes = {"queued": "left the queue", "upstream": "gone while the upstream worked"}
+            ex.status, ex.note = CLIENT_CLOSED, notes.get(phase, "gone before its body ended")
+        elif isinstance(exc, BodyTooLarge):
+            msg = f"the request body exceeds {self.config.proxy.max_request_bytes} bytes"
+            await self._error(send, 413, "body_too_large", msg, ex, close=True)
+        else:
+            seconds = self.config.proxy.body_timeout_s
+            msg = f"no byte of the request body for {seconds:g} s (body_timeout_s)"
+            await self._error(send, 408, "body_timeout", msg, ex, close=True)
 
     def _account(self, ex: _Exchange) -> None:
         seconds = time.monotonic() - ex.started

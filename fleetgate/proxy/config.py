@@ -5,7 +5,8 @@ Shape (``example.toml`` next to this module shows every key with its default)::
 
     [redis]      url, prefix
     [proxy]      listen, max_request_bytes, max_response_bytes, max_header_bytes,
-                 drain_seconds, access_log, metrics_path, health_path
+                 head_timeout_s, body_timeout_s, drain_seconds, access_log, metrics_path,
+                 health_path
     [[routes]]   path, strip_path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
                  min_priority, max_priority, tenant, tenants, weight, max_weight,
                  stream_timeout_s, connect_timeout_s, retry_after_s, gate_defaults
@@ -116,6 +117,11 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_response_bytes: Annotated[int, Meta(ge=1, le=16 * 1024 * MiB)] = 256 * MiB
     #: request line and headers together; more gets 431
     max_header_bytes: Annotated[int, Meta(ge=1024, le=MiB)] = 32 * 1024
+    #: a request's head must be complete this long after the connection opened or its previous
+    #: answer ended (408 and closed; a connection that sent nothing is closed without answer)
+    head_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    #: a request body that goes this long without a byte before its end gets 408 (closed)
+    body_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     #: on SIGTERM: stop accepting, then wait this long for requests in flight
     drain_seconds: Annotated[float, Meta(ge=0, le=3600)] = 30.0
     access_log: bool = True

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate._redis import redact
 from fleetgate.client import Fleet
 
+from ._timeouts import HeadClock, with_head_timeout
 from .app import ProxyApp
 from .config import ProxyConfig
 
@@ -74,7 +75,6 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
     else ``"h11"``."""
     try:
         import httptools
-        from uvicorn.protocols.http.h11_impl import H11Protocol
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
         return "h11"
@@ -86,6 +86,8 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
           ``h11_max_incomplete_event_size`` before its end gets 431 and the connection closes
           (h11 would answer 400). Heads within it reach the app, which answers 431 above
           ``max_header_bytes`` with its JSON body.
+        * A :class:`~._timeouts.HeadClock` bounds the time to a complete head
+          (``head_timeout_s``; uvicorn bounds none of it).
         * After a head asking to upgrade (``Connection: upgrade``, ``Upgrade: h2c``, as
           ``curl --http2`` sends), httptools hands every following byte to the new protocol:
           the request's body was dropped. The proxy upgrades nothing, so such a connection is
@@ -98,12 +100,21 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
         _cycles: tuple[Any, ...] = ()  # the request cycles not yet answered (per connection)
         _upgrade = False
         _too_large = False
+        head_timeout_s = 30.0
+        _clock: HeadClock | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._clock = HeadClock(self.loop, transport, self.head_timeout_s)
+            self._clock.start()
 
         def data_received(self, data: bytes) -> None:
             if self._too_large:
                 return
             if self._in_head:
                 self._head += len(data)
+                if self._clock is not None:
+                    self._clock.seen += len(data)
             # HttpToolsProtocol.data_received, but for the upgrade
             self._unset_keepalive_if_required()
             try:
@@ -139,6 +150,8 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            if self._clock is not None:
+                self._clock.head_complete()
             if self.parser.should_upgrade():
                 self._upgrade = True  # no cycle, no app: h11 starts over with this head
                 return
@@ -150,6 +163,8 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
             self._cycles = (*open_cycles, self.cycle)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._clock is not None:
+                self._clock.stop()
             for cycle in self._cycles:
                 if cycle is not self.cycle and not cycle.response_complete:
                     cycle.disconnected = True
@@ -166,9 +181,25 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
                 return
             super().on_message_complete()
             self._in_head, self._head = True, 0
+            if self.cycle.response_complete:  # answered before its body ended: a head is next
+                self._wait_for_head()
+
+        def on_response_complete(self) -> None:
+            pipelined = bool(self.pipeline)  # super() starts the next one
+            super().on_response_complete()
+            if self._in_head and not pipelined:
+                self._wait_for_head()
+
+        def _wait_for_head(self) -> None:
+            """Start the head's clock unless a pipelined request is already waiting."""
+            if self._clock is not None and not self.pipeline:
+                self._clock.start()
 
         def _to_h11(self, after_head: bytes) -> None:
-            h11_protocol = H11Protocol(
+            if self._clock is not None:
+                self._clock.stop()
+            h11_class = with_head_timeout("h11", self.head_timeout_s)
+            h11_protocol = h11_class(
                 config=self.config, server_state=self.server_state, app_state=self.app_state
             )
             self.connections.discard(self)
@@ -217,7 +248,7 @@ def _uvicorn_config(app: ProxyApp, config: ProxyConfig) -> uvicorn.Config:
         log_config=None,  # the CLI configures logging; uvicorn must not replace it
         access_log=False,  # the proxy writes its own, without query strings
         loop="none",  # the running one: uvloop's when the CLI found it (main.py)
-        http=_http_protocol(),
+        http=with_head_timeout(_http_protocol(), settings.head_timeout_s),
         ws="none",
         # a little above ours, so the app answers 431 with a JSON body; beyond, h11 answers 400
         # (httptools: 431, GuardedHttpTools)
