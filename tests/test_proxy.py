@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -80,7 +81,7 @@ def test_forwards_and_passes_upstream_answers_through(
     with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         ok = http.post("/work?tag=a", json={"x": 1})
         assert ok.status_code == 200 and ok.json() == {"tag": "a"}
-        assert ok.headers["via"] == "1.1 fleetgate"
+        assert re.fullmatch(r"1\.1 fleetgate-[0-9a-f]{8}", ok.headers["via"]), ok.headers
         for code in (400, 404, 500, 503):
             r = http.post(f"/status/{code}", content=b"{}")
             assert r.status_code == code
@@ -110,7 +111,7 @@ def test_hop_by_hop_and_fleetgate_headers_are_not_forwarded_and_secrets_not_logg
     assert seen["headers"]["authorization"] == "Bearer sk-very-secret"  # end to end: forwarded
     for name in ("x-hop", "keep-alive", "x-fleetgate-tenant", "x-fleetgate-priority"):
         assert name not in seen["headers"], name
-    assert seen["headers"]["via"] == "1.1 fleetgate"
+    assert re.fullmatch(r"1\.1 fleetgate-[0-9a-f]{8}", seen["headers"]["via"]), seen
     assert seen["headers"]["x-forwarded-for"] == "127.0.0.1"
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "fleetgate.proxy.access"]
     assert any('"POST /echo" 200' in line for line in lines), lines

@@ -243,13 +243,16 @@ def test_hop_by_hop_and_fleetgate_headers_stop_at_the_proxy() -> None:
         (b"x-forwarded-for", b"10.0.0.1"),
         (b"content-type", b"application/json"),
     ]
-    out = dict(forward_request_headers(headers, client_ip="127.0.0.1"))
+    out = dict(forward_request_headers(headers, client_ip="127.0.0.1", trusted=True))
     assert out == {
         b"authorization": b"Bearer sk-1",
         b"content-type": b"application/json",
         b"x-forwarded-for": b"10.0.0.1, 127.0.0.1",
         b"via": b"1.1 fleetgate",
     }
+    # from a peer that is no trusted proxy, the chain is its address alone
+    untrusted = dict(forward_request_headers(headers, client_ip="127.0.0.1"))
+    assert untrusted[b"x-forwarded-for"] == b"127.0.0.1"
     back = forward_response_headers(
         [
             (b"Content-Type", b"text/event-stream"),

@@ -2,8 +2,8 @@
 
 One exchange, in order (each step may answer instead of going on):
 
-1. the request head: headers within ``max_header_bytes`` (431), a path without dot segments
-   (400), a ``Content-Length`` within ``max_request_bytes`` (413), a route for the path (404);
+1. the request head (:func:`~._checks.refusal`: 431, 400, 501, 413, 508), a route for the
+   path (404);
 2. the route by the JSON body's ``model`` when routes name models (the body is read first);
 3. the ``X-Fleetgate-*`` headers -> the permit asked for (:func:`~.policy.parse_ask`; 400);
 4. the permit: ``Overloaded`` -> 429 with ``Retry-After``; the deadline while queued -> 504; a
@@ -26,6 +26,7 @@ import asyncio
 import email.utils
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from fleetgate.client import DeadlineExceeded, Fleet, Gate, Lease, Overloaded
 from fleetgate.errors import ConfigError, FleetgateError
 
+from ._checks import refusal, too_large_message
 from ._inbound import BodyStalled, BodyTooLarge, ClientGone, Inbound
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
@@ -50,6 +52,7 @@ from .policy import (
     forward_request_headers,
     forward_response_headers,
     parse_ask,
+    peer_trusted,
     retry_after,
 )
 
@@ -299,24 +302,6 @@ def _http_date() -> bytes:
     return _date[1]
 
 
-def _has_dot_segment(path: str) -> bool:
-    return any(seg in (".", "..") for seg in path.split("/"))
-
-
-def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """The declared body length; ValueError when it is malformed or given with conflicting
-    values (a request-smuggling shape)."""
-    values = {v.strip() for k, v in headers if k == b"content-length"}
-    if not values:
-        return None
-    if len(values) > 1:
-        raise ValueError("conflicting Content-Length headers")
-    (text,) = values
-    if not text or len(text) > 18 or not text.isdigit():
-        raise ValueError("Content-Length is not a number")
-    return int(text)
-
-
 class ProxyApp:
     """The ASGI app of ``fleetgate proxy`` over a started :class:`~fleetgate.client.Fleet`.
 
@@ -340,6 +325,11 @@ class ProxyApp:
         self._upstreams = {id(route): _Upstream(route) for route in config.routes}
         self._gauges: dict[str, Gauge] = {}
         self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._trusted = config.proxy.trusted_networks()
+        #: this proxy's name in Via (RFC 9110 7.6.3, a pseudonym): a request naming it has
+        #: come back (508); another fleetgate proxy's is a chain, not a loop
+        self.via_name = f"fleetgate-{secrets.token_hex(4)}".encode("ascii")
+        self.via = (b"via", b"1.1 " + self.via_name)
         for route in config.routes:
             self.gate(route)  # registered now: live pod of the gate, defaults in Redis
 
@@ -429,33 +419,10 @@ class ProxyApp:
 
     async def _exchange(self, scope: Scope, receive: Receive, send: Send, ex: _Exchange) -> None:
         settings = self.config.proxy
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-        head += sum(len(k) + len(v) + 4 for k, v in headers)
-        if head > settings.max_header_bytes:
-            msg = f"request line and headers exceed {settings.max_header_bytes} bytes"
-            await self._error(send, 431, "headers_too_large", msg, ex)
-            return
-        raw_path: bytes = scope.get("raw_path") or ex.path.encode()
-        if not raw_path.startswith(b"/") or not ex.path.startswith("/"):
-            # absolute-form, authority-form, '*' or 'x': the target is appended to the
-            # upstream's URL, so '@host/x' would name another host
-            msg = "the request target must be a path starting with '/'"
-            await self._error(send, 400, "bad_request", msg, ex)
-            return
-        if _has_dot_segment(ex.path):
-            await self._error(send, 400, "bad_request", "the path has '.' or '..' segments", ex)
-            return
-        try:
-            declared = _content_length(headers)
-            if declared is not None and any(k == b"transfer-encoding" for k, _ in headers):
-                # RFC 9112 6.3: the request-smuggling shape; refused rather than reframed
-                raise ValueError("both Content-Length and Transfer-Encoding are given")
-        except ValueError as exc:
-            await self._error(send, 400, "bad_request", str(exc), ex)
-            return
-        if declared is not None and declared > settings.max_request_bytes:
-            await self._too_large(send, ex)
+        refused = refusal(scope, settings, self.via_name)
+        if refused is not None:
+            status, kind, msg, close = refused
+            await self._error(send, status, kind, msg, ex, close=close)
             return
         routes = [r for r in self.config.routes if r.matches_path(ex.path)]
         if not routes:
@@ -606,7 +573,12 @@ class ProxyApp:
         query: bytes = scope.get("query_string") or b""
         if query:
             target += b"?" + query
-        headers = forward_request_headers(scope["headers"], client_ip=ex.client)
+        headers = forward_request_headers(
+            scope["headers"],
+            client_ip=ex.client,
+            trusted=peer_trusted(ex.client, self._trusted),
+            via=self.via,
+        )
         content: Any
         if inbound.complete and not inbound.too_large:
             content = await inbound.read_all()
@@ -696,7 +668,7 @@ class ProxyApp:
             self._read_upstream(answer, queue, permit, route, sent_at, ex)
         )
         inbound.on_gone(functools.partial(_cancel, reader))
-        headers = forward_response_headers(response.headers.raw, status)
+        headers = forward_response_headers(response.headers.raw, status, self.via)
         if not any(k == b"date" for k, _ in headers):
             headers.append((b"date", _http_date()))
         ended = False  # the reader is done with the upstream (it closes and releases now)
@@ -835,11 +807,6 @@ class ProxyApp:
         ex.note = ex.note or kind
         await self._send(send, status, body, "application/json", extra)
 
-    async def _too_large(self, send: Send, ex: _Exchange) -> None:
-        limit = self.config.proxy.max_request_bytes
-        msg = f"the request body exceeds {limit} bytes"
-        await self._error(send, 413, "body_too_large", msg, ex)
-
     async def _caller_failed(
         self, send: Send, ex: _Exchange, route: RouteConfig, exc: Exception, phase: str
     ) -> None:
@@ -852,7 +819,7 @@ class ProxyApp:
             notes = {"queued": "left the queue", "upstream": "gone while the upstream worked"}
             ex.status, ex.note = CLIENT_CLOSED, notes.get(phase, "gone before its body ended")
         elif isinstance(exc, BodyTooLarge):
-            msg = f"the request body exceeds {self.config.proxy.max_request_bytes} bytes"
+            msg = too_large_message(self.config.proxy)
             await self._error(send, 413, "body_too_large", msg, ex, close=True)
         else:
             seconds = self.config.proxy.body_timeout_s

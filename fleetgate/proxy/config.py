@@ -5,8 +5,8 @@ Shape (``example.toml`` next to this module shows every key with its default)::
 
     [redis]      url, prefix
     [proxy]      listen, max_request_bytes, max_response_bytes, max_header_bytes,
-                 head_timeout_s, body_timeout_s, drain_seconds, access_log, metrics_path,
-                 health_path
+                 head_timeout_s, body_timeout_s, trusted_proxies, drain_seconds, access_log,
+                 metrics_path, health_path
     [[routes]]   path, strip_path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
                  min_priority, max_priority, tenant, tenants, weight, max_weight,
                  stream_timeout_s, connect_timeout_s, retry_after_s, gate_defaults
@@ -21,6 +21,7 @@ not set them (the CLI's ``--redis``/``--prefix`` win over both).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -122,6 +123,10 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
     #: a request body that goes this long without a byte before its end gets 408 (closed)
     body_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    #: peers (IP addresses or networks) whose Forwarded / X-Forwarded-* / X-Real-IP headers are
+    #: passed on (X-Forwarded-For: the peer appended); from any other peer they are dropped and
+    #: X-Forwarded-For is the peer's address alone
+    trusted_proxies: tuple[str, ...] = ()
     #: on SIGTERM: stop accepting, then wait this long for requests in flight
     drain_seconds: Annotated[float, Meta(ge=0, le=3600)] = 30.0
     access_log: bool = True
@@ -134,6 +139,14 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             parse_listen(self.listen)
         except ConfigError as exc:
             raise _field("listen", exc) from None
+        for i, network in enumerate(self.trusted_proxies):
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"trusted_proxies[{i}]: expected an IP address or network (10.0.0.0/8), "
+                    f"got {network!r}"
+                ) from None
         for name in ("metrics_path", "health_path"):
             value = getattr(self, name)
             if not value.startswith("/") or any(c.isspace() or c == "?" for c in value):
@@ -142,6 +155,9 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def address(self) -> tuple[str, int]:
         return parse_listen(self.listen)
+
+    def trusted_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        return tuple(ipaddress.ip_network(n, strict=False) for n in self.trusted_proxies)
 
 
 class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -7,7 +7,10 @@
 * :func:`forward_request_headers` / :func:`forward_response_headers`: RFC 9110 section 7.6.1 --
   ``Connection`` and every header it names, ``Proxy-Connection``, ``Keep-Alive``, ``TE``,
   ``Transfer-Encoding``, ``Upgrade`` are hop-by-hop and never forwarded; the ``X-Fleetgate-*``
-  headers are the proxy's and stop here; ``Via`` is added (section 7.6.3);
+  headers are the proxy's and stop here; ``Via`` is added (section 7.6.3); the caller's
+  forwarding headers (``Forwarded``, ``X-Forwarded-*``, ``X-Real-IP``) pass only from a trusted
+  proxy (:func:`peer_trusted`, the one place that decides); ``Trailer`` is dropped with the
+  trailers it announces;
 * :func:`classify`: a response status or an error -> the outcome reported for the
   client-observed signal (``ok``, ``overloaded``, ``timeout``, ``error``);
 * :func:`retry_after`: the ``Retry-After`` value of a 429 (integer seconds, at least 1).
@@ -17,6 +20,7 @@ Header names arrive as ASGI gives them: lower-case bytes.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ __all__ = [
     "forward_request_headers",
     "forward_response_headers",
     "parse_ask",
+    "peer_trusted",
     "retry_after",
 ]
 
@@ -64,6 +69,18 @@ HOP_BY_HOP: Final = frozenset(
     }
 )
 VIA: Final = (b"via", b"1.1 fleetgate")
+#: what a caller says about where its request came from: believed only from a trusted proxy
+FORWARDING: Final = frozenset(
+    {
+        b"forwarded",
+        b"x-forwarded-for",
+        b"x-forwarded-host",
+        b"x-forwarded-proto",
+        b"x-forwarded-port",
+        b"x-real-ip",
+    }
+)
+Networks = Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]
 #: the longest deadline a header may name (a day), and the longest number we parse
 MAX_DEADLINE_MS: Final = 86_400_000
 _MAX_DIGITS: Final = 12
@@ -163,25 +180,49 @@ def _connection_tokens(headers: Headers) -> set[bytes]:
     return names
 
 
+def peer_trusted(peer: str | None, networks: Networks) -> bool:
+    """Whether the peer at address ``peer`` is one of the proxy's ``trusted_proxies``: the one
+    place that decides whose forwarding headers are believed."""
+    if not peer or not networks:
+        return False
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:  # a Unix socket's path, "-"
+        return False
+    return any(address in network for network in networks)
+
+
 def forward_request_headers(
-    headers: Headers, *, client_ip: str | None = None
+    headers: Headers,
+    *,
+    client_ip: str | None = None,
+    trusted: bool = False,
+    via: tuple[bytes, bytes] = VIA,
 ) -> list[tuple[bytes, bytes]]:
     """The headers to send upstream: hop-by-hop, ``Host`` (the upstream's is set by the HTTP
-    client) and ``X-Fleetgate-*`` removed; ``Via`` added, the caller's address appended to
-    ``X-Forwarded-For``."""
-    drop = HOP_BY_HOP | FLEETGATE_HEADERS | _connection_tokens(headers) | {b"host"}
+    client), ``Trailer`` (trailers are not forwarded) and ``X-Fleetgate-*`` removed; ``via``
+    appended to the caller's ``Via``. The forwarding headers pass only from a ``trusted`` peer
+    (its ``X-Forwarded-For`` with the peer's address, ``client_ip``, appended); from any other,
+    they are dropped and ``X-Forwarded-For`` is ``client_ip`` alone."""
+    drop = HOP_BY_HOP | FLEETGATE_HEADERS | _connection_tokens(headers) | {b"host", b"trailer"}
+    if not trusted:
+        drop = drop | FORWARDING
     out = [(k, v) for k, v in headers if k not in drop]
     if client_ip:
         prior = [v for k, v in out if k == b"x-forwarded-for"]
         out = [(k, v) for k, v in out if k != b"x-forwarded-for"]
         chain = b", ".join([*prior, client_ip.encode("latin-1")])
         out.append((b"x-forwarded-for", chain))
-    out.append(VIA)
+    prior_via = [v for k, v in out if k == b"via"]
+    if prior_via:
+        out = [(k, v) for k, v in out if k != b"via"]
+        via = (b"via", b", ".join([*prior_via, via[1]]))
+    out.append(via)
     return out
 
 
 def forward_response_headers(
-    headers: Iterable[tuple[bytes, bytes]], status: int = 200
+    headers: Iterable[tuple[bytes, bytes]], status: int = 200, via: tuple[bytes, bytes] = VIA
 ) -> list[tuple[bytes, bytes]]:
     """The upstream's response headers for the caller: hop-by-hop removed (the server framing
     the response to the caller sets its own ``Transfer-Encoding``), ``Via`` added. The body is
@@ -193,7 +234,7 @@ def forward_response_headers(
     drop = HOP_BY_HOP | _connection_tokens(items)
     if status in (204, 304) or any(k == b"transfer-encoding" for k, _ in items):
         drop = drop | {b"content-length"}
-    return [*((k, v) for k, v in items if k not in drop), VIA]
+    return [*((k, v) for k, v in items if k not in drop), via]
 
 
 def classify(status: int | None, *, timed_out: bool = False) -> Outcome:
