@@ -421,7 +421,7 @@ class TenantBench(Bench):
     def acq_args(self, wid: str, *more: str) -> list[Any]:  # type: ignore[override]
         """acquire.lua's ARGV (8 default settings left to the stored config, no fence, no
         releases, no reports)."""
-        args: list[Any] = ["", "", "", "", "", "", "", "", 0, "", 0, 0]
+        args: list[Any] = ["", "", "", "", "", "", "", "", 0, 0, 0]
         for i in (wid, *more):
             args += [i, HOUR_MS, self.cls()]
         return args
@@ -465,7 +465,7 @@ class TenantBench(Bench):
                 args = self.acq_args(wid)
                 reply = self.s["acquire"](keys=self.keys, args=args)
                 assert int(reply[5]) == 2, reply
-                self.s["cancel"](keys=self.keys, args=[wid, class_member(args[14], reply[6], wid)])
+                self.s["cancel"](keys=self.keys, args=[wid, class_member(args[13], reply[6], wid)])
 
         usec, calls = self._lua(go)
         assert calls == 2 * m, f"a script call failed: {calls} calls, {m} cycles"

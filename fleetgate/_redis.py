@@ -39,7 +39,7 @@ from redis.exceptions import (
 
 from fleetgate import _sentinel
 from fleetgate.errors import ConfigError
-from fleetgate.keys import GateKeys, fleet_keys
+from fleetgate.keys import GateKeys
 
 __all__ = [
     "REDIS_ERRORS",
@@ -202,13 +202,6 @@ class RedisMode:
         then failed with BUSYKEY).
         """
         return keys.declared_keys() if self.cluster else keys.script_keys()
-
-    def node_key(self, keys: GateKeys) -> str:
-        """The key that remembers when this server first held fleetgate state under the
-        gate's prefix (the recovery fence, ``lua/lib.lua`` gate_birth): ``<prefix>:born`` on a
-        standalone Redis, ``""`` on Cluster, where a gate's script reaches only its own slot
-        (every gate found without state is fenced there)."""
-        return "" if self.cluster else fleet_keys(keys.prefix).born
 
     def slot_group(self, key: str) -> int:
         """Keys of one group may go into one command or script call (``BLPOP k1 k2 ...``, one

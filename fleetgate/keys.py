@@ -5,8 +5,8 @@ Cluster slot and every script touches a single slot. The registry of gates and t
 keys are outside any gate's slot and are written by separate commands.
 
     {prefix}:{G}:cfg       hash    floor, ceiling, max_queued, lease_ms, waiter_ms,
-                                   max_queued_per_tenant, shed_below, schema; born and
-                                   fence (server ms: the recovery fence, lua/lib.lua)
+                                   max_queued_per_tenant, shed_below, schema; fence
+                                   (server ms: the recovery fence's end, lua/lib.lua)
     {prefix}:{G}:target    hash    value, epoch, expires_at (server ms)
     {prefix}:{G}:holders   zset    lease id  -> lease expiry (server ms); a lease of weight
                                    W > 1 is '<pod>:<n>w<W>'

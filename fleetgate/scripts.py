@@ -483,15 +483,15 @@ class HeartbeatRequest:
     #: :meth:`GateScripts.acquire_many`); 0 sets none
     fence_ms: int = 0
 
-    def argv(self, node_key: str = "") -> list[Any]:
-        """heartbeat.lua's ARGV (``node_key``: :meth:`GateScripts.node_key`)."""
+    def argv(self) -> list[Any]:
+        """heartbeat.lua's ARGV."""
         args: list[Any] = [self.pod_id, self.pod_ttl_ms, len(self.leases)]
         for lid, expires_at in self.leases:
             args += [lid, expires_at]
         args.append(len(self.waiters))
         for wid, remaining_ms in self.waiters:
             args += [wid, max(1, remaining_ms)]
-        args += [self.max_token, self.fence_ms, node_key if self.fence_ms else ""]
+        args += [self.max_token, self.fence_ms]
         if self.defaults is not None:
             args += self.defaults.argv()
         return args
@@ -514,7 +514,7 @@ class _ManyHeartbeats:
                 self.keys += mode.script_keys(req.keys)
         self.args: list[Any] = [len(requests)]
         for req in requests:
-            argv = req.argv(mode.node_key(req.keys))
+            argv = req.argv()
             self.args += [len(argv), *argv]
 
     def __call__(self, client: Any) -> Any:
@@ -677,8 +677,7 @@ class GateScripts:
         (``lua/lib.lua`` gate_birth; 0: no fence)."""
         _check_batch(len(requests))
         _check_batch(len(releases), least=0)
-        args: list[Any] = [*_encoded_argv(defaults), *self._fence(keys, fence_ms)]
-        args += (len(releases), *releases)
+        args: list[Any] = [*_encoded_argv(defaults), fence_ms, len(releases), *releases]
         args += (len(observed), *observed)
         for req in requests:
             args += (req[0], max(1, req[1]), req[2] if len(req) > 2 else "")
@@ -726,7 +725,7 @@ class GateScripts:
 
     def _heartbeat_call(self, req: HeartbeatRequest, decode: Callable[[Any], _R]) -> ScriptCall[_R]:
         """heartbeat.lua for one gate's request."""
-        return self._call("heartbeat", req.keys, req.argv(self.redis.node_key(req.keys)), decode)
+        return self._call("heartbeat", req.keys, req.argv(), decode)
 
     async def heartbeats(
         self, requests: Sequence[HeartbeatRequest], *, units: int = HEARTBEAT_UNITS_PER_CALL
@@ -818,10 +817,6 @@ class GateScripts:
     async def _gate_error(self, exc: Exception, keys: GateKeys) -> Exception:
         return await self.translate(exc, keys) if isinstance(exc, ResponseError) else exc
 
-    def _fence(self, keys: GateKeys, fence_ms: int) -> tuple[int, str]:
-        """The recovery fence's two script arguments: its length and the node key."""
-        return (fence_ms, self.redis.node_key(keys)) if fence_ms > 0 else (0, "")
-
     def sweep_call(self, keys: GateKeys) -> ScriptCall[Any]:
         """A heartbeat without a pod: renews nothing, only reaps and hands off (the reaper)."""
         return self._call("heartbeat", keys, ["", 0, 0, 0, 0], HeartbeatReply.decode)
@@ -868,7 +863,7 @@ class GateScripts:
         """Count ``lease_ids`` (running work) as leases again after an outage; raise the gate's
         token counter above ``max_token``; ``fence_ms`` as for :meth:`acquire_many`. Returns
         (ids added, server-ms expiry)."""
-        args: list[Any] = [*self._fence(keys, fence_ms), max_token, *lease_ids]
+        args: list[Any] = [fence_ms, max_token, *lease_ids]
         return await self._run(self._call("adopt", keys, args, _pair))
 
     async def snapshot(

@@ -6,9 +6,9 @@
 -- KEYS: 1 the gate's base name (see lib.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
 --       7 shed_below  8 tenant weights ('name}w}...')  (defaults, registered only when the gate
---       has no configuration yet), 9 fence_ms  10 node key (the recovery fence of a gate found
---       without state: lib.lua gate_birth; 0 and '' for none), 11 n = leases to release, then
---       n lease ids, then m, then m
+--       has no configuration yet), 9 fence_ms (the recovery fence of a gate found without
+--       state: lib.lua gate_birth; 0 for none), 10 n = leases to release, then n lease ids,
+--       then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
 --       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>'
 --       or '<pod>:<n>w<W>' for weight W), wait_ms (time the caller is willing to park, > 0),
@@ -34,9 +34,9 @@
 -- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
-local n_release = tonumber(ARGV[11])
-local n_obs = tonumber(ARGV[12 + n_release])
-local first = 13 + n_release + n_obs  -- ARGV index of the first request
+local n_release = tonumber(ARGV[10])
+local n_obs = tonumber(ARGV[11 + n_release])
+local first = 12 + n_release + n_obs  -- ARGV index of the first request
 -- A class the client library would never send is refused before anything is written: it would
 -- make lane members that sort and parse wrongly.
 for i = first + 2, #ARGV, 3 do
@@ -48,15 +48,15 @@ for i = first + 2, #ARGV, 3 do
 end
 local released = 0
 if n_release > 0 then
-  released = remove_leases(ARGV, 12, 11 + n_release)
+  released = remove_leases(ARGV, 11, 10 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-observe(ARGV, 13 + n_release, 12 + n_release + n_obs)
+observe(ARGV, 12 + n_release, 11 + n_release + n_obs)
 
 local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]},
   true)
-gate_birth(now, cfg, num(ARGV[9], 0), ARGV[10] or '')
+gate_birth(now, cfg, num(ARGV[9], 0))
 -- behind the recovery fence nothing is granted at once: every request parks (or is refused)
 local fenced = cfg.fence > now
 local lim = current_limit(now, cfg)

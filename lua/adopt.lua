@@ -3,22 +3,22 @@
 -- accounts for work that is still running when Redis returns. The limit is not checked: the work
 -- already runs; new grants simply wait until units held < limit again.
 -- KEYS: 1 the gate's base name (see lib.lua)
--- ARGV: 1 fence_ms  2 node key (the recovery fence of a gate found without state: lib.lua
---       gate_birth; the adopted work is what it waits for), 3 max_token (the highest fencing
---       token among the pod's leases; the gate's counter is raised above it), then the lease
---       ids (their weights in them, as ever).
+-- ARGV: 1 fence_ms (the recovery fence of a gate found without state: lib.lua gate_birth;
+--       the adopted work is what it waits for), 2 max_token (the highest fencing token among
+--       the pod's leases; the gate's counter is raised above it), then the lease ids (their
+--       weights in them, as ever).
 -- Returns {added, expires_at}: the number of ids added and the server time they now expire at.
 -- Ids still held are renewed (GT never shortens a lease): the client adopts twice around a short
 -- pause before fleet mode resumes (Fleet._probe_loop), and the heartbeat is paused until then,
 -- so a lease adopted by the first pass must not lapse.
 local now = now_ms()
 local cfg = load_cfg()
-gate_birth(now, cfg, num(ARGV[1], 0), ARGV[2])
+gate_birth(now, cfg, num(ARGV[1], 0))
 reap(now)
-raise_seq(num(ARGV[3], 0))
+raise_seq(num(ARGV[2], 0))
 local expires = now + cfg.lease_ms
 local added = 0
-for i = 4, #ARGV do
+for i = 3, #ARGV do
   local w = weight_of(ARGV[i])
   -- counted before it is added (an abort in between overcounts, never under)
   if w > 1 and redis.call('ZSCORE', K_HOLDERS, ARGV[i]) == false then

@@ -7,9 +7,9 @@
 -- ARGV: 1 pod id  2 pod_ttl_ms  3 n_leases  then n_leases pairs (lease id, expires_at: the
 --       server time (ms) the pod last saw this lease renewed to, 0 if unknown),
 --       then n_waiters, then n_waiters pairs (waiter member, remaining deadline ms),
---       then optional: max_token (the highest fencing token the pod holds), fence_ms and
---       node key (the recovery fence of a gate found without state: lib.lua gate_birth; 0 and
---       '' or absent for none, as the coordinator's sweep sends), and the pod's defaults
+--       then optional: max_token (the highest fencing token the pod holds), fence_ms (the
+--       recovery fence of a gate found without state: lib.lua gate_birth; 0 or absent for
+--       none, as the coordinator's sweep sends), and the pod's defaults
 --       (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate whose configuration is
 --       gone (read, never registered here).
 -- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,

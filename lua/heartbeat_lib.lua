@@ -17,11 +17,11 @@ local function heartbeat_gate(A)
   local i_tail = i_waiters + 1 + 2 * n_waiters
   local max_token = num(A[i_tail], 0)
   local now = now_ms()
-  local cfg = load_cfg({A[i_tail + 3], A[i_tail + 4], A[i_tail + 5], A[i_tail + 6],
-    A[i_tail + 7]})
+  local cfg = load_cfg({A[i_tail + 2], A[i_tail + 3], A[i_tail + 4], A[i_tail + 5],
+    A[i_tail + 6]})
   -- before anything is renewed or counted again: this pod's own leases, adopted below, are
   -- work the fence waits for
-  gate_birth(now, cfg, num(A[i_tail + 1], 0), A[i_tail + 2] or '')
+  gate_birth(now, cfg, num(A[i_tail + 1], 0))
   reap(now)
   -- heads heavier than the ceiling (lowered while they waited in big) are refused first, so
   -- this pod's own are reported in this reply (too_heavy)

@@ -68,6 +68,11 @@ local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_m
 local CFG_FIELDS = {'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms',
   'max_queued_per_tenant', 'shed_below'}
 local N_SETTINGS = #CFG_FIELDS
+-- What load_cfg reads in its one HMGET: the schema, the settings, and 'fence' (gate_birth).
+-- (Built by a loop: a Functions library's top level runs without unpack.)
+local CFG_READ = {'schema'}
+for i = 1, N_SETTINGS do CFG_READ[i + 1] = CFG_FIELDS[i] end
+CFG_READ[N_SETTINGS + 2] = 'fence'
 
 -- Field i (name) of the stored configuration v, else of the caller's defaults d, else DEFAULT;
 -- raised to LOWEST.
@@ -146,9 +151,9 @@ end
 -- register defaults only where none exist; the coordinator's publish overwrites them).
 local function load_cfg(d, register)
   d = d or {}
-  local v = redis.call('HMGET', K_CFG, 'born', 'fence', 'schema', unpack(CFG_FIELDS))
-  local born, fence = table.remove(v, 1), table.remove(v, 1)
+  local v = redis.call('HMGET', K_CFG, unpack(CFG_READ))
   local schema = check_schema(table.remove(v, 1))
+  local fence = v[N_SETTINGS + 1]
   local has = false
   for i = 1, N_SETTINGS do has = has or v[i] end
   -- a configured gate of schema 1 is converted; so is a new one as it is registered (the fence)
@@ -175,9 +180,9 @@ local function load_cfg(d, register)
   cfg.ceiling = math.max(cfg.floor, cfg_field(v, d, 2, 'ceiling'))
   cfg.max_queued_per_tenant = math.max(0, math.floor(num(v[6], num(d[6], cfg.max_queued))))
   cfg.shed_below = math.floor(num(v[7], num(d[7], 0)))
-  -- the recovery fence (gate_birth): when the state was born (false: not marked yet) and the
-  -- server time until which nothing is granted
-  cfg.born, cfg.fence = born, num(fence, 0)
+  -- the recovery fence (gate_birth): the server time until which nothing is granted; the field
+  -- is absent until a client script has found the gate and marked it (born)
+  cfg.born, cfg.fence = fence ~= false, num(fence, 0)
   return cfg
 end
 
@@ -186,38 +191,37 @@ end
 -- the lost state: pods in the fair-share fallback adopt theirs when their probe succeeds, pods
 -- that saw nothing count theirs again with their next heartbeat. Until they have, no grant is
 -- made: the first client script that finds the state missing (acquire, heartbeat, adopt) marks
--- the gate born ('born' in cfg) and fences it for fence_ms, one registration period of the
--- calling pod (every pod with work beats its gates well within it). Waiters park meanwhile and
--- are handed off when it ends. node_key ('<prefix>:born', '' on Cluster, where a script reaches
--- only its gate's slot) remembers when this server first held fleetgate state under the prefix:
--- a gate born a fence period after that is new, not wiped, and is not fenced, so only the
--- first moments of an empty server (or a wiped one) pay, and a gate with state never does (its
--- 'born' comes with the HMGET above). fence_ms 0 (the coordinator's sweep, a fleet without a
--- fence) marks nothing. State left by a fleetgate without birth marks (holders, waiters or
--- live pods present) is marked born without a fence.
-local function gate_birth(now, cfg, fence_ms, node_key)
+-- the gate born (cfg 'fence' present) and fences it for fence_ms, one registration period of
+-- the calling pod (every pod with work beats its gates well within it): cfg 'fence' = the end.
+-- Waiters park meanwhile and are handed off when it ends. The node key '<prefix>:born'
+-- remembers when this server first held fleetgate state under the prefix: a gate born a fence
+-- period after that is new, not wiped, and is not fenced ('fence' = the time it was born), so
+-- only the first moments of an empty server (or a wiped one) pay, and a gate with state never
+-- does: its 'fence' comes with the HMGET above, and the node key is read only here. On Cluster
+-- a script reaches only its gate's slot, so the node key is out of reach (pcall) and every gate
+-- found without state is fenced. fence_ms 0 (the coordinator's sweep, a fleet without a fence)
+-- marks nothing. State left by a fleetgate without birth marks (holders, waiters or live pods
+-- present) is marked born without a fence.
+local function gate_birth(now, cfg, fence_ms)
   if cfg.born or fence_ms <= 0 then return end
-  local until_ = 0
+  local node_key = string.match(K_CFG, '^([^:]*):{') .. ':born'
+  local until_ = now
   if redis.call('EXISTS', K_HOLDERS, K_WAITERS, K_PODS) == 0 then
     until_ = now + fence_ms
-    if node_key ~= '' then
-      local first = num(redis.call('GET', node_key), nil)
+    local first = redis.pcall('GET', node_key)
+    if type(first) ~= 'table' then  -- a reply, not an error (Cluster: another slot)
+      first = num(first, nil)
       if first == nil then
         first = now
-        redis.call('SET', node_key, string.format('%.0f', now))
+        redis.pcall('SET', node_key, string.format('%.0f', now))
       end
       until_ = math.min(until_, first + fence_ms)
     end
-  elseif node_key ~= '' then
-    redis.call('SET', node_key, '0', 'NX')  -- a server with state from before birth marks
-  end
-  cfg.born = now
-  if until_ > now then
-    cfg.fence = until_
-    redis.call('HSET', K_CFG, 'born', now, 'fence', until_)
   else
-    redis.call('HSET', K_CFG, 'born', now)
+    redis.pcall('SET', node_key, '0', 'NX')  -- a server with state from before birth marks
   end
+  cfg.born, cfg.fence = true, until_
+  redis.call('HSET', K_CFG, 'fence', string.format('%.0f', math.max(until_, now)))
 end
 
 -- limit = the unexpired target, else floor; clamped to [floor, ceiling].

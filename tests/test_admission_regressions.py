@@ -35,7 +35,7 @@ class Gate:
     def acquire(self, *reqs: tuple[str, int, str | None]) -> list[int]:
         """reqs: (id, priority, tenant); returns the statuses."""
         triples = [x for i, p, t in reqs for x in (i, LONG_MS, lane_class(p, t))]
-        reply = self.call("acquire", *self.defaults, 0, "", 0, 0, *triples)
+        reply = self.call("acquire", *self.defaults, 0, 0, 0, *triples)
         return [int(x) for x in reply[5::4]]
 
     def lanes(self) -> set[str]:

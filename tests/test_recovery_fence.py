@@ -50,7 +50,8 @@ async def test_first_start_fences_the_first_gates_only(empty: aredis.Redis) -> N
     later = GateKeys.of("fg", "later")
     reply = await scripts.acquire_many(later, [("p:2", 60_000)], ONE, fence_ms=FENCE_MS)
     assert (reply[0].status, reply[0].fence_ms) == (GRANTED, 0)
-    assert await empty.hget(later.cfg, "fence") is None  # born, never fenced
+    # born ('fence' present), never fenced (it ends when it began)
+    assert int(await empty.hget(later.cfg, "fence") or 0) <= born + FENCE_MS + 200
     # the parked caller of the first gate is handed the permit by the next script after the
     # fence (here a heartbeat of another pod)
     await scripts.heartbeat(first, "q", 10_000, [], [], fence_ms=FENCE_MS)
@@ -76,7 +77,7 @@ async def test_no_fence_without_a_fence_length(empty: aredis.Redis) -> None:
     keys = GateKeys.of("fg", "g")
     reply = await scripts.acquire_many(keys, [("p:1", 60_000)], ONE)
     assert (reply[0].status, reply[0].fence_ms) == (GRANTED, 0)
-    assert await empty.hget(keys.cfg, "born") is None
+    assert await empty.hget(keys.cfg, "fence") is None
     assert await empty.get(fleet_keys("fg").born) is None
 
 
@@ -88,7 +89,7 @@ async def test_state_from_before_birth_marks_is_not_fenced(empty: aredis.Redis) 
     await empty.zadd(keys.holders, {"old:1": time.time() * 1000 + 60_000})
     reply = await scripts.acquire_many(keys, [("p:1", 60_000)], ONE, fence_ms=FENCE_MS)
     assert (reply[0].status, reply[0].fence_ms) == (PARKED, 0)  # parked: the limit is full
-    assert await empty.hget(keys.cfg, "born") is not None
+    assert await empty.hget(keys.cfg, "fence") is not None
     assert await empty.get(fleet_keys("fg").born) == "0"
 
 

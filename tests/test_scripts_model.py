@@ -695,7 +695,7 @@ class GateMachine(RuleBasedStateMachine):
             assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
             self.m.target["epoch"] = 0
         else:
-            self.call("acquire", *self.defaults(), 0, "", 0, 0)
+            self.call("acquire", *self.defaults(), 0, 0, 0)
         assert self.call("set_target", value, 0, LONG_MS)[0] == 1
         self.m.target.update(value=value, epoch=0, expired=False)
         self.step(handed_off=True)
@@ -721,7 +721,7 @@ class GateMachine(RuleBasedStateMachine):
         reqs = self.requests(data, pods)
         triples = [a for q in reqs for a in (q.id, LONG_MS, lane_class(q.priority, q.tenant))]
         reply = self.call(
-            "acquire", *self.defaults(), 0, "", len(releases), *releases, 0, *triples
+            "acquire", *self.defaults(), 0, len(releases), *releases, 0, *triples
         )
         got = [tuple(int(x) for x in reply[i : i + 3]) for i in range(5, len(reply), 4)]
         shed_below = self.m.shed_below
