@@ -51,7 +51,9 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _run_wipe(
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["restart", "flushall", "late-probe"])
+def test_a_fresh_pod_is_not_granted_the_work_a_wipe_forgot(
     kind: str,
     own_redis: RedisProcess,
     control: Control,
@@ -97,15 +99,3 @@ def _run_wipe(
     assert int(finals[c.pod].get("fleet_grants", 0)) > 0, finals  # C was served in the end
     assert all(not _errors(s) for s in finals.values()), finals
 
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["restart", "flushall", "late-probe"])
-def test_a_fresh_pod_is_not_granted_the_work_a_wipe_forgot(
-    kind: str,
-    own_redis: RedisProcess,
-    control: Control,
-    sim: Sim,
-    workers: Callable[..., Workers],
-    record_property: Callable[[str, object], None],
-) -> None:
-    _run_wipe(kind, own_redis, control, sim, workers, record_property)
