@@ -191,7 +191,7 @@ class Fleet:
         (:class:`~fleetgate.settings.GateSettings`). The first call for a name fixes them: a
         later call returns the same gate and ignores its settings.
 
-        The admission order's settings (``DESIGN.md``, "Admission order"):
+        The admission order's settings (docs/admission.md):
         ``max_queued_per_tenant`` bounds one tenant's waiters over all priorities (default: the
         same as ``max_queued``); ``tenant_weights`` maps tenant names to their share of the
         units while several tenants wait in one priority band (int 1..1000, unlisted tenants

@@ -2,7 +2,7 @@
 
 While Redis is unreachable each pod serves its gates under a local share of the limit
 (:meth:`Gate.fair_share`). :class:`LocalPermits` keeps the admission order of the fleet-wide
-gate inside that share (DESIGN.md, "Admission order"):
+gate inside that share (docs/admission.md):
 
 * a permit holds its **weight** in units; units held (plus ``in_use()``, the fleet leases still
   running from before the outage) never exceed ``budget()``;

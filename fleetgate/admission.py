@@ -1,7 +1,7 @@
 """Arguments of the admission order -- a permit's weight, priority and tenant, a gate's
 ``tenant_weights`` -- checked, and encoded the way the Lua scripts read them.
 
-Pure functions, no I/O. The rules are ``DESIGN.md``'s "Admission order": a weight is an int >= 1
+Pure functions, no I/O. The rules are those of docs/admission.md: a weight is an int >= 1
 (never above the gate's ceiling), a priority an int in [:data:`MIN_PRIORITY`,
 :data:`MAX_PRIORITY`] (higher first), a tenant a name under the gate-name rules or None (the
 default tenant). Every error is a :class:`~fleetgate.errors.ConfigError` naming the argument.

@@ -198,7 +198,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 #: The int fields every script reads from ``fg:{G}:cfg`` since the first schema (``lua/lib.lua``
 #: ``load_cfg``), each with a lower and an upper bound (:func:`bounds`), in ``argv()`` order.
 FIELDS: Final = GateSettings.__struct_fields__[:5]
-#: The admission order's settings (``DESIGN.md``, "Admission order"), after :data:`FIELDS`.
+#: The admission order's settings (docs/admission.md), after :data:`FIELDS`.
 ADMISSION_FIELDS: Final = GateSettings.__struct_fields__[5:]
 assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
 assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")

@@ -1,5 +1,5 @@
 """Admission order (weights, priority bands, tenants) against a real redis-server, the fleet
-claims across several OS processes. See docs/admission.md and DESIGN.md "Admission order"."""
+claims across several OS processes. See docs/admission.md."""
 
 from __future__ import annotations
 

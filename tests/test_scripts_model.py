@@ -1,6 +1,6 @@
 """Property-based test: random sequences of transitions against the real scripts.
 
-A plain-Python model of the schema-2 semantics (DESIGN.md "Admission order", lua/lib.lua) runs in
+A plain-Python model of the schema-2 semantics (docs/admission.md, lua/lib.lua) runs in
 lockstep with the real scripts on a real redis-server: weighted leases, lanes per (tenant, band),
 self-clocked fair queuing per band with the exact integer tags of lib.lua, reservations, lanes
 too heavy for the limit ("big"), eviction, shedding, the per-tenant bound and the bounded, lazy

@@ -1,4 +1,4 @@
-"""Redis Sentinel: the URL form of DESIGN.md, and Fleet, the CLI and the coordinator through it,
+"""Redis Sentinel: the URL form of the README, and Fleet, the CLI and the coordinator through it,
 against a real master + replica + three sentinels (``tests/_sentinel.py``). The failover under
 load is ``tests/chaos/test_sentinel_failover.py``."""
 
