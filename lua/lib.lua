@@ -200,14 +200,17 @@ end
 -- does: its 'fence' comes with the HMGET above, and the node key is read only here. On Cluster
 -- a script reaches only its gate's slot, so the node key is out of reach (pcall) and every gate
 -- found without state is fenced. fence_ms 0 (the coordinator's sweep, a fleet without a fence)
--- marks nothing. State left by a fleetgate without birth marks (holders, waiters or live pods
--- present) is marked born without a fence.
+-- marks nothing. State left by a fleetgate without birth marks (holders or waiters present) is
+-- marked born without a fence.
 local function gate_birth(now, cfg, fence_ms)
   if cfg.born or fence_ms <= 0 then return end
-  local node_key = string.match(K_CFG, '^([^:]*):{') .. ':born'
   local until_ = now
-  if redis.call('EXISTS', K_HOLDERS, K_WAITERS, K_PODS) == 0 then
+  -- (live pods alone are no state: an idle pod without a fence registers itself on a wiped
+  -- gate too, and the node key is left alone here: a gate's leftovers say nothing of the
+  -- server's other gates)
+  if redis.call('EXISTS', K_HOLDERS, K_WAITERS) == 0 then
     until_ = now + fence_ms
+    local node_key = string.match(K_CFG, '^([^:]*):{') .. ':born'
     local first = redis.pcall('GET', node_key)
     if type(first) ~= 'table' then  -- a reply, not an error (Cluster: another slot)
       first = num(first, nil)
@@ -217,8 +220,6 @@ local function gate_birth(now, cfg, fence_ms)
       end
       until_ = math.min(until_, first + fence_ms)
     end
-  else
-    redis.pcall('SET', node_key, '0', 'NX')  -- a server with state from before birth marks
   end
   cfg.born, cfg.fence = true, until_
   redis.call('HSET', K_CFG, 'fence', string.format('%.0f', math.max(until_, now)))

@@ -82,15 +82,38 @@ async def test_no_fence_without_a_fence_length(empty: aredis.Redis) -> None:
 
 
 async def test_state_from_before_birth_marks_is_not_fenced(empty: aredis.Redis) -> None:
-    """A gate with holders but no 'born' (written by a fleetgate without the fence) is marked
-    born at once, and the server as an old one."""
+    """A gate with holders but no 'fence' (written by a fleetgate without the fence) is marked
+    born at once, without a fence; the server is not marked (its other gates say for
+    themselves)."""
     scripts = GateScripts(empty)
     keys = GateKeys.of("fg", "old")
     await empty.zadd(keys.holders, {"old:1": time.time() * 1000 + 60_000})
     reply = await scripts.acquire_many(keys, [("p:1", 60_000)], ONE, fence_ms=FENCE_MS)
     assert (reply[0].status, reply[0].fence_ms) == (PARKED, 0)  # parked: the limit is full
     assert await empty.hget(keys.cfg, "fence") is not None
-    assert await empty.get(fleet_keys("fg").born) == "0"
+    assert await empty.get(fleet_keys("fg").born) is None
+
+
+async def test_a_pod_without_a_fence_does_not_lift_it_for_the_server(
+    empty: aredis.Redis,
+) -> None:
+    """Found by review (failed before): after a FLUSHALL an idle pod without a fence
+    (recovery_fence=0, or a fleetgate without one) beat gate X, so X had a live pod but no
+    mark; the next fenced script on X took that for old state and marked the whole server as
+    old (``fg:born`` 0), and a fresh pod on gate G was granted at once while A's work there
+    was still uncounted: 4 units held under a limit of 2."""
+    scripts = GateScripts(empty)
+    g, x = GateKeys.of("fg", "g"), GateKeys.of("fg", "x")
+    two = GateSettings(floor=2, ceiling=2, max_queued=10, lease_ms=60_000, waiter_ms=60_000)
+    await empty.set(fleet_keys("fg").born, 0)  # a server long in use
+    for lid in ("a:1", "a:2"):
+        await scripts.acquire_many(g, [(lid, 60_000)], two, fence_ms=FENCE_MS)
+    await empty.flushall()
+    await scripts.heartbeat(x, "z", 10_000, [], [], fence_ms=0)  # the pod without a fence
+    await scripts.heartbeat(x, "b", 10_000, [], [], fence_ms=FENCE_MS)
+    assert await empty.get(fleet_keys("fg").born) != "0"
+    reply = await scripts.acquire_many(g, [("c:1", 60_000)], two, fence_ms=FENCE_MS)
+    assert (reply[0].status, reply[0].fence_ms > 0) == (PARKED, True)
 
 
 async def test_parked_caller_is_granted_when_the_fence_ends(empty: aredis.Redis) -> None:
