@@ -47,8 +47,16 @@ import redis
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess, RedisServerMissing
 
 ROOT = Path(__file__).resolve().parents[2]
-# Worker processes timestamp with the wall clock; this process' timelines are monotonic.
-WALL_OFFSET = time.time() - time.monotonic()
+
+
+def wall_offset() -> float:
+    """Wall clock minus this process' monotonic clock, now. Worker processes timestamp with
+    the wall clock, this process' timelines are monotonic. Read when it is used, not once at
+    import: the wall clock of a test machine may be stepped during a long run (a full suite
+    once saw every hand-off "noticed" 5.3 s late in three consecutive tests, an offset taken
+    minutes earlier)."""
+    return time.time() - time.monotonic()
+
 
 __all__ = [
     "ROOT",
@@ -394,11 +402,12 @@ class LimitSampler:
         its owner's caller had it (the hand-off's wake-up latency; about 0 for a direct grant,
         negative when the caller was faster than the sampler). Sorted, largest last."""
         out = []
+        offset = wall_offset()
         for lid, t in self.first_seen().items():
             tr = traces.get(lid)
             if tr is None or not t0 <= t <= t1 or tr[3]:
                 continue
-            out.append((tr[0] - WALL_OFFSET - t, lid))
+            out.append((tr[0] - offset - t, lid))
         return sorted(out)
 
     def limits(self) -> set[int]:
