@@ -420,6 +420,13 @@ local function observe(args, i, j)
   end
 end
 
+-- The start of a lane whose head (weight w, tenant t) has tag f: f minus the head's cost, never
+-- below 0 -- the cost is taken at the tenant's weight now, and a publish may have changed it
+-- since the tag was made (the tag would go negative and no longer parse: found by the model).
+local function start_of(f, w, t)
+  return math.max(0, f - cost(w, t))
+end
+
 -- A lane that became backlogged (or left big): it enters the fair order at its band's virtual
 -- time (no credit for idle time), or big if its head weighs more than the limit.
 lane_enter = function(lane, w_head, lim)
@@ -662,7 +669,7 @@ local function handoff(now, cfg, lim, units)
             rsv = nil
           end
           -- the next head takes the dropped one's turn
-          if i < #heads then f = f - cost(w, t) + cost(weight_of(member_id(heads[i + 1])), t) end
+          if i < #heads then f = start_of(f, w, t) + cost(weight_of(member_id(heads[i + 1])), t) end
           i = i + 1
           if dropped >= DROP_MAX then break end
         elseif w > lim then
@@ -686,7 +693,7 @@ local function handoff(now, cfg, lim, units)
             rsv = nil
           end
           if alone then
-            if i < #heads then f = f - cost(w, t) + cost(weight_of(member_id(heads[i + 1])), t) end
+            if i < #heads then f = start_of(f, w, t) + cost(weight_of(member_id(heads[i + 1])), t) end
           else
             if f > vt then vt = f end
             if i < #heads then f = vt + cost(weight_of(member_id(heads[i + 1])), t) end

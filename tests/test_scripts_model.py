@@ -352,7 +352,7 @@ class GateModel:
                         del self.rsv[r]
                         rsv = None
                     if i + 1 < len(heads):
-                        f = f - self.cost(m.w, t) + self.cost(heads[i + 1].w, t)
+                        f = max(0, f - self.cost(m.w, t)) + self.cost(heads[i + 1].w, t)
                     i += 1
                     if dropped >= DROP_MAX:
                         break
@@ -378,7 +378,7 @@ class GateModel:
                         rsv = None
                     if bound is None:  # alone in its band: neither vt nor its start moves
                         if i + 1 < len(heads):
-                            f = f - self.cost(m.w, t) + self.cost(heads[i + 1].w, t)
+                            f = max(0, f - self.cost(m.w, t)) + self.cost(heads[i + 1].w, t)
                     else:
                         vt = max(vt, f)
                         if i + 1 < len(heads):
