@@ -582,6 +582,8 @@ class ReplicatedCluster:
                     # A replica must not refuse to fail over because its link to a killed
                     # master was briefly stale.
                     "--cluster-replica-validity-factor", "0",
+                    # A replica syncs at once (the default waits 5 s for more replicas).
+                    "--repl-diskless-sync-delay", "0",
                 ]
             )
             for _ in range(masters * 2)
@@ -687,6 +689,26 @@ class ReplicatedCluster:
 
     def process(self, port: int) -> RedisProcess:
         return next(n for n in self.nodes if n.port == port)
+
+    def wait_synced(self, master_port: int, replica_port: int, timeout: float = 30.0) -> float:
+        """Wait until the replica has everything the master had written when this was called
+        (its link up, its offset at the master's). Until its first full sync a replica holds
+        nothing, and a master killed then fails over to an empty node: a wipe, not a failover."""
+        m, r = self.client(master_port), self.client(replica_port)
+        try:
+            target = int(m.info("replication")["master_repl_offset"])
+
+            def synced() -> bool:
+                info = r.info("replication")
+                return (
+                    info.get("master_link_status") == "up"
+                    and int(info.get("slave_repl_offset", -1)) >= target
+                )
+
+            return poll(synced, timeout, 0.01, f"replica :{replica_port} in sync")
+        finally:
+            m.close()
+            r.close()
 
     def masters(self) -> list[dict[str, Any]]:
         return [n for n in self._nodes() if "master" in n["flags"] and "fail" not in n["flags"]]

@@ -138,7 +138,15 @@ def test_slot_migration_under_load(
             20, 0.01, "fleet mode after the migration",
         )  # fmt: skip
         t_back = time.monotonic()
-        poll(lambda: sim.running >= LIMIT, 10, 0.002, "every slot in use again")
+        try:
+            poll(lambda: sim.running >= LIMIT, 10, 0.002, "every slot in use again")
+        except TimeoutError as exc:
+            last = sampler.last
+            state = last and (last.limit, last.holders, last.queued, last.ids)
+            raise TimeoutError(
+                f"{exc}; running {sim.running}; gate (limit, holders, queued, ids) {state}; "
+                f"pods {control.statuses(names)}"
+            ) from None
         t_full = time.monotonic()
         time.sleep(1.5)
         t_end = time.monotonic()
@@ -200,6 +208,9 @@ def test_master_failover_under_load(
         t0 = time.monotonic()
         time.sleep(1.0)
         steady = sim.max_between(t0)
+        # (a replica still without its first full sync would be promoted empty: a wipe, which
+        # tests/chaos/test_wipe.py covers; here the gate's state survives on the replica)
+        cluster.wait_synced(master["port"], replica["port"])
         before = sampler.last
         t_fault = time.monotonic()
         t_fault_wall = time.time()
@@ -226,7 +237,15 @@ def test_master_failover_under_load(
             f"the sampler reading the promoted master (last error: {sampler.last_error})",
         )
         t_back = time.monotonic()
-        poll(lambda: sim.running >= LIMIT, 10, 0.002, "every slot in use again")
+        try:
+            poll(lambda: sim.running >= LIMIT, 10, 0.002, "every slot in use again")
+        except TimeoutError as exc:
+            last = sampler.last
+            state = last and (last.limit, last.holders, last.queued, last.ids)
+            raise TimeoutError(
+                f"{exc}; running {sim.running}; gate (limit, holders, queued, ids) {state}; "
+                f"pods {control.statuses(names)}"
+            ) from None
         t_full = time.monotonic()
         back_walls = fallback_spans(control, pool, t_fault_wall)
         time.sleep(1.5)
