@@ -21,11 +21,15 @@ bench-quick: $(BIN)/.installed
 	$(BIN)/python -m benchmarks --quick
 
 # ruff over the checkout; mypy --strict over fleetgate, fleetgate.client and fleetgate.coordinator
-# as installed (the script maps the root folders to their package names, which mypy cannot).
+# as installed (the script maps the root folders to their package names, which mypy cannot);
+# pylint's duplicate-code check (R0801) alone over the product code: six lines repeated fail it.
 lint: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[lint]'
 	$(BIN)/ruff check .
 	$(BIN)/python .ci/typecheck.py
+	$(BIN)/pylint --disable=all --enable=duplicate-code --min-similarity-lines=6 \
+	  --ignore-imports=yes --ignore-signatures=yes --ignore-docstrings=yes --ignore-comments=yes \
+	  --score=no fleetgate client coordinator
 
 clean:
 	rm -rf $(VENV) build *.egg-info
