@@ -25,7 +25,6 @@ Server-side only: the parser/event-loop flavor does not change these figures.
 
 from __future__ import annotations
 
-import importlib.resources
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -35,6 +34,7 @@ import redis
 
 from fleetgate.admission import class_member
 from fleetgate.keys import GateKeys
+from fleetgate.scripts import lib_source
 
 from ._common import (
     Headline,
@@ -160,7 +160,7 @@ def prelude_us(r: redis.Redis, calls: int, pipelines: int = 5) -> dict[str, floa
     """Server µs per EVALSHA call of an empty script and of ``lib.lua`` + an empty script:
     their difference is what every call paid to re-run lib.lua's top level when the gate
     scripts were sent by EVALSHA, and what the gate library (FCALL) no longer pays."""
-    lib = importlib.resources.files("fleetgate.lua").joinpath("lib.lua").read_text("utf-8")
+    lib = lib_source()
     out: dict[str, float] = {}
     for name, source in (("empty", "return 1"), ("lib.lua", f"{lib}\nreturn 1")):
         sha = r.script_load(source)

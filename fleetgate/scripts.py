@@ -89,18 +89,44 @@ PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
 _R = TypeVar("_R")
 
 
+#: The shared library's parts (``lua/lib_*.lua``), in the order they are joined: each uses only
+#: what the parts before it define (their locals are one chunk's), ``lib_gate`` first (the keys).
+LIB_PARTS = (
+    "lib_gate",
+    "lib_cfg",
+    "lib_fence",
+    "lib_order",
+    "lib_units",
+    "lib_lanes",
+    "lib_reap",
+    "lib_wakes",
+    "lib_tokens",
+    "lib_handoff",
+)
+
+
+def _read(name: str) -> str:
+    return importlib.resources.files("fleetgate.lua").joinpath(f"{name}.lua").read_text("utf-8")
+
+
+@functools.cache
+def lib_source() -> str:
+    """The shared library: the :data:`LIB_PARTS` joined in order, as EVAL runs it (its top level
+    points the gate keys at ``KEYS[1]``)."""
+    return "\n".join(_read(part) for part in LIB_PARTS)
+
+
 @functools.cache
 def script_source(name: str) -> str:
     """The full source of script ``name``: the shared library followed by the script."""
     if name not in SCRIPT_NAMES + LEADER_SCRIPT_NAMES:
         raise ValueError(f"unknown script {name!r}")
-    pkg = importlib.resources.files("fleetgate.lua")
-    body = pkg.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    body = _read(name)
     if name in LEADER_SCRIPT_NAMES:
         return body
-    lib = pkg.joinpath("lib.lua").read_text(encoding="utf-8")
+    lib = lib_source()
     if name in _HEARTBEAT_SCRIPTS:
-        lib += "\n" + pkg.joinpath("heartbeat_lib.lua").read_text(encoding="utf-8")
+        lib += "\n" + _read("heartbeat_lib")
     return f"{lib}\n{body}"
 
 
@@ -139,17 +165,12 @@ def gate_library() -> GateLibrary:
     ``local function <name>_body(KEYS, ARGV)`` (which first points the gate keys at KEYS[1]),
     registered as ``fg_<hash>_<name>`` with its :data:`FUNCTION_FLAGS`. The hash is the first
     12 hex digits of the sha1 of the source (with the hash left out)."""
-    pkg = importlib.resources.files("fleetgate.lua")
-    lib = pkg.joinpath("lib.lua").read_text(encoding="utf-8")
+    lib = lib_source()
     if lib.count(_USE_GATE) != 1:
-        raise RuntimeError("lib.lua: expected one top-level use_gate(KEYS[1])")
-    parts = [
-        f"#!lua name=fleetgate_{_HASH}",
-        lib.replace(_USE_GATE, "", 1),
-        pkg.joinpath("heartbeat_lib.lua").read_text(encoding="utf-8"),
-    ]
+        raise RuntimeError("the shared library: expected one top-level use_gate(KEYS[1])")
+    parts = [f"#!lua name=fleetgate_{_HASH}", lib.replace(_USE_GATE, "", 1), _read("heartbeat_lib")]
     for name in SCRIPT_NAMES:
-        body = pkg.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+        body = _read(name)
         parts.append(f"local function {name}_body(KEYS, ARGV)\nuse_gate(KEYS[1])\n{body}\nend")
     for name in SCRIPT_NAMES:
         flags = ", ".join(f"'{f}'" for f in FUNCTION_FLAGS.get(name, ()))

@@ -3,11 +3,11 @@
 -- previous call was in flight as one call (fleetgate.client's group commit), so the per-call
 -- costs (time, configuration, limit, counts, stats) are paid once per batch; a caller that
 -- releases and acquires again costs one call.
--- KEYS: 1 the gate's base name (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
 --       7 shed_below  8 tenant weights ('name}w}...')  (defaults, registered only when the gate
 --       has no configuration yet), 9 fence_ms (the recovery fence of a gate found without
---       state: lib.lua gate_birth; 0 for none), 10 n = leases to release, then n lease ids,
+--       state: lib_fence.lua gate_birth; 0 for none), 10 n = leases to release, then n lease ids,
 --       then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
 --       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>'

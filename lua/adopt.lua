@@ -2,8 +2,8 @@
 -- local fair-share bound), plus its leases that Redis lost meanwhile (a restart), so the fleet cap
 -- accounts for work that is still running when Redis returns. The limit is not checked: the work
 -- already runs; new grants simply wait until units held < limit again.
--- KEYS: 1 the gate's base name (see lib.lua)
--- ARGV: 1 fence_ms (the recovery fence of a gate found without state: lib.lua gate_birth;
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
+-- ARGV: 1 fence_ms (the recovery fence of a gate found without state: lib_fence.lua gate_birth;
 --       the adopted work is what it waits for), 2 max_token (the highest fencing token among
 --       the pod's leases; the gate's counter is raised above it), then the lease ids (their
 --       weights in them, as ever).

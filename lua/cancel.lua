@@ -1,5 +1,5 @@
 -- cancel: leave the wait list, or give the permit back if a hand-off raced in first.
--- KEYS: 1 the gate's base name (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 lease id  2 its waiter member ('<tenant>}<R>}<seq20>}<id>', '' if it never parked)
 -- Returns {outcome, limit}: 1 = left the wait list (no permit consumed), 2 = had been granted
 --   and is now released, 0 = unknown id (already expired, cancelled or released).

@@ -3,12 +3,12 @@
 -- An empty pod id renews nothing and only sweeps (the coordinator's reaper uses it).
 -- The transition itself is heartbeat_lib.lua's heartbeat_gate (heartbeat_many.lua runs it for
 -- several gates in one call).
--- KEYS: 1 the gate's base name (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 pod id  2 pod_ttl_ms  3 n_leases  then n_leases pairs (lease id, expires_at: the
 --       server time (ms) the pod last saw this lease renewed to, 0 if unknown),
 --       then n_waiters, then n_waiters pairs (waiter member, remaining deadline ms),
 --       then optional: max_token (the highest fencing token the pod holds), fence_ms (the
---       recovery fence of a gate found without state: lib.lua gate_birth; 0 or absent for
+--       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 or absent for
 --       none, as the coordinator's sweep sends), and the pod's defaults
 --       (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate whose configuration is
 --       gone (read, never registered here).

@@ -1,7 +1,8 @@
 -- The heartbeat transition of one gate, shared by heartbeat.lua (one gate per call) and
 -- heartbeat_many.lua (several gates of one pod, one slot, per call); fleetgate.scripts prepends
--- it, after lib.lua, to those two scripts only. A = the gate's ARGV (heartbeat.lua's ARGV);
--- the gate's keys are lib.lua's K_* (heartbeat_many.lua points them at each gate in turn).
+-- it, after the shared library (lib_*.lua), to those two scripts only. A = the gate's ARGV
+-- (heartbeat.lua's ARGV); the gate's keys are lib_gate.lua's K_* (heartbeat_many.lua points
+-- them at each gate in turn).
 -- Returns heartbeat.lua's reply (see there). Waiters are named by their waiter member
 -- ('<tenant>}<R>}<seq20>}<id>'); the reply names ids.
 --

@@ -1,5 +1,5 @@
 -- inspect: a consistent, read-only snapshot of one gate for the CLI and utilization().
--- KEYS: 1 the gate's base name (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 how many head waiters and holders to list: 0 or less lists none (the counts are still
 --         exact), at most INSPECT_MAX, so one snapshot costs O(log n + listed), never O(queue)
 --       2..6 optional defaults (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate that

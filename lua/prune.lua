@@ -1,7 +1,7 @@
 -- prune: delete the keys of a gate that has been idle for long, so the coordinator can drop it
 -- from the registry (fg:gates lives outside the gate's slot: the SREM is the caller's separate
 -- command after this script said yes). Run by the leader on gates that are not in its config.
--- KEYS: 1 the gate's base name (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 epoch of the caller (fenced like the target: a deposed leader deletes nothing of a
 --         gate its successor publishes)  2 idle_after_ms
 -- Returns {state, idle_ms}: state 1 = pruned (keys deleted), 2 = idle for idle_ms so far,

@@ -2,8 +2,8 @@
 -- one call: the gate configuration, the utilisation snapshot (with the controller state a new
 -- leader resumes from), and optionally a new target; then any new room is handed to the head
 -- waiters at once (a target increase or a raised floor); a lowered ceiling refuses the waiters
--- heavier than it (lib.lua refuse_heads: ConfigError, as an arrival that heavy gets).
--- KEYS: 1 the gate's base name (see lib.lua)
+-- heavier than it (lib_handoff.lua refuse_heads: ConfigError, as an arrival that heavy gets).
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 epoch  2 ttl_ms (of the target)  3 target value, or '' to leave the target alone
 --       4 n = number of cfg fields, then n (field, value) pairs for fg:{G}:cfg (the pair
 --       'tenant_weights', 'name}w}...' replaces fg:{G}:tw instead; a value '' deletes the

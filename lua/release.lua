@@ -2,7 +2,7 @@
 -- sends releases here only when it has nothing to acquire on the gate (else they ride with
 -- acquire.lua, which releases first); a batch holds what was released while its previous call
 -- was in flight.
--- KEYS: 1 the gate's base name (see lib.lua)
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 m, then m values: the released calls' reports as (field, increment) pairs for
 --       fg:{G}:obs (fleetgate.observed.tally; m = 0 without reports), then the lease ids
 -- Returns the number of ids that held a lease: an id already gone (double release, or expired

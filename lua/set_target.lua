@@ -1,7 +1,7 @@
 -- set_target: publish the coordinator's target for a gate, fenced by the leader's epoch, and hand
 -- any new room to the head waiters at once (and refuse the waiters heavier than the ceiling, as
--- every settle does: lib.lua refuse_heads).
--- KEYS: 1 the gate's base name (see lib.lua)
+-- every settle does: lib_handoff.lua refuse_heads).
+-- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 value  2 epoch  3 ttl_ms (the target decays to the floor after it)
 -- Returns {accepted, limit, stored_epoch, granted}: accepted = 0 when epoch < the stored epoch
 --   (a deposed leader waking up cannot overwrite its successor).

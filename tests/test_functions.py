@@ -26,7 +26,8 @@ def test_library_is_named_after_its_code() -> None:
     assert set(lib.functions) == set(SCRIPT_NAMES)
     for name, function in lib.functions.items():
         assert function == f"fg_{digest}_{name}"
-    # lib.lua's KEYS[1] line runs in each function, not at load (the library has no KEYS then).
+    # the shared library's KEYS[1] line runs in each function, not at load (the library has no
+    # KEYS then).
     assert "\nuse_gate(KEYS[1])\n" not in lib.source.split("local function acquire_body")[0]
 
 

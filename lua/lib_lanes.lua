@@ -1,0 +1,79 @@
+-- Shared library (lib_*.lua, see lib_gate.lua): lanes entering and leaving the fair order
+-- (and big), and waiters leaving their lanes.
+
+-- The start of a lane whose head (weight w, tenant t) has tag f: f minus the head's cost, never
+-- below 0 -- the cost is taken at the tenant's weight now, and a publish may have changed it
+-- since the tag was made (the tag would go negative and no longer parse).
+local function start_of(f, w, t)
+  return math.max(0, f - cost(w, t))
+end
+
+-- A lane that became backlogged (or left big): it enters the fair order at its band's virtual
+-- time (no credit for idle time), or big if its head weighs more than the limit.
+lane_enter = function(lane, w_head, lim)
+  if w_head > lim then
+    redis.call('ZADD', K_BIG, w_head, lane)
+    return
+  end
+  local f = num(adm_get('vt:' .. lane_band(lane)), 0) + cost(w_head, lane_tenant(lane))
+  redis.call('ZADD', K_FAIR, 0, fair_member(lane, f))
+  adm_set('f:' .. lane, pad20(f))
+end
+
+-- A lane left the fair order: when it was the band's last, the band's virtual time goes too
+-- (an idle band starts again from 0: no credit is kept for anyone).
+local function left_fair(lane, f)
+  redis.call('ZREM', K_FAIR, fair_member(lane, f))
+  adm_set('f:' .. lane, nil)
+  local r = lane_band(lane)
+  if #redis.call('ZRANGEBYLEX', K_FAIR, '[' .. r .. '}', '(' .. r .. '~', 'LIMIT', 0, 1) == 0 then
+    adm_set('vt:' .. r, nil)
+  end
+end
+
+-- After waiters of the lanes in `touched` (lane -> true) left them: an emptied lane leaves the
+-- fair order (or big); a lane in big is re-scored by its new head.
+local function lanes_touched(touched)
+  for lane in pairs(touched) do
+    local lo, hi = lane_range(lane)
+    local left = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, 1)
+    local f = adm_get('f:' .. lane)
+    if #left == 0 then
+      if f then
+        left_fair(lane, tonumber(f))
+      else
+        redis.call('ZREM', K_BIG, lane)
+      end
+    elseif not f then
+      redis.call('ZADD', K_BIG, weight_of(member_id(left[1])), lane)
+    end
+  end
+end
+
+-- Remove waiter members (from lanes and waiters) and repair their lanes.
+local function remove_waiters(members)
+  if #members == 0 then return end
+  redis.call('ZREM', K_WAITERS, unpack(members))
+  redis.call('ZREM', K_LANES, unpack(members))
+  local touched = {}
+  for _, m in ipairs(members) do
+    local lane = member_lane(m)
+    if lane then
+      touched[lane] = true
+      local key = 'rsv:' .. lane_band(lane)
+      if adm_get(key) == m then adm_set(key, nil) end  -- its reservation goes with it
+    end
+  end
+  lanes_touched(touched)
+end
+
+-- Lanes of big whose head now fits under the limit enter the fair order (bounded per call).
+local function readmit(lim)
+  local lanes = redis.call('ZRANGEBYSCORE', K_BIG, '-inf', lim, 'LIMIT', 0, 16)
+  for _, lane in ipairs(lanes) do
+    local lo, hi = lane_range(lane)
+    local head = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, 1)
+    redis.call('ZREM', K_BIG, lane)
+    if #head > 0 then lane_enter(lane, weight_of(member_id(head[1])), lim) end
+  end
+end

@@ -1,0 +1,129 @@
+-- Shared library (lib_*.lua, see lib_gate.lua): the admission order's layout -- members,
+-- lanes, the fair order's entries, the adm cache -- and what a grant costs a lane.
+
+---------------------------------------------------------------------------------------------
+-- Admission order: weights, bands, tenants (docs/admission.md says why it is built so).
+--
+-- Weights live in lease ids: '<pod>:<n>' weighs 1, '<pod>:<n>w<W>' weighs W. Units held =
+-- ZCARD holders + adm.extra, extra = sum of (W - 1) over the holders: weight-1 leases never
+-- touch the counter. Every path that adds a lease raises extra before the ZADD and every path
+-- that removes one lowers it after the ZREM, so a script stopped half-way can only overcount.
+--
+-- A waiter is a member of fg:{G}:lanes (all scores 0, ordered by bytes):
+--   '<tenant>}<R>}<seq20>}<id>'   R = 100 - priority as 3 digits (000 = priority 100 first)
+-- and the same member is its entry in fg:{G}:waiters (score = expiry). A lane is (tenant, R),
+-- named '<tenant>}<R>'; FIFO inside it by seq. Tenant and gate names never hold a brace.
+-- Every non-empty lane is in exactly one of:
+--   fg:{G}:fair  (scores 0) '<R>}<F20>}<tenant>': eligible lanes, so the first member is the
+--                next lane to serve: the highest band, then the smallest virtual finish tag F
+--                of its head (self-clocked fair queuing on units per band);
+--   fg:{G}:big   lane -> head weight: the head weighs more than the limit (waits for it to grow).
+-- fg:{G}:adm holds: extra, 'vt:<R>' (the band's virtual time: the largest tag granted),
+-- 'f:<lane>' (the lane's tag in fair, present iff the lane is in fair), 'rsv:<R>' (the waiter
+-- the band's free units are reserved for). fg:{G}:tw: tenant -> weight (1..1000).
+---------------------------------------------------------------------------------------------
+
+local DEFAULT_LANE = '}100'
+
+local function adm_get(field)
+  local v = ADM[field]
+  if v == nil then
+    v = redis.call('HGET', K_ADM, field) or false
+    ADM[field] = v
+  end
+  if v == false then return nil end
+  return v
+end
+
+local function adm_set(field, value)
+  ADM[field] = value or false
+  ADM_DIRTY[field] = true
+end
+
+-- Read the adm fields not cached yet in one HMGET.
+local function adm_prefetch(...)
+  local fields = {}
+  for _, field in ipairs({...}) do
+    if ADM[field] == nil then fields[#fields + 1] = field end
+  end
+  if #fields == 0 then return end
+  local v = redis.call('HMGET', K_ADM, unpack(fields))
+  for i, field in ipairs(fields) do ADM[field] = v[i] end
+end
+
+-- Write the cached adm fields that changed; every script that changed some calls it before it
+-- returns (and heartbeat_many before it moves to the next gate).
+local function adm_flush()
+  local set, del = {}, {}
+  for field in pairs(ADM_DIRTY) do
+    local v = ADM[field]
+    if v then
+      set[#set + 1] = field
+      set[#set + 1] = v
+    else
+      del[#del + 1] = field
+    end
+  end
+  if #set > 0 then redis.call('HSET', K_ADM, unpack(set)) end
+  if #del > 0 then redis.call('HDEL', K_ADM, unpack(del)) end
+  ADM_DIRTY = {}
+end
+
+local function weight_of(id)
+  local w = string.match(id, ':%d+w(%d+)$')
+  if w then return tonumber(w) end
+  return 1
+end
+
+local function member_id(m)
+  return string.match(m, '}([^}]*)$') or m
+end
+
+local function member_lane(m)
+  return string.match(m, '^([^}]*}%d%d%d)}')
+end
+
+local function lane_band(lane)
+  return string.sub(lane, -3)
+end
+
+local function lane_tenant(lane)
+  return string.sub(lane, 1, -5)
+end
+
+-- The lane of a request's class: '' = priority 0 of the default tenant, else '<R>}<tenant>'.
+local function class_lane(cls)
+  if cls == nil or cls == '' then return DEFAULT_LANE end
+  return string.sub(cls, 5) .. '}' .. string.sub(cls, 1, 3)
+end
+
+local function lane_range(lane)
+  return '[' .. lane .. '}', '(' .. lane .. '~'
+end
+
+local function fair_member(lane, f)
+  return lane_band(lane) .. '}' .. pad20(f) .. '}' .. lane_tenant(lane)
+end
+
+-- lane, tag, band of a fair member
+local function fair_parse(fm)
+  local r, f, t = string.match(fm, '^(%d%d%d)}(%d+)}(.*)$')
+  return t .. '}' .. r, tonumber(f), r
+end
+
+-- A tenant's weight (1..1000; 1 when not configured); the default tenant weighs 1.
+local function tenant_weight(t)
+  if t == '' then return 1 end
+  local v = PHI[t]
+  if v == nil then
+    v = math.floor(num(redis.call('HGET', K_TW, t), 1))
+    if v < 1 then v = 1 elseif v > 1000 then v = 1000 end
+    PHI[t] = v
+  end
+  return v
+end
+
+-- The virtual service a grant of w units costs a lane of tenant t.
+local function cost(w, t)
+  return math.ceil(w * 1000 / tenant_weight(t))
+end

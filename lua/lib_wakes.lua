@@ -1,0 +1,31 @@
+-- Shared library (lib_*.lua, see lib_gate.lua): the wake-ups a call sends to pods.
+
+-- Wake-ups of one call, grouped by pod: one RPUSH (and PEXPIRE) per pod, not per id. Ids are
+-- '<pod-id>:<n>[w<W>]'; the pod id is everything before the last colon. A wake is
+-- '<id>=<token>' (granted, with its fencing token), '<id>=x' (evicted: Overloaded) or
+-- '<id>=c<C>' (refused: heavier than the ceiling C now in force; ConfigError, see refuse_heads).
+local function new_wakes()
+  return {pods = {}, values = {}}
+end
+
+local function add_wake(wakes, id, value)
+  local pod = string.match(id, '^(.*):[^:]*$')
+  if pod then
+    local values = wakes.values[pod]
+    if values == nil then
+      values = {}
+      wakes.values[pod] = values
+      wakes.pods[#wakes.pods + 1] = pod
+    end
+    values[#values + 1] = value
+  end
+end
+
+local function send_wakes(wakes, cfg)
+  for _, pod in ipairs(wakes.pods) do
+    local key = K_WAKE .. pod
+    redis.call('RPUSH', key, unpack(wakes.values[pod]))
+    -- A dead pod's list disappears by itself; a live pod pops it long before this.
+    redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
+  end
+end
