@@ -1,0 +1,299 @@
+"""The gate scripts' replies, typed: the status codes, the reply structs and their decoders.
+
+Each reply is decoded here from what the script returns (its header in ``lua/`` states the
+shape): :class:`AcquireReply`, :class:`HeartbeatReply`, :class:`Snapshot` (``inspect.lua``'s
+JSON, with :class:`Waiter`, :class:`Holder`, :class:`Lane` and the :class:`Utilization` it
+parses), and the small decoders of the other scripts' replies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
+# acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
+# granted at once, a weight above the ceiling (never grantable).
+REJECTED_TENANT, SHED, TOO_HEAVY = 3, 4, 5
+
+PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
+
+
+class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
+    """``acquire.lua``'s reply. Of ``holders``, ``position`` and ``max_queued`` only the one of
+    the outcome is set (the others are 0)."""
+
+    status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED or TOO_HEAVY
+    token: int  # granted: the fencing token; parked: the seq of the waiter member
+    limit: int
+    holders: int  # granted: units held counting this one
+    position: int  # parked: waiters counting this one
+    #: refused: the bound that refused it (max_queued, per tenant, shed_below or ceiling)
+    max_queued: int
+    lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
+    waiter_ms: int
+    expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
+    #: ms the gate's recovery fence still holds every grant (0: none; ``lua/lib_fence.lua``
+    #: gate_birth): a caller parked behind it asks for its hand-off when it ends
+    fence_ms: int = 0
+
+    @classmethod
+    def decode_many(cls, reply: Any) -> list[AcquireReply]:
+        """acquire.lua's reply: {limit, lease_ms, waiter_ms, released, fence_ms, then per
+        request: status, token, n, expires_at}."""
+        limit, lease_ms, waiter_ms = int(reply[0]), int(reply[1]), int(reply[2])
+        fence_ms = int(reply[4])
+        out = []
+        for i in range(5, len(reply), 4):
+            status, token, n, expires_at = (int(x) for x in reply[i : i + 4])
+            out.append(
+                cls(
+                    status=status,
+                    token=token,
+                    limit=limit,
+                    holders=n if status == GRANTED else 0,
+                    position=n if status == PARKED else 0,
+                    max_queued=n if status not in (GRANTED, PARKED) else 0,
+                    lease_ms=lease_ms,
+                    waiter_ms=waiter_ms,
+                    expires_at=expires_at,
+                    fence_ms=fence_ms,
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    """``heartbeat.lua``'s reply for one gate (``heartbeat_many.lua`` returns one per gate)."""
+
+    limit: int
+    live_pods: int
+    lost_leases: list[str]
+    granted_waiters: list[str]
+    lost_waiters: list[str]
+    queued: int
+    holders: int
+    lease_ms: int
+    waiter_ms: int
+    expires_at: int  # server ms the renewed leases now expire at
+    pod_new: bool  # the pod's live entry had to be created (first, expired or wiped)
+    adopted: list[str]  # leases the gate had lost before they expired, counted again
+    #: fencing tokens of granted_waiters, in order (fresh: their wake-ups were missed)
+    granted_tokens: list[int] = field(default_factory=list)
+    #: waiters evicted by a higher band (they get Overloaded)
+    evicted: list[str] = field(default_factory=list)
+    #: waiters refused because they weigh more than the ceiling, lowered after they parked
+    #: (they get ConfigError, as an arrival that heavy: TOO_HEAVY)
+    too_heavy: list[str] = field(default_factory=list)
+    ceiling: int = 0  # the ceiling in force
+
+    @classmethod
+    def decode(cls, r: Any) -> HeartbeatReply:
+        """The reply as the script returns it (a list in field order)."""
+        return cls(
+            limit=int(r[0]),
+            live_pods=int(r[1]),
+            lost_leases=[_s(x) for x in r[2]],
+            granted_waiters=[_s(x) for x in r[3]],
+            lost_waiters=[_s(x) for x in r[4]],
+            queued=int(r[5]),
+            holders=int(r[6]),
+            lease_ms=int(r[7]),
+            waiter_ms=int(r[8]),
+            expires_at=int(r[9]),
+            pod_new=int(r[10]) == 1,
+            adopted=[_s(x) for x in r[11]],
+            granted_tokens=[int(x) for x in r[12]],
+            evicted=[_s(x) for x in r[13]],
+            too_heavy=[_s(x) for x in r[14]],
+            ceiling=int(r[15]),
+        )
+
+
+class Waiter(msgspec.Struct):
+    """A parked caller as ``inspect.lua`` lists it (token = its seq in its lane)."""
+
+    id: str
+    token: int
+    expires_at: int | None = None
+    weight: int = 1
+    priority: int = 0
+    tenant: str = ""
+
+
+class Holder(msgspec.Struct):
+    """A lease as ``inspect.lua`` lists it (its weight is in its id)."""
+
+    id: str
+    expires_at: int
+    weight: int = 1
+
+
+class Lane(msgspec.Struct):
+    """One (priority, tenant) line of waiters as ``inspect.lua`` lists it: in service order,
+    ``tag`` its virtual finish tag, or ``oversize`` when its head weighs more than the limit;
+    ``reserved`` the waiter the band's free units are kept for."""
+
+    priority: int
+    tenant: str
+    queued: int
+    tag: int | None = None
+    oversize: bool = False
+    reserved: str | None = None
+
+
+class Utilization(msgspec.Struct, frozen=True, kw_only=True):
+    """The coordinator's last utilisation snapshot of a gate (``fg:{G}:util``), parsed: a
+    missing or garbled value is None (False for the flags)."""
+
+    running: float | None = None
+    waiting_capacity: float | None = None
+    metrics_ok: bool = False
+    saturated: bool = False
+    last_poll: float | None = None
+    metrics_url: str | None = None
+    reason: str | None = None
+    server: str | None = None
+    #: "latency" for a gate driven by the client-observed signal (else None: metrics or fixed)
+    signal: str | None = None
+    #: the last poll's median call latency and the estimated no-load latency (seconds)
+    latency_p50: float | None = None
+    latency_no_load: float | None = None
+    #: calls reported by releases during the last poll, and the overloads/timeouts among them
+    obs_calls: float | None = None
+    obs_overloaded: float | None = None
+    obs_timeout: float | None = None
+
+    @classmethod
+    def parse(cls, util: Mapping[str, str]) -> Utilization:
+        """The ``util`` hash as stored (field -> text)."""
+        return cls(
+            running=_float(util.get("running")),
+            waiting_capacity=_float(util.get("waiting_capacity")),
+            metrics_ok=util.get("metrics_ok") == "1",
+            saturated=util.get("saturated") == "1",
+            last_poll=_float(util.get("last_poll")),
+            metrics_url=util.get("metrics_url") or None,
+            reason=util.get("reason") or None,
+            server=util.get("server") or None,
+            signal=util.get("signal") or None,
+            latency_p50=_float(util.get("latency_p50")),
+            latency_no_load=_float(util.get("latency_no_load")),
+            obs_calls=_float(util.get("obs_calls")),
+            obs_overloaded=_float(util.get("obs_overloaded")),
+            obs_timeout=_float(util.get("obs_timeout")),
+        )
+
+
+class Snapshot(msgspec.Struct):
+    """A consistent view of one gate (``inspect.lua``): the raw hashes plus parsed views of them
+    (:attr:`live_target`, :attr:`epoch`, :meth:`utilization`, :meth:`stat`)."""
+
+    now: int
+    limit: int
+    floor: int
+    ceiling: int
+    max_queued: int
+    holders: int
+    queued: int
+    live_pods: int
+    lease_ms: int = 0
+    waiter_ms: int = 0
+    #: units held: the holders' weights (expired-but-unreaped leases included)
+    units: int = 0
+    schema: int = 0
+    max_queued_per_tenant: int = 0
+    shed_below: int = 0
+    tenant_weights: dict[str, str] = {}
+    lanes: list[Lane] = []
+    cfg: dict[str, str] = {}
+    target: dict[str, str] = {}
+    stats: dict[str, str] = {}
+    util: dict[str, str] = {}
+    head: list[Waiter] = []
+    leases: list[Holder] = []
+
+    @property
+    def live_target(self) -> int | None:
+        """The coordinator's published target while it is unexpired, else None (the limit has
+        decayed to the floor)."""
+        expires = _int(self.target.get("expires_at"))
+        if expires is None or expires <= self.now:
+            return None
+        return _int(self.target.get("value"))
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the leader that last published the gate."""
+        return _int(self.target.get("epoch"))
+
+    def stat(self, name: str) -> int:
+        """A fleet-wide counter of ``fg:{G}:stats`` (0 when absent)."""
+        return _int(self.stats.get(name)) or 0
+
+    def utilization(self) -> Utilization:
+        """The coordinator's last utilisation snapshot of the gate, parsed."""
+        return Utilization.parse(self.util)
+
+
+def _int(v: str | None) -> int | None:
+    if v is None or v == "":
+        return None
+    try:
+        return int(float(v))
+    except (ValueError, OverflowError):
+        return None
+
+
+def _float(v: str | None) -> float | None:
+    if v is None or v == "":
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+
+def _empty_tables_as_lists(raw: bytes | str) -> Any:
+    # Redis' cjson encodes an empty Lua table as {}; the list fields are normalised here.
+    obj = msgspec.json.decode(raw)
+    for k in ("head", "leases", "lanes"):
+        if obj.get(k) == {}:
+            obj[k] = []
+    for k in ("cfg", "target", "stats", "util", "tenant_weights"):
+        if obj.get(k) == []:
+            obj[k] = {}
+    return obj
+
+
+def as_is(r: Any) -> Any:
+    """The raw reply (decoded later, or by the caller)."""
+    return r
+
+
+def first_int(r: Any) -> int:
+    """The reply's first value, an integer (cancel, prune)."""
+    return int(r[0])
+
+
+def accepted(r: Any) -> bool:
+    """Whether the fenced write was accepted (set_target, publish: 1)."""
+    return int(r[0]) == 1
+
+
+def int_pair(r: Any) -> tuple[int, int]:
+    """The reply's two integers (adopt: ids added, server-ms expiry)."""
+    return int(r[0]), int(r[1])
+
+
+def decode_snapshot(raw: Any) -> Snapshot:
+    """inspect.lua's JSON as a :class:`Snapshot`."""
+    return msgspec.convert(_empty_tables_as_lists(raw), Snapshot, strict=False)
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
