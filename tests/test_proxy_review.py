@@ -294,7 +294,7 @@ async def test_a_latency_is_reported_for_ok_only() -> None:
     """The proxy's permit reports like ``gate.map``: the latency it measured for ``ok``, none
     for a failure (its time says nothing of the server's speed), and releases even when the
     report fails."""
-    from fleetgate.proxy.app import _Permit
+    from fleetgate.proxy._exchange import Permit as _Permit
 
     class FakeLease:
         def __init__(self, fail: bool = False) -> None:

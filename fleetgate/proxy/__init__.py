@@ -8,10 +8,12 @@ request, so services in any language get the gate by changing one base URL.
 
 Modules: :mod:`.config` (the TOML and the one-route flags), :mod:`.policy` (pure decisions:
 the ``X-Fleetgate-*`` headers, hop-by-hop headers, outcomes, ``Retry-After``), :mod:`.app` (the
-ASGI app; httpx's transport to the upstream), :mod:`.server` (uvicorn, the drain),
-:mod:`.metrics`. Built on the client (:class:`fleetgate.client.Fleet`), which never imports
-this package. Needs the ``proxy`` extra (``pip install 'fleetgate[proxy]'``: uvicorn; httpx is
-a core dependency); with the ``fast`` extra it runs on httptools and uvloop.
+ASGI app: routing, the gate; one request's state in :mod:`._exchange`, the upstream through
+httpx's transport in :mod:`._upstream`, the proxy's own errors in :mod:`._answers`),
+:mod:`.server` (uvicorn, the drain), :mod:`.metrics`. Built on the client
+(:class:`fleetgate.client.Fleet`), which never imports this package. Needs the ``proxy`` extra
+(``pip install 'fleetgate[proxy]'``: uvicorn; httpx is a core dependency); with the ``fast``
+extra it runs on httptools and uvloop.
 """
 
 from .app import ProxyApp

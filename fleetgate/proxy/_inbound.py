@@ -12,19 +12,22 @@ While the request waits for a permit its body is buffered (bounded by ``limit``)
 A body that goes ``idle_s`` without a byte before it is complete is :attr:`Inbound.stalled`.
 :attr:`Inbound.stop` is set the moment the exchange cannot go on because of the caller -- gone,
 body too large, body stalled -- whatever phase it is in (queued, at the upstream), and
-:meth:`Inbound.failure` says which.
+:meth:`Inbound.failure` says which; :meth:`Inbound.race` waits for a step of the exchange (the
+permit, the upstream's answer) unless that happens first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["BodyStalled", "BodyTooLarge", "ClientGone", "Inbound"]
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -40,6 +43,8 @@ class BodyStalled(Exception):
 
 
 class Inbound:
+    """The caller's side of one exchange (see the module's docstring)."""
+
     def __init__(self, receive: Receive, limit: int, idle_s: float = 30.0) -> None:
         self._receive = receive
         self.limit = limit
@@ -104,6 +109,44 @@ class Inbound:
             return BodyTooLarge()
         return BodyStalled()
 
+    async def race(
+        self,
+        task: asyncio.Future[T],
+        timeout: float | None = None,
+        discard: Callable[[T], Awaitable[None]] | None = None,
+    ) -> T:
+        """``task``'s result, unless the caller's side stops the exchange first (gone, a body too
+        large or stalled: :meth:`failure` is raised) or ``timeout`` passes
+        (:class:`TimeoutError`): then ``task`` is cancelled and a result it produced anyway is
+        handed to ``discard`` (a lease to release, a response to close)."""
+        stop = self.stop
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+        pending: set[asyncio.Future[Any]] = {task, waiter}
+        try:
+            await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this exchange is cancelled itself (the server's shutdown)
+            task.cancel()
+            if discard is not None:
+                task.add_done_callback(functools.partial(_discard_later, discard))
+            raise
+        finally:
+            waiter.cancel()
+        if task.done() and not stop.is_set():
+            return task.result()
+        task.cancel()
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            pass  # the task failed as it was abandoned: nothing to clean
+        else:
+            if discard is not None:
+                await discard(result)
+        if stop.is_set():
+            raise self.failure()
+        raise TimeoutError
+
     def on_gone(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when the caller disconnects (at once if it has)."""
         if self.gone.is_set():
@@ -152,3 +195,15 @@ class Inbound:
             self._news.clear()
             if not (self._chunks or self.complete or self.stop.is_set()):
                 await self._news.wait()
+
+
+# cleanups started from callbacks, kept referenced until they finish
+_cleanups: set[asyncio.Future[None]] = set()
+
+
+def _discard_later(discard: Callable[[Any], Awaitable[None]], task: asyncio.Future[Any]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    cleanup = asyncio.ensure_future(discard(task.result()))
+    _cleanups.add(cleanup)
+    cleanup.add_done_callback(_cleanups.discard)
