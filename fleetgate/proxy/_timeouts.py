@@ -8,7 +8,9 @@ connection opens and when an answer ends on a kept-alive one, stopped when a hea
 When it runs out, a connection that sent part of a head gets 408 (RFC 9110 15.5.9, with
 ``Connection: close``) and one line in the log; one that sent nothing is closed without an
 answer (there is no request to answer), logged once if it never sent a request at all (an
-idle kept-alive connection closing is routine: not logged).
+idle kept-alive connection closing is routine: not logged). Both parsers' protocols get the
+clock from one mixin, :class:`HeadTimed`: :class:`GuardedH11` here, and
+:class:`~._httptools.GuardedHttpTools`.
 
 The body's time (``body_timeout_s``) is the app's (:class:`~._inbound.Inbound`): it can answer
 408 with the exchange's JSON error in whatever phase the request is.
@@ -22,7 +24,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["GuardedH11", "HeadClock", "with_head_timeout"]
+__all__ = ["GuardedH11", "HeadClock", "HeadTimed", "with_head_timeout"]
 
 log = logging.getLogger("fleetgate.proxy")
 
@@ -34,7 +36,7 @@ ANSWER_408 = (
 
 
 class HeadClock:
-    """One connection's time to send a request's head."""
+    """One connection's time to send a request's head (see the module's docstring)."""
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, seconds: float
@@ -90,33 +92,56 @@ class HeadClock:
         transport.close()
 
 
-class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with a :class:`HeadClock`: running while h11 waits for a
-    request (its peer's state IDLE)."""
+class HeadTimed(asyncio.Protocol):
+    """The :class:`HeadClock` of a uvicorn HTTP protocol (mixed in before it): made and
+    started when the connection opens, stopped when it is lost. The protocol says when a head
+    is awaited (:meth:`_start_clock`), arrives (:meth:`_count_head`) and is complete
+    (:meth:`_head_complete`)."""
 
     head_timeout_s = 30.0
     _clock: HeadClock | None = None
+    loop: asyncio.AbstractEventLoop  # the protocol's
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._clock = HeadClock(self.loop, transport, self.head_timeout_s)
         self._clock.start()
 
-    def data_received(self, data: bytes) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_clock()
+        super().connection_lost(exc)
+
+    def _start_clock(self) -> None:
+        if self._clock is not None:
+            self._clock.start()
+
+    def _stop_clock(self) -> None:
+        if self._clock is not None:
+            self._clock.stop()
+
+    def _count_head(self, data: bytes) -> None:
+        """``data`` came while the clock runs: part of a head (408 if it expires now)."""
         clock = self._clock
         if clock is not None and clock.running:
             clock.seen += len(data)
+
+    def _head_complete(self) -> None:
+        if self._clock is not None:
+            self._clock.head_complete()
+
+
+class GuardedH11(HeadTimed, H11Protocol):
+    """uvicorn's h11 protocol with a :class:`HeadClock`: running while h11 waits for a
+    request (its peer's state IDLE)."""
+
+    def data_received(self, data: bytes) -> None:
+        self._count_head(data)
         super().data_received(data)
         self._follow()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._follow()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._clock is not None:
-            self._clock.stop()
-        super().connection_lost(exc)
 
     def _follow(self) -> None:
         """Run the clock exactly while h11 waits for a request's head."""
