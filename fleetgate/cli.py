@@ -153,7 +153,7 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog="examples:\n"
         "  fleetgate proxy --upstream http://reranker:8000 --gate rerank --listen 0.0.0.0:8080\n"
         "  fleetgate proxy --config proxy.toml   # routes by path and model; see\n"
-        "                                        # fleetgate/proxy/example.toml\n"
+        "                                        # proxy/example.toml\n"
         "  curl -H 'X-Fleetgate-Deadline-Ms: 5000' http://127.0.0.1:8080/v1/ranking -d @req.json",
     )
     p.add_argument(

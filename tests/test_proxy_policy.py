@@ -58,7 +58,7 @@ def test_strip_path(path: str, strip: bool, raw: bytes, forwarded: bytes | None)
 
 
 def test_the_example_config_loads() -> None:
-    config = load_config(ROOT / "fleetgate/proxy/example.toml", env={})
+    config = load_config(ROOT / "proxy/example.toml", env={})
     assert [r.gate for r in config.routes] == [
         "rerank/nemoretriever-500m-v2",
         "llama-3.1-8b",
@@ -147,7 +147,7 @@ def test_cli_one_route_and_config(tmp_path: Path) -> None:
         config_from_args(_args("--upstream", "nope", "--gate", "g"))
     with pytest.raises(ConfigError, match="give --config FILE, or both"):
         config_from_args(_args("--gate", "g"))
-    example = str(ROOT / "fleetgate/proxy/example.toml")
+    example = str(ROOT / "proxy/example.toml")
     with pytest.raises(ConfigError, match="route of their own"):
         config_from_args(_args("--config", example, "--gate", "g"))
     assert config_from_args(_args("--config", example, "--prefix", "zz")).redis.prefix == "zz"
