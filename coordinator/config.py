@@ -69,8 +69,8 @@ from fleetgate.settings import (
     check_ceiling,
 )
 
-from .adapters import ADAPTERS, AUTO, validate_server
-from .signals import derive_metrics_url, validate_metrics_url
+from .scrape.adapters import ADAPTERS, AUTO, validate_server
+from .scrape.signals import derive_metrics_url, validate_metrics_url
 
 __all__ = [
     "DEFAULT_CEILING",

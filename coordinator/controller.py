@@ -53,7 +53,7 @@ from fleetgate.errors import ConfigError
 
 if TYPE_CHECKING:
     from .config import CoordinatorSettings, GateConfig
-    from .signals import Signals
+    from .scrape.signal_struct import Signals
 
 __all__ = [
     "ControllerParams",

@@ -64,12 +64,10 @@ from .gradient import (
     step_latency,
     unknown_latency_poll,
 )
-from .httpget import LeanHttp
 from .metrics import CoordinatorMetrics
 from .observations import ObsWindows, read_observations
 from .publisher import Publication, Publisher
-from .signals import Signals
-from .sources import Fetcher, HttpxFetcher, MetricsSource, new_client
+from .scrape import Fetcher, HttpxFetcher, LeanHttp, MetricsSource, Signals, new_client
 
 __all__ = ["Coordinator", "run_coordinator"]
 
@@ -140,7 +138,7 @@ class Coordinator:
         reap_interval: float = REAP_INTERVAL,
         http: Literal["lean", "httpx"] = "lean",
     ) -> None:
-        """``http`` picks the scrape client: the lean GET of :mod:`.httpget` (default, ~10x
+        """``http`` picks the scrape client: the lean GET of :mod:`.scrape.httpget` (default, ~10x
         cheaper per scrape) or httpx, kept selectable for comparison (``docs/servers.md``)."""
         self.config = config
         self.id = coordinator_id or default_coordinator_id()
@@ -204,7 +202,7 @@ class Coordinator:
         )
         # Scrapes run at most SCRAPE_CONCURRENCY at once over kept-alive connections: a
         # thousand simultaneous connects cost more (SYN backlog, TLS handshakes) than they save.
-        # Each gate has its own small pool (see sources.py); they share one SSL context.
+        # Each gate has its own small pool (see scrape/sources.py); they share one SSL context.
         self._scrape_slots = asyncio.Semaphore(SCRAPE_CONCURRENCY)
         tls = httpx.create_ssl_context()
         if self.http == "httpx":

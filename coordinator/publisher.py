@@ -23,7 +23,7 @@ from fleetgate.scripts import PRUNED, GateScripts
 from .config import GateConfig
 from .controller import Decision
 from .gradient import GradientDecision
-from .signals import Signals
+from .scrape.signal_struct import Signals
 
 __all__ = ["Publication", "Publisher"]
 

@@ -7,10 +7,15 @@ import logging
 import httpx
 import pytest
 
-from fleetgate.coordinator.adapters import ADAPTERS, detect_kind, get_adapter, validate_server
 from fleetgate.coordinator.config import Config
-from fleetgate.coordinator.promtext import sample_names_present, select_samples
-from fleetgate.coordinator.sources import MetricsSource, candidate_urls
+from fleetgate.coordinator.scrape.adapters import (
+    ADAPTERS,
+    detect_kind,
+    get_adapter,
+    validate_server,
+)
+from fleetgate.coordinator.scrape.promtext import sample_names_present, select_samples
+from fleetgate.coordinator.scrape.sources import MetricsSource, candidate_urls
 from fleetgate.errors import ConfigError
 from fleetgate.tools.sim import serve_in_thread
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app

@@ -20,7 +20,7 @@ from fleetgate.coordinator.controller import (
     load_state,
     step,
 )
-from fleetgate.coordinator.signals import Signals
+from fleetgate.coordinator.scrape.signals import Signals
 from fleetgate.errors import ConfigError
 
 P = ControllerParams(floor=4, ceiling=512, poll_interval=12.0)

@@ -21,8 +21,8 @@ import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
-from fleetgate.coordinator.adapters import ADAPTERS
 from fleetgate.coordinator.config import Config
+from fleetgate.coordinator.scrape.adapters import ADAPTERS
 from fleetgate.keys import GateKeys
 from fleetgate.status import format_status, gather_status
 from fleetgate.tools.sim import serve_in_thread

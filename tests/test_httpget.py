@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetgate.coordinator.httpget import LeanHttp
+from fleetgate.coordinator.scrape.httpget import LeanHttp
 
 from .test_security_tls import _make_certs
 from .test_signals import VLLM_TEXT, _Handler, _Server

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetgate.coordinator.promtext import _plain, select_samples
+from fleetgate.coordinator.scrape.promtext import _plain, select_samples
 
 _names = st.sampled_from(["vllm:num_requests_running", "te_queue_size", "x", "a:b_c9", "9bad"])
 _label_names = st.sampled_from(["model_name", "engine", "le", "a", "_x", "0no"])

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from fleetgate.coordinator.config import Config
-from fleetgate.coordinator.httpget import LeanHttp
-from fleetgate.coordinator.signals import ScrapeResult, fetch_signals, scrape
+from fleetgate.coordinator.scrape.httpget import LeanHttp
+from fleetgate.coordinator.scrape.signals import ScrapeResult, fetch_signals, scrape
 from fleetgate.errors import ConfigError
 
 HUGE = 100 * 1024 * 1024

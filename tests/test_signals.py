@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetgate.coordinator.signals import (
+from fleetgate.coordinator.scrape.signals import (
     ADAPTERS,
     VLLM,
     Signals,

@@ -31,11 +31,17 @@ import httpx
 import msgspec
 
 from .adapters import ADAPTERS, AUTO, DETECTION_ORDER, GaugeAdapter, detect_kind
-from .config import GateConfig
 from .signal_struct import Signals
 from .signals import ScrapeResult, combine, derive_metrics_url, read_result, scrape
 
-__all__ = ["Fetcher", "HttpxFetcher", "MetricsSource", "candidate_urls", "new_client"]
+__all__ = [
+    "Fetcher",
+    "HttpxFetcher",
+    "MetricsSource",
+    "ScrapedGate",
+    "candidate_urls",
+    "new_client",
+]
 
 log = logging.getLogger("fleetgate.coordinator")
 
@@ -58,6 +64,28 @@ def new_client(replicas: int, verify: ssl.SSLContext) -> httpx.AsyncClient:
         follow_redirects=False,
         limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
     )
+
+
+class ScrapedGate(Protocol):
+    """What a source needs of its gate's configuration (the coordinator's ``GateConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def server(self) -> str: ...
+
+    @property
+    def base_url(self) -> str | None: ...
+
+    @property
+    def metrics_url(self) -> str | tuple[str, ...] | None: ...
+
+    @property
+    def metrics_urls(self) -> tuple[str, ...]: ...
+
+    @property
+    def model_name(self) -> str | None: ...
 
 
 class Fetcher(Protocol):
@@ -84,7 +112,7 @@ class HttpxFetcher:
 class MetricsSource:
     """One adaptive gate's metrics: kind, URLs and pool. Not thread-safe; one poll at a time."""
 
-    def __init__(self, gate: GateConfig, fetcher: Fetcher | httpx.AsyncClient) -> None:
+    def __init__(self, gate: ScrapedGate, fetcher: Fetcher | httpx.AsyncClient) -> None:
         self.gate = gate
         self.fetcher = HttpxFetcher(fetcher) if isinstance(fetcher, httpx.AsyncClient) else fetcher
         self.kind: str | None = None if gate.server == AUTO else gate.server
