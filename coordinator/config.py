@@ -42,32 +42,26 @@ one line naming the field (or the environment variable) and the problem, e.g.
 
 from __future__ import annotations
 
-import difflib
 import os
-import re
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from fleetgate._redis import validate_redis_url
-from fleetgate.admission import TenantWeights, validate_tenant_weights
-from fleetgate.errors import ConfigError
-from fleetgate.keys import validate_gate_name, validate_prefix
-from fleetgate.settings import (
-    DEFAULT_CEILING,
-    Ceiling,
-    Floor,
-    GateSettings,
-    LeaseMs,
-    MaxQueued,
-    MaxQueuedPerTenant,
-    ShedBelow,
-    WaiterMs,
-    check_ceiling,
+from fleetgate.admission import validate_tenant_weights
+from fleetgate.configfile import (
+    REDIS_ENV,
+    RedisSettings,
+    checked,
+    convert,
+    decode_toml,
+    parse_listen,
+    read_toml,
 )
+from fleetgate.errors import ConfigError
+from fleetgate.keys import validate_gate_name
+from fleetgate.settings import DEFAULT_CEILING, Floor, GateSettings, check_ceiling
 
 from .scrape.adapters import ADAPTERS, AUTO, validate_server
 from .scrape.signals import derive_metrics_url, validate_metrics_url
@@ -81,7 +75,6 @@ __all__ = [
     "load_config",
 ]
 
-_DEFAULTS = GateSettings()
 #: the values of a gate's ``signal``
 SIGNALS = ("auto", "metrics", "latency", "fixed")
 DEFAULT_POLL_INTERVAL = 2.0
@@ -91,37 +84,9 @@ DEFAULT_SCRAPE_TIMEOUT = 2.0
 # environment can produce it; ``__post_init__`` replaces it with min(2 s, poll_interval).
 _SCRAPE_TIMEOUT_UNSET = 0.0
 
-_T = TypeVar("_T")
 
-
-def _check(field: str, validate: Callable[[_T], object], value: _T) -> None:
-    """Run ``validate(value)``; re-raise its ConfigError as ``field: problem`` for ``_explain``."""
-    try:
-        validate(value)
-    except ConfigError as exc:
-        raise ConfigError(f"{field}: {exc}") from None
-
-
-def _parse_listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"expected 'host:port' with a port 0-65535, got {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
-
-
-class RedisSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where the gates live: the Redis URL and the key prefix."""
-
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "fg"
-
-    def __post_init__(self) -> None:
-        # Scheme, port and query parameters (a TLS option misspelt is caught here, not at the
-        # first command); messages never echo the password. See docs/security.md for TLS.
-        _check("url", validate_redis_url, self.url)
-        _check("prefix", validate_prefix, self.prefix)
+def _metrics_listen(value: str) -> tuple[str, int]:
+    return parse_listen(value, empty_host=True)  # ':9464' serves every interface
 
 
 class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -149,7 +114,7 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     prune_idle_after: Annotated[float, Meta(ge=0, le=30 * 86400)] = 3600.0
 
     def __post_init__(self) -> None:
-        _check("metrics_listen", _parse_listen, self.metrics_listen)
+        checked("metrics_listen", _metrics_listen, self.metrics_listen)
         if self.scrape_timeout == _SCRAPE_TIMEOUT_UNSET:  # unset (0 itself is refused on decode)
             timeout = min(DEFAULT_SCRAPE_TIMEOUT, self.poll_interval)
             msgspec.structs.force_setattr(self, "scrape_timeout", timeout)
@@ -162,7 +127,7 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     @property
     def metrics_address(self) -> tuple[str, int]:
         """``metrics_listen`` as ``(host, port)``; IPv6 brackets removed."""
-        return _parse_listen(self.metrics_listen)
+        return _metrics_listen(self.metrics_listen)
 
     @property
     def campaign_interval(self) -> float:
@@ -194,24 +159,17 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
         return self.target_ttl_polls * self.poll_interval + self.takeover
 
 
-class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One gate. ``floor`` is its static limit; ``ceiling`` bounds the adaptive target."""
+class GateConfig(GateSettings, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One gate: its settings, and where the signal that drives its target comes from.
+
+    The settings are :class:`~fleetgate.settings.GateSettings`' own fields -- their types,
+    bounds (checked when the file is decoded) and defaults -- inherited, not restated: a
+    GateConfig *is* the gate's settings (``as_cfg()``, ``argv()``), plus the fields below. Only
+    the ``floor`` (the static limit) is required here; ``ceiling`` bounds the adaptive target.
+    """
 
     name: str
-    # The settings' types, bounds and defaults are fleetgate.settings.GateSettings'; only the
-    # floor is required here.
     floor: Floor
-    ceiling: Ceiling = DEFAULT_CEILING
-    max_queued: MaxQueued = _DEFAULTS.max_queued
-    lease_ms: LeaseMs = _DEFAULTS.lease_ms
-    waiter_ms: WaiterMs = _DEFAULTS.waiter_ms
-    #: one tenant's bound of waiters (all bands); unset = the same as max_queued
-    max_queued_per_tenant: MaxQueuedPerTenant | None = None
-    #: priorities below it never park (granted at once or Overloaded)
-    shed_below: ShedBelow = _DEFAULTS.shed_below
-    #: ``[gates.tenant_weights]``: tenant name -> share weight (1..1000; unlisted tenants weigh
-    #: 1); held as a hashable :class:`~fleetgate.admission.TenantWeights` once decoded
-    tenant_weights: Mapping[str, int] = msgspec.field(default_factory=TenantWeights)
     base_url: str | None = None
     metrics_url: str | tuple[str, ...] | None = None
     model_name: str | None = None
@@ -222,7 +180,7 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     signal: str = "auto"
 
     def __post_init__(self) -> None:
-        _check("name", validate_gate_name, self.name)
+        checked("name", validate_gate_name, self.name)
         check_ceiling(self.floor, self.ceiling)
         # The errors name the entry: tenant_weights['a b{']: tenant 'a b{' contains '{': ...
         msgspec.structs.force_setattr(
@@ -231,19 +189,19 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.base_url is not None and self.metrics_url is not None:
             raise ConfigError("metrics_url: set base_url or metrics_url, not both")
         if self.base_url is not None:
-            _check("base_url", derive_metrics_url, self.base_url)
+            checked("base_url", derive_metrics_url, self.base_url)
         if isinstance(self.metrics_url, str):
-            _check("metrics_url", validate_metrics_url, self.metrics_url)
+            checked("metrics_url", validate_metrics_url, self.metrics_url)
         elif self.metrics_url is not None:
             if not self.metrics_url:
                 raise ConfigError("metrics_url: the list of replica URLs is empty")
             for i, url in enumerate(self.metrics_url):
-                _check(f"metrics_url[{i}]", validate_metrics_url, url)
+                checked(f"metrics_url[{i}]", validate_metrics_url, url)
             if len(set(self.metrics_url)) != len(self.metrics_url):
                 raise ConfigError("metrics_url: the same URL is listed twice")
         if self.model_name is not None and not self.model_name:
             raise ConfigError("model_name: must not be empty (leave it out to match every model)")
-        _check("server", validate_server, self.server)
+        checked("server", validate_server, self.server)
         if self.signal not in SIGNALS:
             raise ConfigError(f"signal: expected one of {', '.join(SIGNALS)}, got {self.signal!r}")
         if self.signal == "metrics" and not self.has_metrics:
@@ -256,16 +214,10 @@ class GateConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def settings(self) -> GateSettings:
-        """The gate's settings, as the scripts take them."""
+        """The gate's settings alone, as a plain :class:`~fleetgate.settings.GateSettings`
+        (this config is one already; the scripts' arguments are ``as_cfg()``/``argv()``)."""
         return GateSettings(
-            self.floor,
-            self.ceiling,
-            self.max_queued,
-            self.lease_ms,
-            self.waiter_ms,
-            self.max_queued_per_tenant,
-            self.shed_below,
-            self.tenant_weights,
+            **{name: getattr(self, name) for name in GateSettings.__struct_fields__}
         )
 
     @property
@@ -326,11 +278,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cls, text: str | bytes, *, env: Mapping[str, str] | None = None, source: str = "<config>"
     ) -> Config:
         """Decode TOML ``text``, apply ``env`` overrides (None = ``os.environ``), validate."""
-        try:
-            raw = msgspec.toml.decode(text)
-        except msgspec.DecodeError as exc:
-            raise ConfigError(_one_line(f"{source}: invalid TOML: {exc}")) from None
-        return cls.from_mapping(raw, env=env)
+        return cls.from_mapping(decode_toml(text, source), env=env)
 
     @classmethod
     def from_mapping(
@@ -339,24 +287,15 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Validate a decoded mapping (TOML's shape) after applying ``env`` overrides."""
         data: dict[str, Any] = _deep_copy(dict(raw))
         injected = _apply_env(data, os.environ if env is None else env)
-        try:
-            return msgspec.convert(data, type=cls)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(str(exc), data, injected)) from None
+        return convert(cls, data, injected=injected)
 
 
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] = os.environ) -> Config:
     """Read and validate the TOML file at ``path``; see the module docstring for ``env``."""
-    try:
-        text = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{os.fspath(path)}: config file not found") from None
-    except OSError as exc:
-        raise ConfigError(f"{os.fspath(path)}: cannot read config file: {exc.strerror}") from None
-    return Config.from_toml_text(text, env=env, source=os.fspath(path))
+    return Config.from_mapping(read_toml(path), env=env)
 
 
-# ------------------------------------------------------------------------- env and error text
+# ---------------------------------------------------------------------------------- environment
 
 _OFF = frozenset({"0", "false", "no", "off"})
 _ON = frozenset({"1", "true", "yes", "on"})
@@ -397,8 +336,7 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
             injected[f"{section}.{key}"] = var
 
     for var, section, key in (
-        ("FLEETGATE_REDIS_URL", "redis", "url"),
-        ("FLEETGATE_PREFIX", "redis", "prefix"),
+        *((var, "redis", key) for var, key in REDIS_ENV),
         ("FLEETGATE_METRICS_LISTEN", "coordinator", "metrics_listen"),
     ):
         if env.get(var):
@@ -434,106 +372,3 @@ def _apply_env(data: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
                     gate["ceiling"] = default_ceiling
                 injected[f"gates[{i}].ceiling"] = "MODEL_MAX_CONCURRENCY"
     return injected
-
-
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
-_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
-# A field, optionally subscripted by an index or a quoted key: floor, metrics_url[1],
-# tenant_weights['a b{'] (a repr: quotes inside are escaped or of the other kind).
-_FIELD_PREFIX = re.compile(
-    r"^([A-Za-z_]\w*(?:\[(?:\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\])?): (.*)$", re.DOTALL
-)
-_FIELD_NAMED = re.compile(r"^Object (missing required|contains unknown) field `([^`]+)`$")
-
-
-def _lookup(data: Any, path: str) -> tuple[bool, Any]:
-    for key, index in _STEP.findall(path):
-        try:
-            data = data[int(index)] if index else data[key]
-        except (KeyError, IndexError, TypeError):
-            return False, None
-    return True, data
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _fields_at(path: str) -> tuple[str, ...]:
-    head = _STEP.match(path)
-    kinds: dict[str, type[msgspec.Struct]] = {
-        "redis": RedisSettings,
-        "coordinator": CoordinatorSettings,
-        "gates": GateConfig,
-    }
-    return kinds.get(head.group(1) if head else "", Config).__struct_fields__
-
-
-# msgspec's name of a decoded value's type (in "got `str`") -> the Python types it covers.
-_GOT = re.compile(r", got `(\w+)`")
-_KINDS: dict[str, tuple[type, ...]] = {
-    "str": (str,),
-    "bool": (bool,),
-    "float": (float,),
-    "array": (list, tuple),
-    "object": (dict,),
-    "null": (type(None),),
-}
-
-
-def _name_key(path: str, msg: str, data: Any) -> str:
-    """msgspec shows a table's key as ``[...]`` (``$.gates[0].tenant_weights[...]``): name the
-    first entry of that table whose value is of the type the error says it got."""
-    head, sep, tail = path.rpartition("[...]")
-    got = _GOT.search(msg)
-    if not sep or tail or "[...]" in head or not got or got.group(1) not in _KINDS:
-        return path
-    found, table = _lookup(data, head)
-    if not found or not isinstance(table, dict):
-        return path
-    kinds = _KINDS[got.group(1)]
-    for key, value in table.items():
-        if isinstance(value, kinds):
-            return f"{head}[{key!r}]"
-    return path
-
-
-def _explain(message: str, data: dict[str, Any], injected: Mapping[str, str]) -> str:
-    """Turn msgspec's ``Expected `int` >= 1 - at `$.gates[2].floor``` into one readable line."""
-    match = _AT.match(message)
-    msg, path = (match.group("msg"), match.group("path") or "") if match else (message, "")
-    named = _FIELD_NAMED.match(msg)
-    own = _FIELD_PREFIX.match(msg)
-    if named:
-        missing = named.group(1) == "missing required"
-        field = named.group(2)
-        hint = ""
-        if not missing:
-            close = difflib.get_close_matches(field, _fields_at(path), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-        path, msg = f"{path}.{field}", ("missing required field" if missing else "unknown field")
-        msg += hint
-    elif own:  # our own "field: problem" raised from a __post_init__
-        path, msg = f"{path}.{own.group(1)}", own.group(2)
-    else:
-        path = _name_key(path, msg, data)
-        msg = msg.replace("`object`", "table").replace("`", "")
-        msg = msg[:1].lower() + msg[1:]
-        found, value = _lookup(data, path)
-        if found and path and ", got " not in msg:
-            msg += f", got {_show(value)}"
-    shown = path.lstrip(".")
-    if shown in injected:
-        shown = injected[shown]
-    return _one_line(f"{shown}: {msg}" if shown else msg)
-
-
-def _one_line(text: str) -> str:
-    """``text`` with non-printable characters escaped: a key like ``"a\\nb"`` in the file must
-    not split the error into several lines (or forge log lines)."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -170,7 +170,7 @@ class Publisher:
     @staticmethod
     def _payload(p: Publication) -> tuple[int | None, dict[str, int | str], dict[str, str]]:
         target = p.decision.target if p.decision.publish else None
-        return target, p.gate.settings.as_cfg(), _util_mapping(p)
+        return target, p.gate.as_cfg(), _util_mapping(p)
 
     async def registered_gates(self) -> list[str]:
         """The registered gate names, sorted. An entry that is no valid gate name (anyone may

@@ -25,17 +25,24 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import msgspec
 from msgspec import Meta
 
-from fleetgate._redis import validate_redis_url
 from fleetgate.admission import MAX_PRIORITY, MIN_PRIORITY, validate_tenant
+from fleetgate.configfile import (
+    REDIS_ENV,
+    RedisSettings,
+    checked,
+    convert,
+    decode_toml,
+    parse_listen,
+    read_toml,
+)
 from fleetgate.errors import ConfigError
-from fleetgate.keys import validate_gate_name, validate_prefix
+from fleetgate.keys import validate_gate_name
 from fleetgate.settings import GateSettings
 
 __all__ = [
@@ -52,16 +59,6 @@ Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 Millis = Annotated[int, Meta(ge=1, le=86_400_000)]
 Seconds = Annotated[float, Meta(gt=0, le=86_400)]
 MiB = 1024 * 1024
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``host:port`` (IPv6 in brackets) -> (host, port); port 0 binds any free port."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isascii() or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"expected 'host:port' with a port 0-65535, got {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
 
 
 def validate_upstream(url: object) -> str:
@@ -84,27 +81,6 @@ def validate_upstream(url: object) -> str:
     if parts.query or parts.fragment or any(c.isspace() for c in url):
         raise ConfigError(f"{problem}, got {url!r}")
     return url.rstrip("/")
-
-
-def _field(name: str, exc: ConfigError) -> ConfigError:
-    return ConfigError(f"{name}: {exc}")
-
-
-class RedisSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where the gates live."""
-
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "fg"
-
-    def __post_init__(self) -> None:
-        for name, check, value in (
-            ("url", validate_redis_url, self.url),
-            ("prefix", validate_prefix, self.prefix),
-        ):
-            try:
-                check(value)
-            except ConfigError as exc:
-                raise _field(name, exc) from None
 
 
 class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -135,10 +111,7 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     health_path: str = "/healthz"
 
     def __post_init__(self) -> None:
-        try:
-            parse_listen(self.listen)
-        except ConfigError as exc:
-            raise _field("listen", exc) from None
+        checked("listen", parse_listen, self.listen)
         for i, network in enumerate(self.trusted_proxies):
             try:
                 ipaddress.ip_network(network, strict=False)
@@ -197,27 +170,20 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gate_defaults: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        checks: list[tuple[str, Any]] = [
-            ("upstream", lambda: validate_upstream(self.upstream)),
-            ("gate", lambda: validate_gate_name(self.gate)),
-            ("path", lambda: _check_path(self.path)),
-            ("tenant", lambda: validate_tenant(self.tenant or None)),
-            ("name", lambda: _check_name(self.name)),
-        ]
+        upstream = checked("upstream", validate_upstream, self.upstream)
+        checked("gate", validate_gate_name, self.gate)
+        checked("path", _check_path, self.path)
+        checked("tenant", validate_tenant, self.tenant or None)
+        checked("name", _check_name, self.name)
         for i, t in enumerate(self.tenants):
             if t != "*":
-                checks.append((f"tenants[{i}]", lambda t=t: validate_tenant(t)))
-        checks.append(
-            ("gate_defaults", lambda: GateSettings.for_gate(self.gate, **self.gate_defaults))
-        )
-        for name, check in checks:
-            try:
-                check()
-            except ConfigError as exc:
-                raise _field(name, exc) from None
-            except TypeError as exc:  # an unknown keyword of gate_defaults
-                raise ConfigError(f"{name}: {exc}") from None
-        msgspec.structs.force_setattr(self, "upstream", validate_upstream(self.upstream))
+                checked(f"tenants[{i}]", validate_tenant, t)
+        try:
+            defaults = self.gate_defaults
+            checked("gate_defaults", lambda d: GateSettings.for_gate(self.gate, **d), defaults)
+        except TypeError as exc:  # an unknown keyword of gate_defaults
+            raise ConfigError(f"gate_defaults: {exc}") from None
+        msgspec.structs.force_setattr(self, "upstream", upstream)
         lo, hi = self.priority_range
         if not lo <= self.priority <= hi:
             raise ConfigError(
@@ -312,7 +278,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(f"routes[{i}].path: {r.path!r} is the proxy's own endpoint")
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Any:
+    def from_mapping(
+        cls, raw: Mapping[str, Any], env: Mapping[str, str] | None = None
+    ) -> ProxyConfig:
         """Validate a decoded mapping; ``FLEETGATE_REDIS_URL``/``FLEETGATE_PREFIX`` from ``env``
         fill ``[redis]`` keys the mapping leaves out."""
         data = dict(raw)
@@ -320,25 +288,18 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         redis = data.get("redis", {})
         if isinstance(redis, dict):
             redis = dict(redis)
-            for var, key in (("FLEETGATE_REDIS_URL", "url"), ("FLEETGATE_PREFIX", "prefix")):
+            for var, key in REDIS_ENV:
                 if env.get(var) and key not in redis:
                     redis[key] = env[var]
             data["redis"] = redis
-        try:
-            return msgspec.convert(data, type=cls)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(str(exc))) from None
+        return convert(cls, data)
 
     @classmethod
     def from_toml_text(
         cls, text: str | bytes, *, source: str = "<config>", env: Mapping[str, str] | None = None
     ) -> ProxyConfig:
-        try:
-            raw = msgspec.toml.decode(text)
-        except msgspec.DecodeError as exc:
-            raise ConfigError(_one_line(f"{source}: invalid TOML: {exc}")) from None
-        config: ProxyConfig = cls.from_mapping(raw, env)
-        return config
+        """Decode TOML ``text`` and validate it (:meth:`from_mapping`)."""
+        return cls.from_mapping(decode_toml(text, source), env)
 
     def with_overrides(
         self, *, listen: str | None = None, redis: str | None = None, prefix: str | None = None
@@ -360,13 +321,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> ProxyConfig:
     """Read and validate the TOML file at ``path``."""
-    try:
-        text = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{os.fspath(path)}: config file not found") from None
-    except OSError as exc:
-        raise ConfigError(f"{os.fspath(path)}: cannot read config file: {exc.strerror}") from None
-    return ProxyConfig.from_toml_text(text, source=os.fspath(path), env=env)
+    return ProxyConfig.from_mapping(read_toml(path), env)
 
 
 def one_route(
@@ -385,37 +340,4 @@ def one_route(
     redis_table = {k: v for k, v in (("url", redis), ("prefix", prefix)) if v is not None}
     if redis_table:
         raw["redis"] = redis_table
-    config: ProxyConfig = ProxyConfig.from_mapping(raw, env)
-    return config
-
-
-# -------------------------------------------------------------------------------- error text
-
-_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
-_OWN = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])?): (.*)$", re.DOTALL)
-_NAMED = re.compile(r"^Object (missing required|contains unknown) field `([^`]+)`$")
-
-
-def _explain(message: str) -> str:
-    """msgspec's ``Expected `int` >= 1 - at `$.routes[0].weight``` as
-    ``routes[0].weight: expected int >= 1``; our own ``field: problem`` from a ``__post_init__``
-    gets its path in front."""
-    m = _AT.match(message)
-    msg, path = (m.group("msg"), m.group("path") or "") if m else (message, "")
-    named, own = _NAMED.match(msg), _OWN.match(msg)
-    if named:
-        what = "missing required field" if named.group(1) == "missing required" else "unknown field"
-        path, msg = f"{path}.{named.group(2)}", what
-    elif own:
-        path, msg = f"{path}.{own.group(1)}", own.group(2)
-    else:
-        msg = msg.replace("`object`", "table").replace("`", "")
-        msg = msg[:1].lower() + msg[1:]
-    shown = path.lstrip(".")
-    return _one_line(f"{shown}: {msg}" if shown else msg)
-
-
-def _one_line(text: str) -> str:
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return ProxyConfig.from_mapping(raw, env)
