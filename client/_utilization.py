@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from fleetgate.scripts import Snapshot
+from fleetgate.util_hash import UtilHash
 
 __all__ = ["GateUtilization", "utilization_of"]
 
@@ -47,8 +48,9 @@ class GateUtilization(msgspec.Struct, kw_only=True):
 
 
 def utilization_of(name: str, snap: Snapshot) -> GateUtilization:
-    """The utilisation of gate ``name`` from its snapshot (parsed by :class:`Snapshot`)."""
-    util = snap.utilization()
+    """The utilisation of gate ``name`` from its snapshot (the coordinator's part of it, the
+    util hash, read by :class:`~fleetgate.util_hash.UtilHash`)."""
+    util = UtilHash.decode(snap.util)
     return GateUtilization(
         name=name,
         limit=snap.limit,

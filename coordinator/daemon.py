@@ -42,8 +42,10 @@ from fleetgate.errors import ConfigError
 from fleetgate.keys import fleet_keys
 from fleetgate.observed import Reading
 from fleetgate.safety import find_bad_keys, is_wrongtype, server_findings
+from fleetgate.util_hash import LATENCY_FIELDS, OBSERVED_FIELDS
 
 from .config import Config, GateConfig, load_config
+from .control import Observed
 from .controller import (
     ControllerParams,
     ControllerState,
@@ -533,9 +535,10 @@ class Coordinator:
         view = LatencyView(outcomes, latency, in_flight) if params.adaptive else None
         decision = step_latency(state, view, params, now)
         self.latency_states[gate.name] = decision.state
-        extra = _observed_fields(outcomes, decision)
-        self._account(gate, decision, None, in_flight, extra)
-        return Publication(gate, decision, None, in_flight, now, extra)
+        observed = Observed(outcomes, True, decision.p50, decision.state.no_load)
+        pub = Publication(gate, decision, None, in_flight, now, observed)
+        self._account(pub)
+        return pub
 
     def _decide_isolated(
         self,
@@ -592,22 +595,16 @@ class Coordinator:
         outcomes, _ = self.windows.update(gate.name, reading) if params.adaptive else (None, None)
         decision = cut_for_overload(decision, outcomes, params, now)
         self.states[gate.name] = decision.state
-        extra = _observed_fields(outcomes, None)
-        self._account(gate, decision, signals, in_flight, extra)
         source = self.sources.get(gate.name)
         urls = source.urls if source is not None and source.urls else ()
-        return Publication(gate, decision, signals, in_flight, now, extra, urls)
+        pub = Publication(gate, decision, signals, in_flight, now, Observed(outcomes), urls)
+        self._account(pub)
+        return pub
 
-    def _account(
-        self,
-        gate: GateConfig,
-        decision: Decision | GradientDecision,
-        signals: Signals | None,
-        in_flight: int | None,
-        extra: dict[str, str],
-    ) -> None:
+    def _account(self, pub: Publication) -> None:
         """The coordinator's metrics and log line for one decision."""
-        m, name = self.metrics, gate.name
+        decision, signals, in_flight = pub.decision, pub.signals, pub.in_flight
+        m, name = self.metrics, pub.gate.name
         m.decisions.labels(name, decision.reason.value).inc()
         m.target.labels(name).set(decision.target)
         if in_flight is not None:
@@ -620,6 +617,8 @@ class Coordinator:
             m.saturated.labels(name).set(1 if decision.saturated else 0)
         previous = self.published.get(name)
         if decision.publish and previous != decision.target:
+            util = pub.snapshot().encode()
+            observed = {k: util[k] for k in (*OBSERVED_FIELDS, *LATENCY_FIELDS) if k in util}
             log.info(
                 "gate=%s target %s -> %d reason=%s running=%s waiting_capacity=%s in_flight=%s%s",
                 name,
@@ -629,7 +628,7 @@ class Coordinator:
                 signals.running if signals else None,
                 signals.waiting_capacity if signals else None,
                 in_flight,
-                "".join(f" {k}={v}" for k, v in extra.items() if v not in ("", "0")),
+                "".join(f" {k}={v}" for k, v in observed.items() if v not in ("", "0")),
             )
         if decision.publish:
             self.published[name] = decision.target
@@ -689,23 +688,6 @@ class Coordinator:
                 f" (+{len(pruned) - 10} more)" if len(pruned) > 10 else ""
             )
             log.info("pruned %d gates idle for %g s: %s", len(pruned), idle, shown)
-
-
-def _observed_fields(outcomes: Reading | None, decision: GradientDecision | None) -> dict[str, str]:
-    """The client-observed figures of one poll for the util snapshot (empty strings when
-    unknown): calls reported, overloads and timeouts among them, and for a latency-driven gate
-    its p50 and no-load latency (seconds)."""
-    fields = {
-        "obs_calls": "" if outcomes is None else str(outcomes.calls),
-        "obs_overloaded": "" if outcomes is None else str(outcomes.overloaded),
-        "obs_timeout": "" if outcomes is None else str(outcomes.timeout),
-    }
-    if decision is not None:
-        no_load = decision.state.no_load
-        fields["signal"] = "latency"
-        fields["latency_p50"] = "" if decision.p50 is None else f"{decision.p50:.6f}"
-        fields["latency_no_load"] = "" if no_load is None else f"{no_load:.6f}"
-    return fields
 
 
 def run_coordinator(config_path: str, *, coordinator_id: str | None = None) -> int:

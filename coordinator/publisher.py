@@ -19,8 +19,11 @@ from fleetgate._redis import AnyRedis, BatchCall
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.registry import read_registry
 from fleetgate.scripts import PRUNED, GateScripts
+from fleetgate.units import EXTRA_FIELD, units_held
+from fleetgate.util_hash import STATE_FIELD, UtilHash
 
 from .config import GateConfig
+from .control import Observed
 from .controller import Decision
 from .gradient import GradientDecision
 from .scrape.signal_struct import Signals
@@ -38,50 +41,43 @@ class Publication(msgspec.Struct, frozen=True):
     signals: Signals | None
     in_flight: int | None
     polled_at: float  # Redis server time, seconds
-    #: more fields for the util snapshot (the client-observed figures, docs/aimd.md)
-    extra: dict[str, str] = {}
+    #: the client-observed figures (None: the poll decided nothing, e.g. a held gate: the
+    #: snapshot keeps the last ones)
+    observed: Observed | None = None
     #: the URLs the poll read (detection may find another path than the configured one);
     #: empty: the gate's configured ``metrics_urls``
     metrics_urls: tuple[str, ...] = ()
 
-
-def _util_mapping(p: Publication) -> dict[str, str]:
-    s, d = p.signals, p.decision
-
-    def fmt(v: float | None) -> str:
-        return "" if v is None else repr(float(v))
-
-    return {
-        "running": fmt(s.running if s else None),
-        "waiting_capacity": fmt(s.waiting_capacity if s else None),
-        "kv_cache_usage": fmt(s.kv_cache_usage if s else None),
-        "preemptions": fmt(s.preemptions if s else None),
-        "admission_rejections": fmt(s.admission_rejections if s else None),
-        "current_target": str(d.target),
-        "floor": str(p.gate.floor),
-        "ceiling": str(p.gate.ceiling),
-        "metrics_ok": "1" if (s is not None and s.ok) else "0",
-        "saturated": "1" if d.saturated else "0",
-        "last_poll": repr(p.polled_at),
-        "metrics_url": ",".join(p.metrics_urls or p.gate.metrics_urls),
-        "server": (s.server or "") if s is not None else "",
-        "reason": str(d.reason.value),
-        "in_flight": "" if p.in_flight is None else str(p.in_flight),
-        "error": (s.error or "") if s is not None else "",
-        "state": msgspec.json.encode(d.state).decode(),
-        **p.extra,
-    }
-
-
-def _extra_units(raw: object) -> int:
-    """``fg:{G}:adm`` ``extra`` as the scripts read it: garbage or a negative count is 0."""
-    if raw is None:
-        return 0
-    try:
-        value = float(raw.decode() if isinstance(raw, bytes) else str(raw))
-    except ValueError:
-        return 0
-    return int(value) if 0 < value < 2**53 else 0
+    def snapshot(self) -> UtilHash:
+        """The gate's util snapshot after this poll."""
+        s, d, o = self.signals, self.decision, self.observed
+        outcomes = o.outcomes if o is not None else None
+        latency = o is not None and o.latency_driven
+        return UtilHash(
+            running=s.running if s else None,
+            waiting_capacity=s.waiting_capacity if s else None,
+            kv_cache_usage=s.kv_cache_usage if s else None,
+            preemptions=s.preemptions if s else None,
+            admission_rejections=s.admission_rejections if s else None,
+            metrics_ok=s is not None and s.ok,
+            metrics_url=",".join(self.metrics_urls or self.gate.metrics_urls) or None,
+            server=s.server if s else None,
+            error=s.error if s else None,
+            current_target=d.target,
+            floor=self.gate.floor,
+            ceiling=self.gate.ceiling,
+            reason=d.reason.value,
+            saturated=bool(d.saturated),
+            in_flight=self.in_flight,
+            last_poll=self.polled_at,
+            state=msgspec.json.encode(d.state).decode(),
+            obs_calls=outcomes.calls if outcomes else None,
+            obs_overloaded=outcomes.overloaded if outcomes else None,
+            obs_timeout=outcomes.timeout if outcomes else None,
+            signal="latency" if latency else None,
+            latency_p50=o.p50 if o is not None and latency else None,
+            latency_no_load=o.no_load if o is not None and latency else None,
+        )
 
 
 class Publisher:
@@ -106,20 +102,17 @@ class Publisher:
         return float(sec) + float(usec) / 1e6
 
     async def in_flight(self, gates: Sequence[GateConfig]) -> dict[str, int]:
-        """Units held fleet-wide per gate (one pipeline): ``ZCARD holders`` plus ``extra`` of
-        ``fg:{G}:adm`` (the weights above 1 of the heavy leases; see lua/lib.lua, units_held).
-        Expired-but-unreaped leases count, as they do for the next grant; a counter left
-        without leases (a script stopped half-way: only ever an overcount) counts nothing."""
+        """Units held fleet-wide per gate (one pipeline; :func:`fleetgate.units.units_held`).
+        Expired-but-unreaped leases count, as they do for the next grant."""
         pipe = self.client.pipeline(transaction=False)
         for g in gates:
             keys = self.keys(g.name)
             pipe.zcard(keys.holders)
-            pipe.hget(keys.adm, "extra")
+            pipe.hget(keys.adm, EXTRA_FIELD)
         replies = await pipe.execute()
         out: dict[str, int] = {}
         for i, g in enumerate(gates):
-            held, extra = int(replies[2 * i]), replies[2 * i + 1]
-            out[g.name] = held + _extra_units(extra) if held > 0 else 0
+            out[g.name] = units_held(int(replies[2 * i]), replies[2 * i + 1])
         return out
 
     async def stored_states(self, names: Sequence[str]) -> dict[str, tuple[str | None, bool]]:
@@ -127,7 +120,7 @@ class Publisher:
         its last published target has run out (absent, or expired by Redis' clock)."""
         pipe = self.client.pipeline(transaction=False)
         for name in names:
-            pipe.hget(self.keys(name).util, "state")
+            pipe.hget(self.keys(name).util, STATE_FIELD)
             pipe.hget(self.keys(name).target, "expires_at")
         raw = await pipe.execute()
         # after the reads (a target read live stays live until then); not in the pipeline:
@@ -170,7 +163,7 @@ class Publisher:
     @staticmethod
     def _payload(p: Publication) -> tuple[int | None, dict[str, int | str], dict[str, str]]:
         target = p.decision.target if p.decision.publish else None
-        return target, p.gate.as_cfg(), _util_mapping(p)
+        return target, p.gate.as_cfg(), p.snapshot().encode(observed=p.observed is not None)
 
     async def registered_gates(self) -> list[str]:
         """The registered gate names, sorted. An entry that is no valid gate name (anyone may

@@ -13,6 +13,7 @@ import redis.asyncio as aredis
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.registry import read_registry
 from fleetgate.scripts import GateScripts, Snapshot
+from fleetgate.util_hash import UtilHash
 
 __all__ = [
     "STATUS_LANES",
@@ -160,7 +161,7 @@ def _tenant_weights(snap: Snapshot) -> dict[str, int]:
 
 def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> GateStatus:
     """One status row from a gate's snapshot; ``tenants``: how many tenants to list."""
-    util = snap.utilization()
+    util = UtilHash.decode(snap.util)
     top, other = _tenants(snap, tenants)
     return GateStatus(
         name=name,
@@ -200,14 +201,10 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         signal=util.signal,
         latency_p50=util.latency_p50,
         latency_no_load=util.latency_no_load,
-        obs_calls=_count(util.obs_calls),
-        obs_overloaded=_count(util.obs_overloaded),
-        obs_timeout=_count(util.obs_timeout),
+        obs_calls=util.obs_calls,
+        obs_overloaded=util.obs_overloaded,
+        obs_timeout=util.obs_timeout,
     )
-
-
-def _count(value: float | None) -> int | None:
-    return None if value is None else int(value)
 
 
 def _int(raw: str | None) -> int | None:
