@@ -15,7 +15,7 @@ exactly, so 200 tests the overshoot honestly:
    and once with the current controller: floor 4, ceiling 512; once the fleet has drained to 4
    in flight, a coordinator (``fleetgate.coordinator.daemon.Coordinator``, an in-process task,
    poll interval 1 s, quick 0.5 s, no jitter; the baseline swapped in for
-   ``daemon.step``) starts. Ramp + steady state (10 + 30 polls; quick 10 + 10), then the
+   ``controller.step``) starts. Ramp + steady state (10 + 30 polls; quick 10 + 10), then the
    capacity is halved (6 polls; quick 4) and restored (8 polls; quick 6). Every poll records
    the decision and the signals as scraped; a 10 Hz sampler records the limit clients see and
    the fleet in-flight.
@@ -48,7 +48,7 @@ import httpx
 import numpy as np
 import redis.asyncio as aredis
 
-from fleetgate.coordinator import controller, daemon
+from fleetgate.coordinator import controller
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.controller import (
     ControllerParams,
@@ -249,7 +249,7 @@ async def adaptive(
     changes: list[tuple[int, int, int]] = []
     stop = asyncio.Event()
     samp = asyncio.create_task(sampler())
-    with mock.patch.object(daemon, "step", step_fn):
+    with mock.patch.object(controller, "step", step_fn):
         task = asyncio.create_task(coord.run(stop))
         try:
             for i, (cap, n) in enumerate(phases):

@@ -21,23 +21,22 @@ minRTT window; a long-window minimum alone would only ever fall), or at once aft
 ``floor_polls`` polls at the floor (Envoy's "minimum for 5 windows" trigger).
 
 No I/O and no clock reads: ``now`` comes from the caller (Redis server time), like
-:func:`.controller.step`.
+:func:`.controller.step`. The values the rule works on (:class:`GradientParams`,
+:class:`GradientState`, :class:`LatencyView`, :class:`GradientDecision`) are defined in
+:mod:`.gradient_types` and exported here too.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import msgspec
 
-from fleetgate.errors import ConfigError
 from fleetgate.observed import Reading, median_error, typical_latency
 
-from .controller import ControllerParams, Decision, Reason
-
-if TYPE_CHECKING:
-    from .config import CoordinatorSettings, GateConfig
+from .control import Reason
+from .controller_types import ControllerParams, Decision
+from .gradient_types import GradientDecision, GradientParams, GradientState, LatencyView
 
 __all__ = [
     "GradientDecision",
@@ -52,140 +51,6 @@ __all__ = [
 ]
 
 _EPS = 1e-9
-
-
-class GradientParams(msgspec.Struct, frozen=True):
-    """Bounds and constants of one latency-driven gate (docs/aimd.md explains each)."""
-
-    floor: int
-    ceiling: int
-    adaptive: bool = True
-    poll_interval: float = 2.0
-    #: queue allowed above the no-load latency before the gradient drops below 1 (Envoy's B)
-    buffer: float = 0.1
-    #: the deepest cut one latency reading can make (Gradient2's and Envoy's 0.5)
-    min_gradient: float = 0.5
-    #: units added per step, so a flat latency at a small target still grows it
-    headroom: int = 1
-    #: growth per near-full poll before the first latency rise
-    slow_start_factor: float = 2.0
-    #: grow only when the fleet holds at least this fraction of the target
-    near_full: float = 0.8
-    #: an overload cut leaves at least this fraction of the target ...
-    deepest_cut: float = 0.5
-    #: ... and at most this fraction (the seed's 0.8)
-    overload_cut: float = 0.8
-    #: a second overload cut waits this many polls (the calls of the first are still finishing)
-    cut_polls: float = 1.5
-    #: the no-load latency is re-measured after this many polls ...
-    remeasure_polls: int = 150
-    #: ... or after this many polls at the floor
-    floor_polls: int = 5
-    #: the target is multiplied by this while the no-load latency is measured
-    measure_factor: float = 0.5
-    #: polls without a window (no reading to difference) before a reset to the floor
-    unknown_reset_polls: int = 3
-    #: a window counts toward the no-load latency only if the target moved by no more than
-    #: this fraction since a p50 before it began (see _settled)
-    settle_change: float = 0.2
-
-    def __post_init__(self) -> None:
-        if self.floor < 1 or self.ceiling < self.floor:
-            raise ConfigError(f"need 1 <= floor <= ceiling, got {self.floor}..{self.ceiling}")
-        if not (
-            self.poll_interval > 0
-            and 0 <= self.buffer <= 1
-            and 0 < self.min_gradient <= 1
-            and self.headroom >= 0
-            and self.slow_start_factor > 1
-            and 0 < self.near_full <= 1
-            and 0 < self.deepest_cut <= self.overload_cut < 1
-            and self.cut_polls >= 0
-            and self.remeasure_polls >= 1
-            and self.floor_polls >= 1
-            and 0 < self.measure_factor < 1
-            and self.unknown_reset_polls >= 1
-        ):
-            raise ConfigError(f"gradient controller constants out of range: {self!r}")
-
-    @classmethod
-    def for_gate(cls, gate: GateConfig, coordinator: CoordinatorSettings) -> GradientParams:
-        """Parameters of a latency-driven ``gate`` under ``coordinator``'s settings."""
-        return cls(
-            floor=gate.floor,
-            ceiling=gate.ceiling,
-            adaptive=coordinator.adaptive and gate.latency_driven,
-            poll_interval=coordinator.poll_interval,
-            unknown_reset_polls=coordinator.target_ttl_polls,
-        )
-
-    @classmethod
-    def from_params(cls, p: ControllerParams) -> GradientParams:
-        """The latency controller of a gate whose metrics controller would have ``p``."""
-        return cls(
-            floor=p.floor,
-            ceiling=p.ceiling,
-            adaptive=p.adaptive,
-            poll_interval=p.poll_interval,
-            unknown_reset_polls=p.unknown_reset_polls,
-        )
-
-
-class GradientState(msgspec.Struct, frozen=True, tag_field="kind", tag="latency"):
-    """What the latency controller remembers between polls (stored like the metrics
-    controller's state, in ``fg:{G}:util`` ``state``, for warm failover; the ``kind`` tag
-    tells the two apart)."""
-
-    target: int
-    slow_start: bool = True
-    #: the lowest p50 seen since the last measurement (seconds); None before any
-    no_load: float | None = None
-    #: ``now`` of the last overload cut
-    last_cut: float | None = None
-    #: polls since the no-load latency was last (re-)measured
-    since_measure: int = 0
-    #: consecutive polls at the floor
-    floor_streak: int = 0
-    #: polls left of a no-load measurement (0: none under way)
-    measuring: int = 0
-    #: the target to return to after the measurement, and the lowest p50 it saw
-    resume: int | None = None
-    measured: float | None = None
-    unknown_streak: int = 0
-    #: ``now`` of the last step that moved the target by more than ``settle_change``
-    moved_at: float | None = None
-    #: ``now`` of the last step that changed the target at all
-    changed_at: float | None = None
-
-    @classmethod
-    def initial(cls, params: GradientParams) -> GradientState:
-        return cls(target=params.floor)
-
-
-class LatencyView(msgspec.Struct, frozen=True):
-    """One poll's client-observed view of a gate.
-
-    ``outcomes``: the window of outcome counts since the last poll (None: no reading to
-    difference, e.g. the first poll or a counter reset); ``latency``: the window of latencies,
-    which spans several polls when one poll had too few samples (None: not enough yet);
-    ``in_flight``: leases held fleet-wide.
-    """
-
-    outcomes: Reading | None
-    latency: Reading | None = None
-    in_flight: float | None = None
-
-
-class GradientDecision(msgspec.Struct, frozen=True):
-    """A latency step's outcome (the fields of :class:`.controller.Decision`, and what it saw)."""
-
-    state: GradientState
-    target: int
-    reason: Reason
-    publish: bool
-    saturated: bool | None = None
-    #: the window's typical (p50) latency, seconds
-    p50: float | None = None
 
 
 def overload_factor(calls: int, overloaded: int, p: GradientParams) -> float:
@@ -238,33 +103,9 @@ def _step(
     if view is None or view.outcomes is None or _errors_only(view.outcomes):
         return unknown_latency_poll(state, p)
     state = msgspec.structs.replace(state, unknown_streak=0)
-    w = view.outcomes
-    p50 = typical_latency(view.latency) if view.latency is not None else None
-    if p50 is not None and not (p50 > 0 and math.isfinite(p50)):
-        p50 = None  # latencies reported as 0 (allowed, sub-resolution) say nothing of a queue
-    # The median's standard error (seconds): the no-load estimate takes p50 + 2 se (a minimum
-    # of noisy medians would sink below the truth and read every later median as a queue),
-    # a queue must exceed the buffer by 2 se to end slow start, and the gradient reads p50 - se.
-    se = p50 * median_error(view.latency) if p50 is not None and view.latency else 0.0
-
-    congested = w.overloaded + w.timeout
-    if congested > 0:
-        if not _may_cut(state.last_cut, now, p):
-            return GradientDecision(state, target, Reason.HOLD_COOLDOWN, True, True, p50)
-        base = state.resume if state.measuring and state.resume is not None else target
-        cut = _clamp(base * overload_factor(w.calls, congested, p), p)
-        new = msgspec.structs.replace(
-            state,
-            target=cut,
-            slow_start=False,
-            last_cut=now,
-            measuring=0,
-            resume=None,
-            measured=None,
-        )
-        reason = Reason.OVERLOAD if cut < target else Reason.CLAMP
-        return GradientDecision(new, cut, reason, True, True, p50)
-
+    p50, se = _median(view.latency)
+    if view.outcomes.overloaded + view.outcomes.timeout > 0:
+        return _cut(state, view.outcomes, p, now, p50)
     if state.measuring:
         return _measure(state, None if p50 is None else p50 + 2 * se, p, p50)
     if p50 is None:
@@ -272,23 +113,74 @@ def _step(
         # floor exactly as a fixed gate does (no target in its status).
         untouched = state.no_load is None and target == p.floor
         return GradientDecision(state, target, Reason.HOLD_IDLE, not untouched, False, p50)
+    state = _rebase(state, view, p, p50, p50 + 2 * se)
+    if state.since_measure >= p.remeasure_polls and target > p.floor:
+        return _start_measuring(state, p, now)
+    return _follow(state, view, p, p50, se)
 
-    candidate = p50 + 2 * se
+
+def _median(latency: Reading | None) -> tuple[float | None, float]:
+    """The window's median latency (None: no usable one) and its standard error (seconds).
+
+    The no-load estimate takes p50 + 2 se (a minimum of noisy medians would sink below the
+    truth and read every later median as a queue), a queue must exceed the buffer by 2 se to
+    end slow start, and the gradient reads p50 - se.
+    """
+    p50 = typical_latency(latency) if latency is not None else None
+    if p50 is None or not (p50 > 0 and math.isfinite(p50)):
+        return None, 0.0  # latencies reported as 0 (allowed, sub-resolution) say nothing
+    return p50, p50 * median_error(latency) if latency else 0.0
+
+
+def _cut(
+    state: GradientState, w: Reading, p: GradientParams, now: float, p50: float | None
+) -> GradientDecision:
+    """Callers saw overloads or timeouts: cut by the share refused (once per ``cut_polls``),
+    from the target a measurement under way would return to."""
+    target = state.target
+    if not _may_cut(state.last_cut, now, p):
+        return GradientDecision(state, target, Reason.HOLD_COOLDOWN, True, True, p50)
+    base = state.resume if state.measuring and state.resume is not None else target
+    cut = _clamp(base * overload_factor(w.calls, w.overloaded + w.timeout, p), p)
+    new = msgspec.structs.replace(
+        state,
+        target=cut,
+        slow_start=False,
+        last_cut=now,
+        measuring=0,
+        resume=None,
+        measured=None,
+    )
+    reason = Reason.OVERLOAD if cut < target else Reason.CLAMP
+    return GradientDecision(new, cut, reason, True, True, p50)
+
+
+def _rebase(
+    state: GradientState, view: LatencyView, p: GradientParams, p50: float, candidate: float
+) -> GradientState:
+    """The no-load latency after this window (``candidate``: its p50 + 2 se), and the polls
+    counted toward a re-measurement."""
     no_load = state.no_load
     if no_load is None or (candidate < no_load and _settled(state, view, p50)):
         no_load = candidate
-    floor_streak = state.floor_streak + 1 if target <= p.floor else 0
+    floor_streak = state.floor_streak + 1 if state.target <= p.floor else 0
     since = state.since_measure + 1
     if floor_streak >= p.floor_polls:
         # At the floor for a while: the latency seen there is the new baseline (a server
         # that became slower per call would otherwise hold the gate at the floor for ever).
         no_load, floor_streak, since = candidate, 0, 0
-    state = msgspec.structs.replace(
+    return msgspec.structs.replace(
         state, no_load=no_load, floor_streak=floor_streak, since_measure=since
     )
-    if since >= p.remeasure_polls and target > p.floor:
-        return _start_measuring(state, p, now)
 
+
+def _follow(
+    state: GradientState, view: LatencyView, p: GradientParams, p50: float, se: float
+) -> GradientDecision:
+    """Slow start while no queue shows, else the gradient step toward ``(1 + buffer)`` times
+    the no-load latency; growth only while the fleet uses its target and the window saw it."""
+    target, no_load = state.target, state.no_load
+    assert no_load is not None  # (_rebase)
     loads = [v for v in (view.in_flight, view.latency.busy if view.latency else None) if v]
     near_full = bool(loads) and max(loads) >= p.near_full * target
     queueing = p50 - 2 * se > (1 + p.buffer) * no_load

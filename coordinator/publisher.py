@@ -23,9 +23,7 @@ from fleetgate.units import EXTRA_FIELD, units_held
 from fleetgate.util_hash import STATE_FIELD, UtilHash
 
 from .config import GateConfig
-from .control import Observed
-from .controller import Decision
-from .gradient import GradientDecision
+from .control import Observed, Outcome
 from .scrape.signal_struct import Signals
 
 __all__ = ["Publication", "Publisher"]
@@ -37,7 +35,7 @@ class Publication(msgspec.Struct, frozen=True):
     """What one poll decided for one gate."""
 
     gate: GateConfig
-    decision: Decision | GradientDecision
+    decision: Outcome
     signals: Signals | None
     in_flight: int | None
     polled_at: float  # Redis server time, seconds

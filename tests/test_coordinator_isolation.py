@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
-from fleetgate.coordinator import daemon
+from fleetgate.coordinator import controller, daemon
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.controller import ControllerParams, ControllerState, Observation, step
 from fleetgate.coordinator.gradient import GradientParams, GradientState, LatencyView, step_latency
@@ -43,14 +43,14 @@ async def test_a_gate_whose_decision_fails_leaves_the_others_published(
     # Two faults on gate "bad": a field of its obs hash that is no UTF-8 (anyone with the
     # client ACL can write it), and a controller step that raises (a bug of ours, simulated).
     await async_redis.hset(bad.obs, b"\xff", 1)
-    real_step = daemon.step
+    real_step = controller.step
 
     def step_failing_for_bad(state: Any, obs: Any, params: ControllerParams, now: float) -> Any:
         if params.ceiling == 13:
             raise RuntimeError("simulated bug in one gate's decision")
         return real_step(state, obs, params, now)
 
-    monkeypatch.setattr(daemon, "step", step_failing_for_bad)
+    monkeypatch.setattr(controller, "step", step_failing_for_bad)
     with serve_in_thread(metrics_stub(StubValues(running=0))) as served:
         async with running(_config(rut, f"{served.url}/metrics")) as coord:
             await eventually(lambda: async_redis.hexists(good.target, "value"), 5, "a target")
@@ -132,7 +132,7 @@ async def test_a_gate_held_by_failing_decisions_restarts_from_the_floor(
         sec, _ = await async_redis.time()
         live = {"value": 40, "expires_at": sec * 1000 + 1500}
         await async_redis.hset(keys.target, mapping=live)  # type: ignore[arg-type]
-        real_step = daemon.step
+        real_step = controller.step
         failing = True
 
         def step(state: Any, obs: Any, params: ControllerParams, now: float) -> Any:
@@ -140,7 +140,7 @@ async def test_a_gate_held_by_failing_decisions_restarts_from_the_floor(
                 raise RuntimeError("simulated bug in the decision")
             return real_step(state, obs, params, now)
 
-        monkeypatch.setattr(daemon, "step", step)
+        monkeypatch.setattr(controller, "step", step)
         async with running(cfg) as coord:
             await eventually(lambda: _floor_state(coord), 10, "the state back at the floor")
             failing = False
