@@ -41,6 +41,10 @@ MAX_HEADER_BYTES = 64 * 1024
 _READ = 64 * 1024
 
 
+#: (scheme, host, port): one kept-alive connection each
+_Origin = tuple[str, str, int]
+
+
 class _Refused(Exception):
     """The response is refused (status, encoding, size): the message is the scrape's error."""
 
@@ -71,7 +75,7 @@ class LeanHttp:
 
     def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self._tls = tls
-        self._idle: dict[tuple[str, str, int], _Conn] = {}
+        self._idle: dict[_Origin, _Conn] = {}
 
     async def aclose(self) -> None:
         """Close the idle connections."""
@@ -90,26 +94,29 @@ class LeanHttp:
         )
 
     async def _get(self, url: str, max_bytes: int) -> ScrapeResult:
+        """The GET, every failure but cancellation a failed result."""
         try:
-            parts = urlsplit(url)
-            scheme, host = parts.scheme, parts.hostname or ""
-            port = parts.port or (443 if scheme == "https" else 80)
-        except ValueError as exc:
-            return ScrapeResult(url, False, error=f"InvalidURL: {exc}")
-        if scheme not in ("http", "https") or not host:
-            return ScrapeResult(url, False, error=f"InvalidURL: cannot GET {redact(url)!r}")
-        origin = (scheme, host, port)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        shown_host = f"[{host}]" if ":" in host else host
-        default = port == (443 if scheme == "https" else 80)
-        request = (
-            f"GET {target} HTTP/1.1\r\n"
-            f"Host: {shown_host if default else f'{shown_host}:{port}'}\r\n"
-            "Accept: text/plain;version=0.0.4\r\n"
-            "Accept-Encoding: identity\r\n"
-            "User-Agent: fleetgate-coordinator\r\n"
-            "\r\n"
-        ).encode("ascii", "strict")
+            origin, request = _request(url)
+        except _Refused as exc:
+            return ScrapeResult(url, False, error=str(exc))
+        try:
+            status, body = await self._fetch(origin, request, max_bytes)
+        except _Refused as exc:
+            return ScrapeResult(url, False, error=str(exc), status=exc.status)
+        except asyncio.LimitOverrunError:
+            error = f"response headers exceed {MAX_HEADER_BYTES} bytes"
+            return ScrapeResult(url, False, error=error)
+        except (OSError, EOFError, ValueError, ssl.SSLError) as exc:
+            return ScrapeResult(url, False, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+        try:
+            return ScrapeResult(url, True, text=body.decode("utf-8"), status=status)
+        except UnicodeDecodeError as exc:
+            return ScrapeResult(url, False, error=f"body is not UTF-8: {exc}", status=status)
+
+    async def _fetch(self, origin: _Origin, request: bytes, max_bytes: int) -> tuple[int, bytes]:
+        """Status and body of one exchange with ``origin``: over its idle connection (once more
+        on a fresh one if the server had closed it), else a fresh one. The connection is kept
+        for the next GET when the response allows, and dropped on any failure."""
         reused = self._idle.pop(origin, None)
         if reused is not None and (reused.reader.at_eof() or reused.writer.transport.is_closing()):
             reused.abort()  # closed by the server while idle (the usual keep-alive timeout)
@@ -119,7 +126,7 @@ class LeanHttp:
             if conn is None:
                 conn = await self._connect(origin)
             try:
-                status, text, keep = await self._exchange(conn, request, max_bytes)
+                status, body, keep = await self._exchange(conn, request, max_bytes)
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 partial = isinstance(exc, asyncio.IncompleteReadError) and exc.partial
                 if reused is None or partial:
@@ -127,20 +134,11 @@ class LeanHttp:
                 # The server closed the idle connection: one fresh attempt (GET is idempotent).
                 conn.abort()
                 conn = await self._connect(origin)
-                status, text, keep = await self._exchange(conn, request, max_bytes)
-        except _Refused as exc:
+                status, body, keep = await self._exchange(conn, request, max_bytes)
+        except (_Refused, asyncio.LimitOverrunError, OSError, EOFError, ValueError, ssl.SSLError):
             if conn is not None:
                 await conn.drop()
-            return ScrapeResult(url, False, error=str(exc), status=exc.status)
-        except asyncio.LimitOverrunError:
-            if conn is not None:
-                await conn.drop()
-            error = f"response headers exceed {MAX_HEADER_BYTES} bytes"
-            return ScrapeResult(url, False, error=error)
-        except (OSError, EOFError, ValueError, ssl.SSLError) as exc:
-            if conn is not None:
-                await conn.drop()
-            return ScrapeResult(url, False, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+            raise
         except BaseException:  # cancelled or timed out mid-exchange: never reuse the connection
             if conn is not None:
                 conn.abort()
@@ -149,12 +147,9 @@ class LeanHttp:
             self._idle[origin] = conn
         else:
             conn.abort()
-        try:
-            return ScrapeResult(url, True, text=text.decode("utf-8"), status=status)
-        except UnicodeDecodeError as exc:
-            return ScrapeResult(url, False, error=f"body is not UTF-8: {exc}", status=status)
+        return status, body
 
-    async def _connect(self, origin: tuple[str, str, int]) -> _Conn:
+    async def _connect(self, origin: _Origin) -> _Conn:
         scheme, host, port = origin
         tls = None
         if scheme == "https":
@@ -218,6 +213,31 @@ class LeanHttp:
             if len(body) > max_bytes:
                 raise _Refused(f"body exceeds the {max_bytes}-byte cap; aborted", status)
         return status, bytes(body), False
+
+
+def _request(url: str) -> tuple[_Origin, bytes]:
+    """The origin of ``url`` and the GET request for it; :class:`_Refused` if it is no
+    ``http(s)`` URL with a host."""
+    try:
+        parts = urlsplit(url)
+        scheme, host = parts.scheme, parts.hostname or ""
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError as exc:
+        raise _Refused(f"InvalidURL: {exc}") from None
+    if scheme not in ("http", "https") or not host:
+        raise _Refused(f"InvalidURL: cannot GET {redact(url)!r}")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    shown_host = f"[{host}]" if ":" in host else host
+    default = port == (443 if scheme == "https" else 80)
+    request = (
+        f"GET {target} HTTP/1.1\r\n"
+        f"Host: {shown_host if default else f'{shown_host}:{port}'}\r\n"
+        "Accept: text/plain;version=0.0.4\r\n"
+        "Accept-Encoding: identity\r\n"
+        "User-Agent: fleetgate-coordinator\r\n"
+        "\r\n"
+    ).encode("ascii", "strict")
+    return (scheme, host, port), request
 
 
 async def _read_chunked(reader: asyncio.StreamReader, max_bytes: int, status: int) -> bytes:
