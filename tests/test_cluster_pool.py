@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
-from fleetgate._redis import _COMMAND_TABLES, REDIS_ERRORS, _Permits, connect
+from fleetgate._redis import REDIS_ERRORS, connect
+from fleetgate._redis.cluster import _COMMAND_TABLES
+from fleetgate._redis.permits import _Permits
 
 from . import _cluster_workers
 from .conftest import RedisUnderTest

@@ -14,8 +14,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from fleetgate import _sentinel
-from fleetgate._redis import connect, redact, validate_redis_url
+from fleetgate._redis import connect, redact, sentinel_url, validate_redis_url
 from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
@@ -46,7 +45,7 @@ def test_sentinel_url_is_parsed(
     sentinel_password: str | None,
     tls: bool,
 ) -> None:
-    target = _sentinel.parse(url)
+    target = sentinel_url.parse(url)
     assert target.sentinels == sentinels
     assert (target.service, target.db, target.tls) == (service, db, tls)
     assert (target.username, target.password) == (user, password)

@@ -4,8 +4,9 @@ Credentials are the master's; ``?sentinel_password=`` (and ``sentinel_username=`
 to the sentinels; a host without a port means 26379; ``rediss+sentinel://`` is TLS to both. Other
 query parameters are connection options of the master's connections, as in a ``redis://`` URL.
 
-Only parsing lives here (no redis-py): :mod:`fleetgate._redis` checks the options and builds
-the client. Errors are ``ValueError`` whose messages never contain the password.
+Only parsing lives here (no redis-py): :mod:`fleetgate._redis.urls` checks the options and
+:mod:`fleetgate._redis.sentinel_pool` builds the client. Errors are ``ValueError`` whose messages
+never contain the password.
 """
 
 from __future__ import annotations

@@ -1,0 +1,24 @@
+"""How many connections a client pools and how long a call waits for one: the bounds shared by
+the standalone, Sentinel and Cluster clients."""
+
+from __future__ import annotations
+
+__all__ = ["CLUSTER_MAX_CONNECTIONS", "MAX_CONNECTIONS", "POOL_TIMEOUT"]
+
+# Connections of one process' pool (per node on Cluster), whatever its number of gates or
+# concurrent calls. Calls beyond it wait for a free connection (a blocking pool) instead of
+# failing with "Too many connections", which would read as an outage. Redis runs commands one at
+# a time, so more connections buy little throughput (a call is one round trip of ~0.1 ms), and
+# 200 pods x 64 would approach Redis' default maxclients (10,000). A URL's max_connections or
+# redis_options={"max_connections": n} override it.
+MAX_CONNECTIONS = 8
+# Cluster: the connections per node, and the commands one cluster client has in flight at once
+# (a command holds at most one connection per node, so no node's pool is asked for more than
+# it has; calls beyond wait: _PooledCluster). 64 as before that wait existed, when it had to
+# cover the concurrent calls (tests/test_cluster.py::test_cap_holds_across_processes_on_cluster,
+# 60 tasks).
+CLUSTER_MAX_CONNECTIONS = 64
+# Seconds a call waits for a free connection (standalone, Sentinel) or a free command slot of a
+# cluster client before it fails as an outage: a pool busy that long means Redis does not answer
+# (every call in flight waits out its socket_timeout, 2 s, meanwhile).
+POOL_TIMEOUT = 10.0
