@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -219,10 +220,30 @@ class RerankSim:
         }
 
 
-def build_app(config: RerankSimConfig | None = None) -> Starlette:
-    """Build the ASGI app; the server state is ``app.state.sim`` (a :class:`RerankSim`)."""
-    cfg = config or RerankSimConfig()
-    sim = RerankSim(cfg)
+def _refusal(body: _RankingRequest, cfg: RerankSimConfig) -> Response | None:
+    """The 400 or 404 answer to a decoded request the server refuses, None when it is served."""
+    if body.model is not None and body.model != cfg.model:
+        return error_response(
+            404,
+            f"model {body.model!r} is not served here (this server serves {cfg.model!r})",
+            "NotFoundError",
+        )
+    if not body.passages:
+        return error_response(400, "passages must hold at least one passage", "BadRequestError")
+    if len(body.passages) > cfg.max_batch_size:
+        return error_response(
+            400,
+            f"{len(body.passages)} passages exceed max_batch_size "
+            f"{cfg.max_batch_size}; split the call into batches of at most "
+            f"{cfg.max_batch_size}",
+            "BadRequestError",
+        )
+    return None
+
+
+def _ranking(sim: RerankSim) -> Callable[[Request], Awaitable[Response]]:
+    """The ``POST /v1/ranking`` handler: decode, check, wait for a slot and rank, answer."""
+    cfg = sim.config
 
     async def ranking(request: Request) -> Response:
         try:
@@ -233,25 +254,10 @@ def build_app(config: RerankSimConfig | None = None) -> Starlette:
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             sim.count("bad_request")
             return error_response(400, f"invalid ranking request: {exc}", "BadRequestError")
-        if body.model is not None and body.model != cfg.model:
+        refusal = _refusal(body, cfg)
+        if refusal is not None:
             sim.count("bad_request")
-            return error_response(
-                404,
-                f"model {body.model!r} is not served here (this server serves {cfg.model!r})",
-                "NotFoundError",
-            )
-        if not body.passages:
-            sim.count("bad_request")
-            return error_response(400, "passages must hold at least one passage", "BadRequestError")
-        if len(body.passages) > cfg.max_batch_size:
-            sim.count("bad_request")
-            return error_response(
-                400,
-                f"{len(body.passages)} passages exceed max_batch_size "
-                f"{cfg.max_batch_size}; split the call into batches of at most "
-                f"{cfg.max_batch_size}",
-                "BadRequestError",
-            )
+            return refusal
         texts = [p.text for p in body.passages]
         try:
             finished, rankings = await run_unless_disconnected(
@@ -272,9 +278,16 @@ def build_app(config: RerankSimConfig | None = None) -> Starlette:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return json_response({"rankings": rankings})
 
+    return ranking
+
+
+def build_app(config: RerankSimConfig | None = None) -> Starlette:
+    """Build the ASGI app; the server state is ``app.state.sim`` (a :class:`RerankSim`)."""
+    cfg = config or RerankSimConfig()
+    sim = RerankSim(cfg)
     app = Starlette(
         routes=[
-            Route("/v1/ranking", ranking, methods=["POST"]),
+            Route("/v1/ranking", _ranking(sim), methods=["POST"]),
             *common_routes(sim.limiter, sim.stats, lambda: sim.metrics.render(sim.limiter)),
         ]
     )
