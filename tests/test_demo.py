@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from fleetgate.coordinator.config import Config, CoordinatorSettings
-from fleetgate.demo.processes import GATES, _config_toml
+from fleetgate.demo.plan import GATES
+from fleetgate.demo.processes import _config_toml
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess
 
 from .conftest import RedisUnderTest

@@ -20,8 +20,10 @@ import httpx
 import msgspec
 
 from fleetgate._redis import REDIS_ERRORS, connect
+from fleetgate.demo.children import Children
 from fleetgate.demo.interactive import InteractiveStats
-from fleetgate.demo.processes import LEADER_TTL, POLL_INTERVAL, Children, Setup, read_worker_totals
+from fleetgate.demo.plan import LEADER_TTL, POLL_INTERVAL, Setup
+from fleetgate.demo.pods import read_worker_totals
 from fleetgate.demo.report import (
     DemoRecord,
     Event,

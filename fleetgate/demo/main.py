@@ -14,15 +14,11 @@ from pathlib import Path
 
 import msgspec
 
+from fleetgate.demo.children import Children, DemoError
 from fleetgate.demo.live import LiveRun
-from fleetgate.demo.processes import (
-    Children,
-    DemoError,
-    Setup,
-    prepare,
-    read_gateway_totals,
-    read_worker_totals,
-)
+from fleetgate.demo.plan import Setup
+from fleetgate.demo.pods import read_gateway_totals, read_worker_totals
+from fleetgate.demo.processes import prepare
 from fleetgate.demo.report import DemoRecord, Event, GateInfo, format_summary, plot, summarize
 
 __all__ = ["build_parser", "main", "run"]

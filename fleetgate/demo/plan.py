@@ -1,0 +1,79 @@
+"""What the demo runs: its gates, the simulator behind each and the load the workers put on them,
+the coordinators' timings, and :class:`Setup`, where everything ended up once started."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetgate.coordinator.config import CoordinatorSettings
+from fleetgate.tools.load import Kind
+
+__all__ = [
+    "COORDINATORS",
+    "GATES",
+    "INGEST_LOOPS",
+    "LEADER_TTL",
+    "POLL_INTERVAL",
+    "SEARCH_RATE",
+    "DemoGate",
+    "Setup",
+]
+
+# The coordinators run with the default poll, leader lease and target lifetime (no override in
+# the generated config), so the failover shown is the one a default deployment gets.
+_DEFAULTS = CoordinatorSettings()
+POLL_INTERVAL = _DEFAULTS.poll_interval
+SEARCH_RATE = 4.0  # the search pod's interactive calls per second
+INGEST_LOOPS = 240  # its batch backlog at two thirds of the run
+LEADER_TTL = _DEFAULTS.leader_ttl
+COORDINATORS = ("coord-a", "coord-b")
+
+
+@dataclass(frozen=True)
+class DemoGate:
+    """One gate, the simulator behind it and the load each worker puts on it."""
+
+    name: str
+    kind: Kind
+    model: str
+    capacity: int  # the simulator's max_num_seqs / concurrency
+    floor: int
+    service_ms: float
+    users: int  # per worker
+    calls: int  # calls per request
+    fan: int  # of which at most this many at once
+
+
+GATES = (
+    DemoGate(
+        name="llama-3.1-8b", kind="chat", model="meta-llama/Llama-3.1-8B-Instruct",
+        capacity=48, floor=4, service_ms=1500.0, users=24, calls=1, fan=1,
+    ),
+    DemoGate(
+        name="bge-m3", kind="embed", model="BAAI/bge-m3",
+        capacity=96, floor=4, service_ms=1000.0, users=16, calls=8, fan=4,
+    ),
+    DemoGate(
+        name="rerank/nemoretriever-500m-v2", kind="rerank",
+        model="nvidia/llama-3.2-nemoretriever-500m-rerank-v2",
+        capacity=32, floor=32, service_ms=500.0, users=6, calls=8, fan=4,
+    ),
+)  # fmt: skip
+
+
+@dataclass
+class Setup:
+    """What :func:`~fleetgate.demo.processes.prepare` started."""
+
+    redis_url: str
+    redis_label: str
+    prefix: str
+    urls: dict[str, str]  # gate name → simulator base URL
+    gates: list[dict[str, Any]] = field(default_factory=list)
+    stats_paths: list[Path] = field(default_factory=list)
+    #: the search pod's stats file (fleetgate.demo.interactive), None before it starts
+    interactive_path: Path | None = None
+    #: the non-Python caller's record (one HTTP status per line), None when curl is missing
+    gateway_path: Path | None = None
