@@ -71,11 +71,14 @@ class InteractiveStats(msgspec.Struct, kw_only=True):
 
 
 class SearchPod:
+    """Interactive searches at a steady rate beside a growing batch backlog, on one gate."""
+
     def __init__(self, spec: InteractiveSpec) -> None:
         self.spec = spec
         self.stats = InteractiveStats()
 
     def write(self, stopped: bool = False) -> None:
+        """Replace the stats file (if any) atomically with the current counters."""
         if not self.spec.stats_path:
             return
         self.stats.updated = time.time()
@@ -95,6 +98,7 @@ class SearchPod:
         resp.raise_for_status()
 
     async def search(self, gate: Gate, http: httpx.AsyncClient, i: int) -> None:
+        """One interactive call at priority ``PRIORITY``; its wait for the permit is recorded."""
         asked = time.monotonic()
         try:
             async with gate.permit(deadline=10.0, priority=PRIORITY, tenant="search"):
@@ -106,6 +110,7 @@ class SearchPod:
             self.stats.search_ok += 1
 
     async def ingest(self, gate: Gate, http: httpx.AsyncClient, k: int) -> None:
+        """Batch loop ``k``: priority-0 calls one after the other, until cancelled."""
         n = 0
         while True:
             n += 1
@@ -119,6 +124,7 @@ class SearchPod:
                 self.stats.ingest_ok += 1
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Search and grow the backlog until ``stop`` is set or the parent is gone."""
         spec = self.spec
         tasks: set[asyncio.Task[None]] = set()
         limits = httpx.Limits(max_connections=spec.max_loops + 64)
@@ -169,6 +175,7 @@ async def _main(spec: InteractiveSpec) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the search pod of the spec in ``$FLEETGATE_INTERACTIVE_SPEC``; the exit code."""
     p = argparse.ArgumentParser(prog="python -m fleetgate.demo.interactive")
     p.add_argument("--spec-from-env", metavar="LABEL", required=True, help=f"spec in ${SPEC_ENV}")
     p.parse_args(argv)

@@ -127,6 +127,7 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
+        """The server's ``redis://`` URL (database 0)."""
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisProcess:
@@ -186,6 +187,7 @@ class RedisProcess:
             raise
 
     def wait_ready(self, timeout: float) -> None:
+        """Wait until the server answers PING; its log tail explains a failure."""
         wait_for_ping(self.port, self.proc, self.dir / "redis.log", timeout, "redis-server")
 
     def kill(self) -> None:
@@ -207,10 +209,12 @@ class RedisProcess:
         self.proc = None
 
     def restart(self) -> None:
+        """SIGKILL the server and start it again, empty, on the same port."""
         self.kill()
         self.start()
 
     def close(self) -> None:
+        """Stop the server and remove its directory."""
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -222,6 +226,7 @@ class RedisProcess:
 
     @staticmethod
     def available() -> bool:
+        """Whether a ``redis-server`` is on the PATH."""
         return shutil.which("redis-server") is not None
 
 
@@ -250,6 +255,7 @@ class RedisClusterProcess:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0?cluster=1"
 
     def start(self, timeout: float = 20.0) -> RedisClusterProcess:
+        """Start the nodes, create the cluster and wait for ``cluster_state:ok`` on each."""
         try:
             return self._start(timeout)
         except BaseException:
@@ -283,6 +289,7 @@ class RedisClusterProcess:
         return self
 
     def close(self) -> None:
+        """Stop every node and remove their directories."""
         for node in self.nodes:
             node.close()
 

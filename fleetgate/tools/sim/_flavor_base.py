@@ -50,6 +50,7 @@ class Histogram:
     n: int = 0
 
     def observe(self, value: float) -> None:
+        """Count ``value`` in every bucket whose bound it does not exceed."""
         if not self.counts:
             self.counts = [0] * len(self.buckets)
         for i, bound in enumerate(self.buckets):
@@ -99,6 +100,7 @@ class BaseExposition:
     def finished(
         self, engine: int, prompt: int, generated: int, reason: str, e2e_s: float, queue_s: float
     ) -> None:
+        """Count one finished request on ``engine``: its tokens and latencies."""
         self.c.prompt[engine] += prompt
         self.c.generated[engine] += generated
         self.c.ok[engine] += 1
@@ -106,13 +108,17 @@ class BaseExposition:
         self.c.queue.observe(queue_s)
 
     def aborted(self, engine: int) -> None:
+        """Count one request the client abandoned."""
         self.c.aborted += 1
 
     def rejected(self) -> None:
+        """Count one request refused as overloaded."""
         self.c.rejected += 1
 
     def arrived(self) -> None:
+        """Note that a request arrived (a Rust exporter shows its gauges from then on)."""
         self.touched = True
 
     def render(self, limiter: FifoLimiter) -> bytes:
+        """The exposition for the engine's current state (each flavour's own)."""
         raise NotImplementedError

@@ -203,6 +203,7 @@ class TrtllmExposition(_FamiliesBase):
         ]
 
     def render(self, limiter: FifoLimiter) -> bytes:
+        """The Prometheus text at ``/prometheus/metrics``; each scrape counts as an iteration."""
         self.iteration += 1
         return super().render(limiter)
 

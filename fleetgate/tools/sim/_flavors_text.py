@@ -47,6 +47,7 @@ class TgiExposition(BaseExposition):
     content_type = "text/plain; charset=utf-8"  # axum's type for a String body
 
     def render(self, limiter: FifoLimiter) -> bytes:
+        """TGI's ``/metrics`` text for the engine's current state."""
         c, out = self.c, list[str]()
         _rust_family(
             out,
@@ -95,6 +96,7 @@ class TeiExposition(BaseExposition):
     content_type = "text/plain; charset=utf-8"
 
     def render(self, limiter: FifoLimiter) -> bytes:
+        """TEI's ``/metrics`` text for the engine's current state."""
         c, out = self.c, list[str]()
         if self.touched:
             total = sum(c.ok) + c.aborted + c.rejected
@@ -130,6 +132,7 @@ class LlamacppExposition(BaseExposition):
         self.busy_slots = 0
 
     def render(self, limiter: FifoLimiter) -> bytes:
+        """llama.cpp's ``/metrics`` text; each scrape counts as one decode step."""
         c = self.c
         # Each scrape stands in for one decode step: slots busy now.
         self.decodes += 1
