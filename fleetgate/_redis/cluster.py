@@ -66,11 +66,11 @@ class _CommandTable(AsyncCommandsParser):
 class _PooledCluster(aredis.RedisCluster):
     """redis-py's asyncio ``RedisCluster`` with a blocking bound on commands in flight.
 
-    Its node pools have no wait: a command beyond a node's ``max_connections`` raised
-    ``MaxConnectionsError`` (a ``ConnectionError`` with no text), which fleetgate read as an
-    outage -- 4-5 false fallbacks per run of 3 healthy pods with 120 gates each, and 2-3 permits
-    running on gates of limit 1 under the fallback's local bounds
-    (tests/test_cluster_pool.py::test_busy_node_pools_are_no_outage; after: 0, and 1). Here at
+    Its node pools have no wait: a command beyond a node's ``max_connections`` raises
+    ``MaxConnectionsError`` (a ``ConnectionError`` with no text), which reads as an outage --
+    without the bound, 4-5 false fallbacks per run of 3 healthy pods with 120 gates each, and 2-3
+    permits running on gates of limit 1 under the fallback's local bounds; with it, none and 1
+    (tests/test_cluster_pool.py::test_busy_node_pools_are_no_outage). Here at
     most ``max_connections`` commands (and pipelines, and topology loads) of the client are in
     flight at once; each holds at most one connection of any node, so no node's pool is ever
     asked for more than it has. The others wait in arrival order, for at most ``pool_timeout``
