@@ -5,6 +5,8 @@ Pure functions, no I/O. The rules are those of docs/admission.md: a weight is an
 (never above the gate's ceiling), a priority an int in [:data:`MIN_PRIORITY`,
 :data:`MAX_PRIORITY`] (higher first), a tenant a name under the gate-name rules or None (the
 default tenant). Every error is a :class:`~fleetgate.errors.ConfigError` naming the argument.
+A permit's arguments travel as one :class:`fleetgate.ask.Ask`, checked by these functions when
+it is made and encoded by the ones below.
 
 Wire encodings (``}`` separates fields: names follow the gate-name rules, which forbid braces, so
 every encoded string parses unambiguously and reads well in ``redis-cli``):
