@@ -10,6 +10,7 @@
             ...  # at most `limit` of these run at once across every pod
 """
 
+from fleetgate.ask import Ask
 from fleetgate.errors import (
     ConfigError,
     DeadlineExceeded,
@@ -21,7 +22,8 @@ from fleetgate.errors import (
 )
 
 from ._fleet import Fleet
-from ._gate import Gate, Lease
+from ._gate import Gate
+from ._lease import Lease
 from ._map import DEFAULT_RETRY, FleetgateWarning, is_transient
 from ._sync import SyncFleet, SyncGate
 from ._utilization import GateUtilization
@@ -35,6 +37,7 @@ from .compat import (
 
 __all__ = [
     "DEFAULT_RETRY",
+    "Ask",
     "ConfigError",
     "DeadlineExceeded",
     "Fleet",

@@ -9,34 +9,21 @@ reaches the caller. Built on ``asyncio.timeout_at`` (Python 3.11+), with a small
 from __future__ import annotations
 
 import asyncio
-import math
 import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from fleetgate.errors import ConfigError, DeadlineExceeded
+from fleetgate.errors import DeadlineExceeded
 
-__all__ = ["Deadline", "check_deadline"]
-
-
-def check_deadline(seconds: object, name: str = "deadline") -> float | None:
-    """A deadline argument in seconds, or None for none: ``None`` and ``inf`` mean no deadline;
-    NaN, zero, negative numbers and non-numbers are a :class:`ConfigError` naming ``name``."""
-    if seconds is None:
-        return None
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise ConfigError(f"{name}: expected seconds > 0, None or inf, got {seconds!r}")
-    if math.isnan(seconds) or seconds <= 0:
-        raise ConfigError(f"{name}: expected seconds > 0, None or inf, got {seconds!r}")
-    if math.isinf(seconds):
-        return None
-    return float(seconds)
+__all__ = ["Deadline"]
 
 
 class Deadline:
-    """``async with Deadline(gate, seconds):`` — ``seconds=None`` (or ``inf``) means no deadline;
-    NaN or ``seconds <= 0`` is a :class:`ConfigError` (see :func:`check_deadline`)."""
+    """``async with Deadline(gate, seconds):`` — ``seconds=None`` means no deadline.
+
+    ``seconds`` is a checked deadline (:func:`~fleetgate.ask.check_deadline`: an
+    :class:`~fleetgate.ask.Ask`'s, or ``gate.map``'s), not checked again here."""
 
     def __init__(
         self,
@@ -47,7 +34,7 @@ class Deadline:
         on_expire: Callable[[], None] | None = None,
     ) -> None:
         self.gate = gate
-        self.seconds = check_deadline(seconds)
+        self.seconds = seconds
         self.where = where
         self.on_expire = on_expire
         self.when: float | None = None

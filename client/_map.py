@@ -26,9 +26,10 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from fleetgate._aio import within
+from fleetgate.ask import Ask, check_deadline
 from fleetgate.errors import ConfigError, FleetgateError
 
-from ._deadline import Deadline, check_deadline
+from ._deadline import Deadline
 from ._report import CallReport, timed
 
 if TYPE_CHECKING:
@@ -68,9 +69,7 @@ class PermitSource(Protocol):
     @property
     def metrics(self) -> ClientMetrics: ...
 
-    async def acquire_for(
-        self, dl: Deadline, *, weight: int = 1, priority: int = 0, tenant: str | None = None
-    ) -> _Releasable: ...
+    async def acquire_for(self, dl: Deadline, ask: Ask) -> _Releasable: ...
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -274,9 +273,9 @@ class _MapRun:
 
     async def _one(self, index: int, item: Any, dl: Deadline, policy: AsyncRetrying) -> None:
         weight = self.weigh(item) if callable(self.weigh) else self.weigh
-        lease = await self.source.acquire_for(
-            dl, weight=weight, priority=self.priority, tenant=self.tenant
-        )
+        # the call's own ask; the request's deadline (dl) covers it
+        ask = Ask.of(weight=weight, priority=self.priority, tenant=self.tenant, deadline=None)
+        lease = await self.source.acquire_for(dl, ask)
         report = CallReport()
         try:
             self.results[index] = await policy(self._attempt, item, report)

@@ -1,7 +1,7 @@
 """Reports for the client-observed signal: ``lease.report`` and ``gate.map``'s classification.
 
 A lease's report (outcome and latency) leaves with its release, in the same script call
-(``_gate.py``: the release's third slot; :func:`fleetgate.observed.tally` sums a batch's
+(``_calls.py``: a ``ReleaseCall``'s report; :func:`fleetgate.observed.tally` sums a batch's
 reports), and lands in the gate's ``obs`` counters, which the coordinator reads per poll for
 gates driven by latency (``docs/aimd.md``, "The client-observed signal").
 
@@ -68,7 +68,7 @@ def classify_result(result: object) -> str:
 
 
 class Reporting:
-    """``lease.report(outcome, latency=None)``: mixed into :class:`~._gate.Lease`."""
+    """``lease.report(outcome, latency=None)``: mixed into :class:`~._lease.Lease`."""
 
     #: monotonic time of the grant (set by the lease)
     _granted_at: float = 0.0

@@ -18,8 +18,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
+from fleetgate.ask import DEFAULT_DEADLINE, Ask
+
 from ._fleet import Fleet
-from ._gate import Gate, Lease
+from ._gate import Gate
+from ._lease import Lease
 from ._utilization import GateUtilization
 
 __all__ = ["SyncFleet", "SyncGate"]
@@ -222,21 +225,22 @@ class SyncGate:
     @contextlib.contextmanager
     def permit(
         self,
-        deadline: float | None = 30.0,
+        deadline: float | None = DEFAULT_DEADLINE,
         *,
         weight: int = 1,
         priority: int = 0,
         tenant: str | None = None,
+        ask: Ask | None = None,
     ) -> Iterator[Lease]:
         """``with gate.permit(deadline=30.0) as lease:`` — blocks until granted.
 
         The deadline bounds the queue wait; a thread cannot be interrupted mid-call, so the block
         itself runs to completion (use :meth:`map` for a deadline that abandons running calls).
-        ``weight``, ``priority`` and ``tenant`` as for :meth:`Gate.permit`.
+        ``weight``, ``priority``, ``tenant`` and ``ask`` as for :meth:`Gate.permit`.
         If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
         :class:`LeaseLost`, unless the block raised an exception of its own.
         """
-        lease = self.acquire(deadline, weight=weight, priority=priority, tenant=tenant)
+        lease = self.acquire(deadline, weight=weight, priority=priority, tenant=tenant, ask=ask)
         try:
             yield lease
         finally:
@@ -246,18 +250,19 @@ class SyncGate:
 
     def acquire(
         self,
-        deadline: float | None = 30.0,
+        deadline: float | None = DEFAULT_DEADLINE,
         *,
         weight: int = 1,
         priority: int = 0,
         tenant: str | None = None,
+        ask: Ask | None = None,
     ) -> Lease:
-        """Acquire a permit (``weight``, ``priority``, ``tenant`` as for :meth:`Gate.permit`);
-        release it with :meth:`release`."""
-        return self.portal.call(
-            self.gate.acquire(deadline, weight=weight, priority=priority, tenant=tenant),
-            undo=release_lease,
+        """Acquire a permit (``weight``, ``priority``, ``tenant``, ``ask`` as for
+        :meth:`Gate.permit`); release it with :meth:`release`."""
+        acquire = self.gate.acquire(
+            deadline, weight=weight, priority=priority, tenant=tenant, ask=ask
         )
+        return self.portal.call(acquire, undo=release_lease)
 
     def release(self, lease: Lease) -> None:
         self.portal.call(lease.release(), shielded=True)

@@ -24,15 +24,17 @@ caller's event loop; only the permits are taken on the default fleet's backgroun
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import AsyncIterable, Iterable
 from typing import Any
 
+from fleetgate.ask import Ask
 from fleetgate.errors import ConfigError
 
 from ._deadline import Deadline
-from ._gate import Lease
+from ._lease import Lease
 from ._map import run_map
 from ._metrics import ClientMetrics
 from ._sync import SyncFleet, SyncGate, _Portal, release_lease
@@ -111,16 +113,13 @@ class _RemoteGate:
         self.name = gate.name
         self.metrics: ClientMetrics = gate.gate.metrics
 
-    async def acquire_for(
-        self, dl: Deadline, *, weight: int = 1, priority: int = 0, tenant: str | None = None
-    ) -> _RemoteLease:
+    async def acquire_for(self, dl: Deadline, ask: Ask) -> _RemoteLease:
         left = dl.remaining()
         if left is not None and left <= 0:
             raise dl.expired()
         # A caller cancelled as the grant lands on the other loop: the portal releases it.
         lease = await self.portal.acall(
-            self.gate.acquire(deadline=left, weight=weight, priority=priority, tenant=tenant),
-            undo=release_lease,
+            self.gate.acquire(ask=dataclasses.replace(ask, deadline=left)), undo=release_lease
         )
         return _RemoteLease(lease, self.portal)
 

@@ -11,6 +11,7 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
+from fleetgate.ask import Ask
 from fleetgate.client import Fleet
 from fleetgate.client._local import LocalPermits, _Waiter
 from fleetgate.errors import Overloaded
@@ -380,13 +381,13 @@ async def test_gate_fallback_counts_units(own_redis: RedisProcess) -> None:
             assert first.local and fleet.fallback_active
         assert gate.fair_share() == 4
         with pytest.raises(Overloaded, match="local fair-share bound of 4 units"):
-            await gate._acquire_local(weight=5)
-        heavy = await gate._acquire_local(weight=3)
+            await gate._acquire_local(Ask(weight=5))
+        heavy = await gate._acquire_local(Ask(weight=3))
         assert heavy is not None and heavy.weight == 3 and heavy.id.endswith("w3")
         assert gate._local.held == 3
-        light = await gate._acquire_local(weight=1)
+        light = await gate._acquire_local(Ask(weight=1))
         assert light is not None and light.weight == 1 and not light.id.endswith("w1")
-        blocked = asyncio.create_task(gate._acquire_local(weight=2, priority=1))
+        blocked = asyncio.create_task(gate._acquire_local(Ask(weight=2, priority=1)))
         await settle()
         assert not blocked.done()
         await heavy.release()

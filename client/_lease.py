@@ -1,0 +1,144 @@
+"""One granted permit: :class:`Lease`, what ``gate.permit()`` yields and ``gate.acquire()`` returns.
+
+A lease knows the :class:`~fleetgate.ask.Ask` it was granted for, its fencing token, whether it
+was granted by the fleet or locally (the fair-share fallback), and whether it was lost. It gives
+itself back through its gate (:class:`LeaseHolder`: what a lease needs of the gate that granted
+it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+from fleetgate.ask import DEFAULT_ASK, Ask
+from fleetgate.errors import LeaseLost
+
+from ._metrics import ClassMetrics, GateMetrics
+from ._report import Reporting
+
+__all__ = ["Lease", "LeaseHolder"]
+
+
+class LeaseHolder(Protocol):
+    """What a lease needs of its gate: a name, the metric series, and the two releases."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def series(self) -> GateMetrics: ...
+
+    def _release_local(self, lease: Lease) -> None: ...
+
+    def _release_fleet(self, lease: Lease) -> None: ...
+
+
+class Lease(Reporting):
+    """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
+
+    ``token`` is a fencing token, monotonic per gate in grant order; ``ask`` what it was asked
+    with, and of it ``weight`` (the units it holds), ``priority`` and ``tenant``. ``lost`` is
+    set when the lease could not be renewed and Redis no longer counts it; ``is_lost`` reads the
+    same from any thread. Leaving a ``permit()`` block whose lease was lost raises
+    :class:`LeaseLost` (unless the block raised already).
+    """
+
+    def __init__(
+        self,
+        gate: LeaseHolder,
+        lease_id: str,
+        token: int,
+        ask: Ask = DEFAULT_ASK,
+        *,
+        local: bool = False,
+        expires_at: int = 0,
+    ) -> None:
+        self.gate = gate
+        self.id = lease_id
+        self.token = token
+        self.ask = ask
+        self.local = local
+        # The metric series it counts in (set when granted; kept, so its release counts there).
+        self._series: ClassMetrics | None = None
+        # Redis server time (ms) this lease was last seen renewed to (0: not known yet). The
+        # heartbeat sends it back, so the gate can tell a lease it lost (restart) from one that
+        # expired (see lua/heartbeat.lua).
+        self.expires_at = expires_at
+        # A plain flag (is_lost reads it from any thread) and the event made on first use: most
+        # leases are never asked, and two events cost as much as the rest of the lease.
+        self._is_lost = False
+        self._lost: asyncio.Event | None = None
+        self._released = False
+        self._granted_at = time.monotonic()  # the default latency of report() counts from here
+
+    @property
+    def weight(self) -> int:
+        """The units this lease holds against the gate's limit."""
+        return self.ask.weight
+
+    @property
+    def priority(self) -> int:
+        """The priority band it was granted in."""
+        return self.ask.priority
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant it was granted for (None: the default tenant)."""
+        return self.ask.tenant
+
+    @property
+    def lost(self) -> asyncio.Event:
+        """An event set when the lease is lost (use it on the fleet's event loop)."""
+        event = self._lost
+        if event is None:
+            # Stored before the flag is read: a _mark_lost in between sets one or the other.
+            event = self._lost = asyncio.Event()
+            if self._is_lost:
+                event.set()
+        return event
+
+    def series(self) -> ClassMetrics:
+        """The metric series of the lease's class (priority, tenant)."""
+        if self._series is None:
+            self._series = self.gate.series.of(self)
+        return self._series
+
+    @property
+    def is_lost(self) -> bool:
+        """Whether the lease was lost; safe to read from any thread."""
+        return self._is_lost
+
+    def _mark_lost(self) -> None:
+        self._is_lost = True
+        if self._lost is not None:
+            self._lost.set()
+
+    def lost_error(self) -> LeaseLost:
+        """The error for leaving a permit block whose lease was lost."""
+        return LeaseLost(
+            f"gate {self.gate.name!r}: lease {self.id} (token {self.token}) was lost while its "
+            "block ran: it was not renewed in time, so Redis stopped counting it and the fleet "
+            "may have run over its limit"
+        )
+
+    async def release(self) -> None:
+        """Give the permit back (idempotent). Never raises for an unreachable Redis.
+
+        A fleet lease is released without waiting for Redis: the release leaves with this
+        process's next script call on the gate (group commit, see ``_batch.py``), ahead of any
+        acquire of the gate this process makes after it, so a caller that releases and acquires
+        again pays one round trip. :meth:`Fleet.close` waits for releases in flight.
+        """
+        if self._released:
+            return
+        self._released = True
+        if self.local:
+            self.gate._release_local(self)  # synchronous: nothing to cancel, nothing to race
+        else:
+            self.gate._release_fleet(self)
+
+    def __repr__(self) -> str:
+        kind = "local" if self.local else "fleet"
+        return f"Lease(gate={self.gate.name!r}, id={self.id!r}, token={self.token}, {kind})"
