@@ -19,9 +19,8 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
@@ -30,7 +29,7 @@ from fleetgate._redis import redact
 from fleetgate.errors import ConfigError, FleetgateError
 from fleetgate.keys import GateKeys, validate_gate_name, validate_prefix
 from fleetgate.scripts import GateScripts
-from fleetgate.settings import GateSettings
+from fleetgate.settings import GateSettings, GateSettingsKwargs, check_setting_names
 
 from ._fallback import Fallback
 from ._gate import Gate
@@ -39,6 +38,9 @@ from ._metrics import client_metrics
 from ._runtime import OnRedisError, Runtime
 from ._utilization import GateUtilization, utilization_of
 from ._wakes import WakeListeners
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
 __all__ = ["Fleet", "GateUtilization"]
 
@@ -173,23 +175,13 @@ class Fleet:
 
     # -- gates -------------------------------------------------------------------------------
 
-    def gate(
-        self,
-        name: str,
-        *,
-        floor: int | None = None,
-        ceiling: int | None = None,
-        max_queued: int | None = None,
-        lease_ms: int | None = None,
-        waiter_ms: int | None = None,
-        max_queued_per_tenant: int | None = None,
-        tenant_weights: Mapping[str, int] | None = None,
-        shed_below: int | None = None,
-    ) -> Gate:
-        """The gate ``name``. The settings are defaults registered only if the gate has no
-        configuration in Redis yet (the coordinator's config wins); None takes the default
-        (:class:`~fleetgate.settings.GateSettings`). The first call for a name fixes them: a
-        later call returns the same gate and ignores its settings.
+    def gate(self, name: str, **settings: Unpack[GateSettingsKwargs]) -> Gate:
+        """The gate ``name``. ``settings`` are the fields of
+        :class:`~fleetgate.settings.GateSettings` as keywords (``floor=4``, ``ceiling=...``:
+        :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered only if the gate
+        has no configuration in Redis yet (the coordinator's config wins); None takes the
+        default. The first call for a name fixes them: a later call returns the same gate and
+        ignores its settings.
 
         The admission order's settings (docs/admission.md):
         ``max_queued_per_tenant`` bounds one tenant's waiters over all priorities (default: the
@@ -199,6 +191,7 @@ class Fleet:
         once or :class:`~fleetgate.errors.Overloaded`. A bad value is a
         :class:`~fleetgate.errors.ConfigError` naming the gate and the setting.
         """
+        check_setting_names(settings, "Fleet.gate")
         validate_gate_name(name)
         found = self._gates.get(name)
         if found is not None:
@@ -209,17 +202,7 @@ class Fleet:
             found = self._gates.get(name)
             if found is not None:
                 return found
-            defaults = GateSettings.for_gate(
-                name,
-                floor=floor,
-                ceiling=ceiling,
-                max_queued=max_queued,
-                lease_ms=lease_ms,
-                waiter_ms=waiter_ms,
-                max_queued_per_tenant=max_queued_per_tenant,
-                tenant_weights=tenant_weights,
-                shed_below=shed_below,
-            )
+            defaults = GateSettings.for_gate(name, **settings)
             gate = Gate(name, defaults, self.runtime, self._wakes)
             self._gates[name] = gate
             self.runtime.poke_heartbeat()  # a live pod of the gate now, not a period later

@@ -14,16 +14,20 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from fleetgate.ask import DEFAULT_DEADLINE, Ask
+from fleetgate.settings import GateSettingsKwargs, check_setting_names
 
 from ._fleet import Fleet
 from ._gate import Gate
 from ._lease import Lease
 from ._utilization import GateUtilization
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
 __all__ = ["SyncFleet", "SyncGate"]
 
@@ -326,35 +330,14 @@ class SyncFleet:
             raise RuntimeError("SyncFleet is not started: use `with SyncFleet(...)`")
         return self._portal
 
-    def gate(
-        self,
-        name: str,
-        *,
-        floor: int | None = None,
-        ceiling: int | None = None,
-        max_queued: int | None = None,
-        lease_ms: int | None = None,
-        waiter_ms: int | None = None,
-        max_queued_per_tenant: int | None = None,
-        tenant_weights: Mapping[str, int] | None = None,
-        shed_below: int | None = None,
-    ) -> SyncGate:
+    def gate(self, name: str, **settings: Unpack[GateSettingsKwargs]) -> SyncGate:
         """Same as :meth:`Fleet.gate` (the same settings, the first call for a name fixes
         them), returning the blocking twin."""
+        check_setting_names(settings, "SyncFleet.gate")
         with self._gates_lock:  # one SyncGate per gate, whatever threads ask at once
             found = self._gates.get(name)
             if found is None:
-                gate = self.fleet.gate(
-                    name,
-                    floor=floor,
-                    ceiling=ceiling,
-                    max_queued=max_queued,
-                    lease_ms=lease_ms,
-                    waiter_ms=waiter_ms,
-                    max_queued_per_tenant=max_queued_per_tenant,
-                    tenant_weights=tenant_weights,
-                    shed_below=shed_below,
-                )
+                gate = self.fleet.gate(name, **settings)
                 found = SyncGate(self.portal, gate)
                 self._gates[name] = found
         return found

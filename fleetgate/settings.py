@@ -11,8 +11,8 @@ the int fields of :data:`FIELDS`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any, Final
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Final, TypedDict
 
 import msgspec
 from msgspec import Meta
@@ -25,6 +25,9 @@ from fleetgate.admission import (
 )
 from fleetgate.errors import ConfigError
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
+
 __all__ = [
     "ADMISSION_FIELDS",
     "DEFAULT_CEILING",
@@ -35,6 +38,7 @@ __all__ = [
     "Ceiling",
     "Floor",
     "GateSettings",
+    "GateSettingsKwargs",
     "LeaseMs",
     "MaxQueued",
     "MaxQueuedPerTenant",
@@ -43,6 +47,7 @@ __all__ = [
     "bounds",
     "check_admission",
     "check_ceiling",
+    "check_setting_names",
     "validate_gate_settings",
 ]
 
@@ -164,35 +169,47 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return cls(**values)
 
     @classmethod
-    def for_gate(
-        cls,
-        gate: str,
-        *,
-        floor: int | None = None,
-        ceiling: int | None = None,
-        max_queued: int | None = None,
-        lease_ms: int | None = None,
-        waiter_ms: int | None = None,
-        max_queued_per_tenant: int | None = None,
-        tenant_weights: Mapping[str, int] | None = None,
-        shed_below: int | None = None,
-    ) -> GateSettings:
-        """A client's settings for ``gate``: None takes the default (the ceiling's is never
-        below the floor; ``max_queued_per_tenant``'s is "same as max_queued"), then
-        :meth:`validated`."""
+    def for_gate(cls, gate: str, **given: Unpack[GateSettingsKwargs]) -> GateSettings:
+        """A client's settings for ``gate``: a setting left out or None takes the default (the
+        ceiling's is never below the floor; ``max_queued_per_tenant``'s is "same as
+        max_queued"), then :meth:`validated`. A name that is no setting is a ``TypeError``, as
+        for any unknown keyword."""
+        check_setting_names(given, "GateSettings.for_gate")
+        named: Mapping[str, object] = given
         d = cls()
-        fl = d.floor if floor is None else floor
-        return cls.validated(
-            gate,
-            floor=fl,
-            ceiling=_default_ceiling(fl, d.ceiling) if ceiling is None else ceiling,
-            max_queued=d.max_queued if max_queued is None else max_queued,
-            lease_ms=d.lease_ms if lease_ms is None else lease_ms,
-            waiter_ms=d.waiter_ms if waiter_ms is None else waiter_ms,
-            max_queued_per_tenant=max_queued_per_tenant,
-            shed_below=d.shed_below if shed_below is None else shed_below,
-            tenant_weights=d.tenant_weights if tenant_weights is None else tenant_weights,
-        )
+        values = {
+            name: getattr(d, name) if named.get(name) is None else named[name]
+            for name in cls.__struct_fields__
+        }
+        if named.get("ceiling") is None:
+            values["ceiling"] = _default_ceiling(values["floor"], d.ceiling)
+        return cls.validated(gate, **values)
+
+
+class GateSettingsKwargs(TypedDict, total=False):
+    """:class:`GateSettings` as keyword arguments (``fleet.gate(name, floor=4, ...)``,
+    :meth:`GateSettings.for_gate`): each field, None for its default. Kept to the fields of
+    :class:`GateSettings` by an import-time check."""
+
+    floor: int | None
+    ceiling: int | None
+    max_queued: int | None
+    lease_ms: int | None
+    waiter_ms: int | None
+    max_queued_per_tenant: int | None
+    shed_below: int | None
+    tenant_weights: Mapping[str, int] | None
+
+
+assert tuple(GateSettingsKwargs.__annotations__) == GateSettings.__struct_fields__
+
+
+def check_setting_names(names: Iterable[str], caller: str) -> None:
+    """Raise ``TypeError("<caller>() got an unexpected keyword argument 'x'")`` for the first
+    of ``names`` that is no field of :class:`GateSettings`."""
+    for name in names:
+        if name not in GateSettings.__struct_fields__:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
 
 
 #: The int fields every script reads from ``fg:{G}:cfg`` since the first schema (``lua/lib.lua``
