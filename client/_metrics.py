@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -46,6 +46,9 @@ MAX_TENANT_LABELS = 100
 
 @dataclass(frozen=True)
 class ClientMetrics:
+    """The client's metrics of one registry (:func:`client_metrics`), labelled by gate (and,
+    the per-call ones, :data:`CLASS_LABELS`)."""
+
     in_flight: Gauge
     in_flight_units: Gauge
     queue_depth: Gauge
@@ -61,7 +64,7 @@ class ClientMetrics:
 
 
 class _Class(Protocol):
-    """What an acquire or a lease says about its class (``_Ask``, ``Lease``)."""
+    """What an acquire or a lease says about its class (an ``Ask``, a ``Lease``)."""
 
     @property
     def priority(self) -> int: ...
@@ -195,7 +198,7 @@ class GateMetrics:
     def lease_lost(self) -> Counter:
         return self._metrics.lease_lost.labels(self._gate)
 
-    # -- the default class's series, under their former names ----------------------------------
+    # -- the default class's series, as attributes of the gate's -------------------------------
     # (a caller that does not say which class counts as priority 0 of the default tenant)
 
     @property
@@ -224,6 +227,62 @@ _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ClientMetrics] = (
 )
 
 
+_G = ("gate",)
+
+# ClientMetrics field (the metric is fleetgate_client_<field>) -> (kind, help, labels, buckets)
+_SPECS: dict[str, tuple[type[Gauge | Counter | Histogram], str, tuple[str, ...], Any]] = {
+    "in_flight": (Gauge, "Permits this process holds", CLASS_LABELS, None),
+    "in_flight_units": (
+        Gauge,
+        "Units (the permits' weights) this process holds",
+        CLASS_LABELS,
+        None,
+    ),
+    "queue_depth": (
+        Gauge,
+        "Acquires of this process parked in the fleet-wide wait list",
+        _G,
+        None,
+    ),
+    "wait_seconds": (
+        Histogram,
+        "Time parked before a grant (parked grants only)",
+        CLASS_LABELS,
+        WAIT_BUCKETS,
+    ),
+    "granted": (Counter, "Permits granted", CLASS_LABELS, None),
+    "rejected": (
+        Counter,
+        "Acquires refused with Overloaded: wait list full, tenant bound, shed band, "
+        "evicted by a higher band, heavier than the local share",
+        CLASS_LABELS,
+        None,
+    ),
+    "deadline_exceeded": (Counter, "Total deadlines that fired", _G, None),
+    "lease_lost": (Counter, "Leases that could not be renewed", _G, None),
+    "fallback": (
+        Gauge,
+        "1 while Redis is unreachable and the local fair-share bound applies",
+        _G,
+        None,
+    ),
+    "retries": (Counter, "Retries of calls made inside a permit", _G, None),
+    "calls_per_request": (
+        Histogram,
+        "Calls one gate.map() request made",
+        _G,
+        (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+    ),
+    "background_errors": (
+        Counter,
+        "Unexpected errors in background tasks (heartbeat, probe, wake listener, ...); "
+        "each task logs, counts and carries on",
+        ("task",),
+        None,
+    ),
+}
+
+
 def client_metrics(registry: CollectorRegistry | None = None) -> ClientMetrics:
     """The client metrics registered in ``registry`` (the default registry if None)."""
     reg = REGISTRY if registry is None else registry
@@ -231,68 +290,9 @@ def client_metrics(registry: CollectorRegistry | None = None) -> ClientMetrics:
         found = _by_registry.get(reg)
         if found is not None:
             return found
-        g = ("gate",)
-        c = CLASS_LABELS
-        m = ClientMetrics(
-            in_flight=Gauge(
-                "fleetgate_client_in_flight", "Permits this process holds", c, registry=reg
-            ),
-            in_flight_units=Gauge(
-                "fleetgate_client_in_flight_units",
-                "Units (the permits' weights) this process holds",
-                c,
-                registry=reg,
-            ),
-            queue_depth=Gauge(
-                "fleetgate_client_queue_depth",
-                "Acquires of this process parked in the fleet-wide wait list",
-                g,
-                registry=reg,
-            ),
-            wait_seconds=Histogram(
-                "fleetgate_client_wait_seconds",
-                "Time parked before a grant (parked grants only)",
-                c,
-                buckets=WAIT_BUCKETS,
-                registry=reg,
-            ),
-            granted=Counter("fleetgate_client_granted", "Permits granted", c, registry=reg),
-            rejected=Counter(
-                "fleetgate_client_rejected",
-                "Acquires refused with Overloaded: wait list full, tenant bound, shed band, "
-                "evicted by a higher band, heavier than the local share",
-                c,
-                registry=reg,
-            ),
-            deadline_exceeded=Counter(
-                "fleetgate_client_deadline_exceeded", "Total deadlines that fired", g, registry=reg
-            ),
-            lease_lost=Counter(
-                "fleetgate_client_lease_lost", "Leases that could not be renewed", g, registry=reg
-            ),
-            fallback=Gauge(
-                "fleetgate_client_fallback",
-                "1 while Redis is unreachable and the local fair-share bound applies",
-                g,
-                registry=reg,
-            ),
-            retries=Counter(
-                "fleetgate_client_retries", "Retries of calls made inside a permit", g, registry=reg
-            ),
-            calls_per_request=Histogram(
-                "fleetgate_client_calls_per_request",
-                "Calls one gate.map() request made",
-                g,
-                buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
-                registry=reg,
-            ),
-            background_errors=Counter(
-                "fleetgate_client_background_errors",
-                "Unexpected errors in background tasks (heartbeat, probe, wake listener, ...); "
-                "each task logs, counts and carries on",
-                ("task",),
-                registry=reg,
-            ),
-        )
-        _by_registry[reg] = m
+        made: dict[str, Any] = {}
+        for field, (kind, doc, labels, buckets) in _SPECS.items():
+            extra = {} if buckets is None else {"buckets": buckets}
+            made[field] = kind(f"fleetgate_client_{field}", doc, labels, registry=reg, **extra)
+        m = _by_registry[reg] = ClientMetrics(**made)
         return m
