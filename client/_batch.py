@@ -5,7 +5,7 @@ The first request finds nothing in flight and is sent at once (one loop turn lat
 task's first step). Requests made while a batch is in flight wait for it and then leave as one
 batch of up to ``max_batch``. So a lone caller pays no wait, and a busy process (many tasks
 acquiring and releasing the same gate) pays one round trip, one script call's fixed costs and one
-reply for many callers: the batch grows with the load, which is when it pays (issue 11 item 1).
+reply for many callers: the batch grows with the load, which is when it pays.
 
 A caller that gives up (cancelled) before its request leaves is simply dropped from the batch.
 One that gives up after gets nothing back; its reply (or the batch's error) goes to

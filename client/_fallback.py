@@ -63,9 +63,9 @@ class Fallback:
     async def _probe(self) -> None:
         # Survives every exception: a reply that means "cannot serve writes now" (READONLY
         # after a failover, OOM, ...) is an outage like a refused connection (the scripts
-        # raise ServerUnavailable), and anything else is logged, counted and retried. Before,
-        # a ResponseError during adoption ended this task and the pod stayed in fallback for
-        # good (tests/test_fault_holes.py::test_pod_resumes_after_redis_refused_writes).
+        # raise ServerUnavailable), and anything else is logged, counted and retried: a
+        # ResponseError during adoption must not end this task, or the pod stays in fallback
+        # for good (tests/test_fault_holes.py::test_pod_resumes_after_redis_refused_writes).
         rt = self.runtime
         while not rt.closing:
             await asyncio.sleep(min(PROBE_PERIOD, rt.heartbeat_interval))

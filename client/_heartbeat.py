@@ -12,7 +12,7 @@ The beats of one round go out together (:meth:`GateScripts.heartbeats`: on a sta
 one ``heartbeat_many.lua`` call per 50 gates, one round trip; on Cluster one call per slot), and
 a round takes every gate that would be due within half its period anyway: renewing early is
 always safe, and the gates' schedules fall into step, so a pod with many gates sends a few calls
-per heartbeat period instead of one per gate (issue 11 item 2). A gate's renewal is never later
+per heartbeat period instead of one per gate. A gate's renewal is never later
 than its own schedule.
 """
 
