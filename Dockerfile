@@ -18,6 +18,11 @@ COPY fleetgate ./fleetgate
 COPY client ./client
 COPY coordinator ./coordinator
 COPY lua ./lua
+COPY proxy ./proxy
+COPY tools ./tools
+COPY demo ./demo
+COPY testing ./testing
+COPY cli ./cli
 RUN pip install ".[sim,proxy]" \
     && rm -rf /src \
     && useradd --system --create-home --uid 10001 fleetgate

@@ -29,7 +29,7 @@ lint: $(BIN)/.installed
 	$(BIN)/python .ci/typecheck.py
 	$(BIN)/pylint --disable=all --enable=duplicate-code --min-similarity-lines=6 \
 	  --ignore-imports=yes --ignore-signatures=yes --ignore-docstrings=yes --ignore-comments=yes \
-	  --score=no fleetgate client coordinator proxy
+	  --score=no fleetgate client coordinator proxy tools demo testing cli
 
 clean:
 	rm -rf $(VENV) build *.egg-info

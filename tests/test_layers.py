@@ -7,22 +7,25 @@ of ``a.b.c`` is an edge to ``a.b.c`` only, not to the packages above it: Python 
 ``__init__`` first, but counting that would put every module that imports a sibling into a cycle
 with a package ``__init__`` that re-exports it.
 
-The layers, bottom up:
+The layers, bottom up, each in a folder of its own at the repository root (mapped to its
+import name by ``package-dir``; ``test_each_layer_has_a_folder_of_its_own`` holds that no module
+lives in another layer's folder, so the tree shows the layers):
 
-* **core** — everything in ``fleetgate/`` not named below: errors, keys, settings, scripts, the
-  Redis connection, status, safety, registry, the read-only commands (:mod:`fleetgate.commands`),
-  and the Lua package. It imports no other layer.
-* **client** (``fleetgate.client``) and **coordinator** (``fleetgate.coordinator``) — each on
-  the core only; they never know about each other.
-* **proxy** (``fleetgate.proxy``: ``fleetgate proxy``, the HTTP gateway) -- on the client and
-  the core; nothing below knows it (the client never imports it).
-* **tools** (``fleetgate.tools``: simulators, redis-server launcher, load generator) and
-  **testing** (``fleetgate.testing``) — on the client and the core.
-* **demo** (``fleetgate.demo``) — on anything below it.
-* **cli** (``fleetgate.cli``) — the dispatcher on top: it may import any layer, lazily, inside the
-  subcommand that runs it (the coordinator for ``fleetgate coordinator``, the demo, the tools).
-  That is why the read-only commands live in the core module :mod:`fleetgate.commands`: what
-  an operator runs against Redis stays core, only the dispatch is an application.
+* **core** — ``fleetgate/`` (errors, keys, settings, the ask, scripts, the Redis connection,
+  config files, status, safety, registry, the read-only commands :mod:`fleetgate.commands`) and
+  ``lua/``. It imports no other layer.
+* **client** (``client/``, ``fleetgate.client``) and **coordinator** (``coordinator/``,
+  ``fleetgate.coordinator``) — each on the core only; they never know about each other.
+* **proxy** (``proxy/``, ``fleetgate.proxy``: ``fleetgate proxy``, the HTTP gateway) -- on the
+  client and the core; nothing below knows it.
+* **tools** (``tools/``, ``fleetgate.tools``: simulators, redis-server launcher, load generator)
+  and **testing** (``testing/``, ``fleetgate.testing``) — on the client and the core.
+* **demo** (``demo/``, ``fleetgate.demo``) — on anything below it.
+* **cli** (``cli/``, ``fleetgate.cli``) — the dispatcher on top: it may import any layer, lazily,
+  inside the subcommand that runs it (the coordinator for ``fleetgate coordinator``, the demo,
+  the tools). That is why the read-only commands live in the core module
+  :mod:`fleetgate.commands`: what an operator runs against Redis stays core, only the dispatch is
+  an application.
 """
 
 from __future__ import annotations
@@ -194,6 +197,23 @@ def cycle_chain(graph: Mapping[str, set[str]], members: frozenset[str]) -> str:
     raise AssertionError(f"no loop through {start} in {sorted(members)}")
 
 
+def folder_violations(modules: Mapping[str, Path], dirs: Mapping[str, Path]) -> list[str]:
+    """One line per module whose layer is not its room's: each layer has a folder of its own
+    (pyproject's ``package-dir``), so a module of one layer inside another's folder is misfiled
+    (the import rule above would still hold; the tree would no longer show the layers)."""
+    bad = []
+    for module, path in sorted(modules.items()):
+        room = max(
+            (name for name, top in dirs.items() if path.is_relative_to(top)),
+            key=lambda name: len(dirs[name].parts),
+        )
+        if layer_of(module) != layer_of(room):
+            bad.append(
+                f"{module} ({layer_of(module)}) lives in {dirs[room].name}/ ({layer_of(room)})"
+            )
+    return bad
+
+
 @pytest.fixture(scope="module")
 def graph() -> dict[str, set[str]]:
     sources = {m: (path.read_text(), pkg) for m, (path, pkg) in discover().items()}
@@ -220,6 +240,28 @@ def test_the_modules_are_found(graph: dict[str, set[str]]) -> None:
 def test_layers_import_only_downwards(graph: dict[str, set[str]]) -> None:
     bad = layer_violations(graph)
     assert not bad, "imports against the layering:\n  " + "\n  ".join(bad)
+
+
+def test_each_layer_has_a_folder_of_its_own() -> None:
+    dirs = package_dirs()
+    layers = {layer_of(name) for name in dirs}
+    assert layers == set(FORBIDDEN), f"layers without a folder: {set(FORBIDDEN) - layers}"
+    bad = folder_violations({m: path for m, (path, _) in discover().items()}, dirs)
+    assert not bad, "modules outside their layer's folder:\n  " + "\n  ".join(bad)
+
+
+def test_a_misfiled_module_is_found(tmp_path: Path) -> None:
+    dirs = {"fleetgate": tmp_path / "fleetgate", "fleetgate.proxy": tmp_path / "proxy"}
+    modules = {
+        "fleetgate.keys": dirs["fleetgate"] / "keys.py",
+        "fleetgate.proxy.app": dirs["fleetgate.proxy"] / "app.py",
+        # a core module whose name only starts like a room's is core
+        "fleetgate.proxy_extra.app": dirs["fleetgate"] / "proxy_extra" / "app.py",
+        "fleetgate.tools.load": dirs["fleetgate"] / "tools" / "load.py",
+    }
+    assert folder_violations(modules, dirs) == [
+        "fleetgate.tools.load (tools) lives in fleetgate/ (core)"
+    ]
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
