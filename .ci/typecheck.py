@@ -7,7 +7,7 @@ editable-install finder either, so run over the folders as they are it sees a to
 ``client`` package and cannot resolve ``fleetgate.client``. This script builds the installed
 tree as symlinks (read from pyproject, so a new mapping needs no edit here) under
 ``build/typecheck`` and runs ``mypy -p fleetgate`` there; error paths read
-``fleetgate/client/_gate.py`` and so on, which map back to the checkout one to one.
+``fleetgate/client/_acquire.py`` and so on, which map back to the checkout one to one.
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ class Bench:
 
 
 def prelude_us(r: redis.Redis, calls: int, pipelines: int = 5) -> dict[str, float]:
-    """Server µs per EVALSHA call of an empty script and of ``lib.lua`` + an empty script:
-    their difference is what every call paid to re-run lib.lua's top level when the gate
+    """Server µs per EVALSHA call of an empty script and of the library (``lib_source()``, the
+    ``lib_*.lua`` parts; labelled ``lib.lua``) + an empty script: their difference is what
+    every call paid to re-run the library's top level when the gate
     scripts were sent by EVALSHA, and what the gate library (FCALL) no longer pays."""
     lib = lib_source()
     out: dict[str, float] = {}

@@ -67,7 +67,7 @@ class Runtime:
         # gate's heartbeat); a live-pod count is trusted one such period after registering.
         self.register_period = 3 * heartbeat_interval
         # How long a gate this pod finds without state holds every grant (Fleet's
-        # recovery_fence; lua/lib.lua gate_birth): one registration period by default.
+        # recovery_fence; lua/lib_fence.lua gate_birth): one registration period by default.
         fence = self.register_period if recovery_fence is None else recovery_fence
         self.fence_ms = int(fence * 1000)
         self.metrics = metrics

@@ -6,7 +6,7 @@ keys are outside any gate's slot and are written by separate commands.
 
     {prefix}:{G}:cfg       hash    floor, ceiling, max_queued, lease_ms, waiter_ms,
                                    max_queued_per_tenant, shed_below, schema; fence
-                                   (server ms: the recovery fence's end, lua/lib.lua)
+                                   (server ms: the recovery fence's end, lua/lib_fence.lua)
     {prefix}:{G}:target    hash    value, epoch, expires_at (server ms)
     {prefix}:{G}:holders   zset    lease id  -> lease expiry (server ms); a lease of weight
                                    W > 1 is '<pod>:<n>w<W>'
@@ -118,7 +118,7 @@ class GateKeys:
     @functools.cached_property
     def base(self) -> str:
         """``<prefix>:{<gate>}``: every key of the gate is this plus a suffix; the scripts get
-        only this name (``KEYS[1]``) and derive the rest (see ``lua/lib.lua``)."""
+        only this name (``KEYS[1]``) and derive the rest (see ``lua/lib_gate.lua``)."""
         return f"{self.prefix}:{{{self.name}}}"
 
     @property
@@ -213,7 +213,7 @@ class GateKeys:
         return [self.base, *self.data_keys()]
 
     def script_keys(self) -> list[str]:
-        """KEYS of a gate script call: the base name alone (``lua/lib.lua`` derives every key
+        """KEYS of a gate script call: the base name alone (``lua/lib_gate.lua`` derives every key
         from it, with the suffixes of the properties above)."""
         return self._script_keys
 
@@ -273,7 +273,7 @@ class FleetKeys:
     @property
     def born(self) -> str:
         """Server time (ms) this Redis first held gate state under the prefix; ``0`` for state
-        older than the mark (the recovery fence: ``lua/lib.lua`` gate_birth). Standalone and
+        older than the mark (the recovery fence: ``lua/lib_fence.lua`` gate_birth). Standalone and
         Sentinel only."""
         return f"{self.prefix}:born"
 

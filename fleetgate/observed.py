@@ -4,7 +4,7 @@ Servers without usable metrics (hosted APIs, TEI, a NIM reranker) are adapted fr
 callers see. Every release may carry its call's report (``lease.report(outcome, latency)``;
 ``gate.map`` reports for you); the client sums the reports of one script call into
 ``(field, increment)`` pairs (:func:`tally`) and the release path adds them to the gate's
-``{prefix}:{G}:obs`` hash in the same script call (``lua/lib.lua``, ``observe``)::
+``{prefix}:{G}:obs`` hash in the same script call (``lua/lib_units.lua``, ``observe``)::
 
     ok, overloaded, timeout, error   calls reported with that outcome
     lat_n, lat_us                    count and sum (microseconds) of ``ok`` latencies
@@ -73,7 +73,7 @@ def classify_status(status: int) -> str:
 BOUNDS: tuple[float, ...] = tuple(0.001 * 2 ** (i / 4) for i in range(65))
 OVERFLOW = len(BOUNDS)
 
-# The field names, named once (lua/lib.lua writes whatever pairs it is given).
+# The field names, named once (lua/lib_units.lua writes whatever pairs it is given).
 _LAT_N, _LAT_US = "lat_n", "lat_us"
 _COUNT_FIELDS = (*OUTCOMES, _LAT_N, _LAT_US)
 _BUCKET_FIELDS = tuple(f"b{i}" for i in range(OVERFLOW + 1))

@@ -4,7 +4,7 @@ max_queued_per_tenant, shed_below, tenant_weights -- with their defaults and bou
 :class:`GateSettings` is what the scripts are given (``argv()``),
 what a client registers for a gate that has no configuration yet, and what the coordinator's
 :class:`~fleetgate.coordinator.config.GateConfig` is made of (it reuses the annotated field types
-below). ``lua/lib.lua`` (``load_cfg``) applies the same defaults and lower bounds to whatever it
+below). ``lua/lib_cfg.lua`` (``load_cfg``) applies the same defaults and lower bounds to whatever it
 finds in ``fg:{G}:cfg``; ``tests/test_settings.py`` runs the real script to prove they agree for
 the int fields of :data:`FIELDS`.
 """
@@ -212,7 +212,7 @@ def check_setting_names(names: Iterable[str], caller: str) -> None:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
 
 
-#: The int fields every script reads from ``fg:{G}:cfg`` since the first schema (``lua/lib.lua``
+#: The int fields every script reads from ``fg:{G}:cfg`` since the first schema (``lua/lib_cfg.lua``
 #: ``load_cfg``), each with a lower and an upper bound (:func:`bounds`), in ``argv()`` order.
 FIELDS: Final = GateSettings.__struct_fields__[:5]
 #: The admission order's settings (docs/admission.md), after :data:`FIELDS`.

@@ -2,7 +2,7 @@
 
 A lease of weight W holds W units of the gate's limit. The scripts keep one member per lease in
 ``fg:{G}:holders`` and, in field ``extra`` of ``fg:{G}:adm``, the sum of ``W - 1`` over the
-holders (``lua/lib.lua``, ``units_held``): weight-1 leases never touch the counter. Every path
+holders (``lua/lib_units.lua``, ``units_held``): weight-1 leases never touch the counter. Every path
 that adds a lease raises ``extra`` before the ``ZADD`` and every path that removes one lowers it
 after the ``ZREM``, so a script stopped half-way can only overcount, and a counter left without
 any lease counts nothing.

@@ -79,7 +79,7 @@ class RedisMode:
     def script_keys(self, keys: GateKeys) -> list[str]:
         """KEYS of a script call on gate ``keys``.
 
-        The scripts need only the gate's base name (``lua/lib.lua`` derives the rest), which is
+        The scripts need only the gate's base name (``lua/lib_gate.lua`` derives the rest), which is
         all a standalone Redis gets (ten names cost the client more to encode: the "+ gate
         KEYS/ARGV" row of ``benchmarks/uncontended.py``: 66 → 11-16 µs per acquire + release pair
         at p50 in the runs of 2026-12-01). On
