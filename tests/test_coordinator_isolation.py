@@ -158,3 +158,26 @@ async def _floor_state(coord: daemon.Coordinator) -> bool:
 async def _published_after(r: aredis.Redis, keys: GateKeys, sec: int) -> bool:
     expires = await r.hget(keys.target, "expires_at")
     return expires is not None and float(expires) > sec * 1000
+
+
+async def test_a_metrics_url_that_is_no_ascii_fails_only_its_own_scrape(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    """A metrics URL with a non-ASCII path passes the config (it parses as a URL): its GET is
+    sent percent-encoded (the stub answers 404, a failed scrape of that gate alone), and the
+    other gates are published poll after poll."""
+    good = GateKeys.of(rut.prefix, "good")
+    with serve_in_thread(metrics_stub(StubValues(running=0))) as served:
+        gates = "\n".join(
+            f'[[gates]]\nname = "{name}"\nfloor = 4\nceiling = 64\nmetrics_url = "{url}"\n'
+            for name, url in (("good", f"{served.url}/metrics"), ("bad", f"{served.url}/métrics"))
+        )
+        async with running(config_with(rut, gates)) as coord:
+            await eventually(lambda: async_redis.hexists(good.target, "value"), 5, "a target")
+            first = int(await async_redis.hget(good.target, "expires_at") or 0)
+            await eventually(
+                lambda: _after(async_redis.hget(good.target, "expires_at"), first), 5, "renewal"
+            )
+            assert coord.election.is_leader
+            errors = coord.metrics.scrape_errors.labels("bad")._value.get()
+            assert errors >= 1

@@ -226,3 +226,15 @@ async def test_https_verifies_the_server(tmp_path: Path) -> None:
         and refused.error is not None
         and "CERTIFICATE_VERIFY_FAILED" in refused.error
     )
+
+
+def test_a_url_that_is_no_ascii_is_sent_encoded() -> None:
+    """A non-ASCII path and query are percent-encoded and a non-ASCII host IDNA-encoded, as
+    httpx sends them; the request line is ASCII (it raised UnicodeEncodeError, failing the poll
+    of every gate)."""
+    from fleetgate.coordinator.scrape.httpget import _request
+
+    origin, request = _request("http://bücher.example:8000/métrics?a=é")
+    assert origin == ("http", "xn--bcher-kva.example", 8000)
+    assert request.startswith(b"GET /m%C3%A9trics?a=%C3%A9 HTTP/1.1\r\n")
+    assert b"\r\nHost: xn--bcher-kva.example:8000\r\n" in request

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ssl
 import time
-from urllib.parse import urlsplit
+
+import httpx
 
 from fleetgate._aio import within
 
@@ -215,18 +217,21 @@ class LeanHttp:
         return status, bytes(body), False
 
 
+@functools.lru_cache(maxsize=4096)  # a gate's URLs are the same every poll
 def _request(url: str) -> tuple[_Origin, bytes]:
     """The origin of ``url`` and the GET request for it; :class:`_Refused` if it is no
     ``http(s)`` URL with a host."""
     try:
-        parts = urlsplit(url)
-        scheme, host = parts.scheme, parts.hostname or ""
+        # httpx's URL model percent-encodes a non-ASCII path and query and IDNA-encodes the
+        # host, as httpx itself would send them: the request line is ASCII whatever the config
+        parts = httpx.URL(url)
+        scheme, host = parts.scheme, parts.raw_host.decode("ascii")
         port = parts.port or (443 if scheme == "https" else 80)
-    except ValueError as exc:
+    except (httpx.InvalidURL, ValueError) as exc:
         raise _Refused(f"InvalidURL: {exc}") from None
     if scheme not in ("http", "https") or not host:
         raise _Refused(f"InvalidURL: cannot GET {redact(url)!r}")
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    target = parts.raw_path.decode("ascii")
     shown_host = f"[{host}]" if ":" in host else host
     default = port == (443 if scheme == "https" else 80)
     request = (
