@@ -56,7 +56,6 @@ from ._replies import (
     Holder,
     Lane,
     Snapshot,
-    Utilization,
     Waiter,
 )
 
@@ -89,7 +88,6 @@ __all__ = [
     "LeaderScripts",
     "ScriptCall",
     "Snapshot",
-    "Utilization",
     "Waiter",
     "function_missing",
     "gate_library",

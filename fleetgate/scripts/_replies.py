@@ -2,17 +2,18 @@
 
 Each reply is decoded here from what the script returns (its header in ``lua/`` states the
 shape): :class:`AcquireReply`, :class:`HeartbeatReply`, :class:`Snapshot` (``inspect.lua``'s
-JSON, with :class:`Waiter`, :class:`Holder`, :class:`Lane` and the :class:`Utilization` it
-parses), and the small decoders of the other scripts' replies.
+JSON, with :class:`Waiter`, :class:`Holder`, :class:`Lane`, and the util hash it holds read by
+:class:`~fleetgate.util_hash.UtilHash`), and the small decoders of the other scripts' replies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+from fleetgate.util_hash import UtilHash
 
 GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
 # acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
@@ -146,49 +147,6 @@ class Lane(msgspec.Struct):
     reserved: str | None = None
 
 
-class Utilization(msgspec.Struct, frozen=True, kw_only=True):
-    """The coordinator's last utilisation snapshot of a gate (``fg:{G}:util``), parsed: a
-    missing or garbled value is None (False for the flags)."""
-
-    running: float | None = None
-    waiting_capacity: float | None = None
-    metrics_ok: bool = False
-    saturated: bool = False
-    last_poll: float | None = None
-    metrics_url: str | None = None
-    reason: str | None = None
-    server: str | None = None
-    #: "latency" for a gate driven by the client-observed signal (else None: metrics or fixed)
-    signal: str | None = None
-    #: the last poll's median call latency and the estimated no-load latency (seconds)
-    latency_p50: float | None = None
-    latency_no_load: float | None = None
-    #: calls reported by releases during the last poll, and the overloads/timeouts among them
-    obs_calls: float | None = None
-    obs_overloaded: float | None = None
-    obs_timeout: float | None = None
-
-    @classmethod
-    def parse(cls, util: Mapping[str, str]) -> Utilization:
-        """The ``util`` hash as stored (field -> text)."""
-        return cls(
-            running=_float(util.get("running")),
-            waiting_capacity=_float(util.get("waiting_capacity")),
-            metrics_ok=util.get("metrics_ok") == "1",
-            saturated=util.get("saturated") == "1",
-            last_poll=_float(util.get("last_poll")),
-            metrics_url=util.get("metrics_url") or None,
-            reason=util.get("reason") or None,
-            server=util.get("server") or None,
-            signal=util.get("signal") or None,
-            latency_p50=_float(util.get("latency_p50")),
-            latency_no_load=_float(util.get("latency_no_load")),
-            obs_calls=_float(util.get("obs_calls")),
-            obs_overloaded=_float(util.get("obs_overloaded")),
-            obs_timeout=_float(util.get("obs_timeout")),
-        )
-
-
 class Snapshot(msgspec.Struct):
     """A consistent view of one gate (``inspect.lua``): the raw hashes plus parsed views of them
     (:attr:`live_target`, :attr:`epoch`, :meth:`utilization`, :meth:`stat`)."""
@@ -235,9 +193,10 @@ class Snapshot(msgspec.Struct):
         """A fleet-wide counter of ``fg:{G}:stats`` (0 when absent)."""
         return _int(self.stats.get(name)) or 0
 
-    def utilization(self) -> Utilization:
-        """The coordinator's last utilisation snapshot of the gate, parsed."""
-        return Utilization.parse(self.util)
+    def utilization(self) -> UtilHash:
+        """The coordinator's last utilisation snapshot of the gate, parsed (the one codec of
+        the util hash: :class:`~fleetgate.util_hash.UtilHash`)."""
+        return UtilHash.decode(self.util)
 
 
 def _int(v: str | None) -> int | None:
@@ -246,15 +205,6 @@ def _int(v: str | None) -> int | None:
     try:
         return int(float(v))
     except (ValueError, OverflowError):
-        return None
-
-
-def _float(v: str | None) -> float | None:
-    if v is None or v == "":
-        return None
-    try:
-        return float(v)
-    except ValueError:
         return None
 
 
