@@ -362,7 +362,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args)
     return _run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
