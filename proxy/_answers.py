@@ -21,7 +21,7 @@ from fleetgate.errors import ConfigError, FleetgateError
 
 from ._checks import too_large_message
 from ._exchange import Exchange, Send
-from ._inbound import BodyTooLarge, ClientGone
+from ._inbound import BodyTooLarge, BuffersFull, ClientGone
 from .config import ProxySettings
 from .metrics import ProxyMetrics
 from .policy import retry_after
@@ -107,9 +107,9 @@ class Answers:
 
     async def caller_failed(self, ex: Exchange, exc: Exception, phase: str) -> None:
         """The caller's side stopped the exchange (:meth:`Inbound.failure`) in ``phase`` (body,
-        queued, upstream): gone (nothing to answer), a body past ``max_request_bytes`` (413) or
-        stalled (408). Both answers close the connection: the rest of the body is not waited
-        for."""
+        queued, upstream): gone (nothing to answer), a body past ``max_request_bytes`` (413),
+        no room for it in ``max_buffered_bytes`` (503, :meth:`buffers_full`) or stalled (408).
+        Each answer closes the connection: the rest of the body is not waited for."""
         if isinstance(exc, ClientGone):
             if phase != "body":  # the metric's phases: queued, upstream, response
                 self.metrics.disconnects.labels(ex.label, phase).inc()
@@ -118,10 +118,34 @@ class Answers:
         elif isinstance(exc, BodyTooLarge):
             msg = too_large_message(self.settings)
             await self.error(ex, 413, "body_too_large", msg, close=True)
+        elif isinstance(exc, BuffersFull):
+            await self.buffers_full(ex)
         else:
             seconds = self.settings.body_timeout_s
             msg = f"no byte of the request body for {seconds:g} s (body_timeout_s)"
             await self.error(ex, 408, "body_timeout", msg, close=True)
+
+    async def buffers_full(self, ex: Exchange) -> None:
+        """503: buffering the request body would pass ``max_buffered_bytes``. An overload of
+        this proxy (the bytes are bodies being read and requests queued with theirs), so not to
+        be retried at once, as the 429: ``x-should-retry: false`` and ``Retry-After``; the
+        connection closes (the body is not read)."""
+        limit = self.settings.max_buffered_bytes
+        msg = f"the proxy's request body buffers are full ({limit} bytes, max_buffered_bytes)"
+        gate = ex.gate or None
+        await self.error(
+            ex, 503, "buffers_full", msg, gate=gate, retry_after_s=1, retry=False, close=True
+        )
+
+    @classmethod
+    async def late(
+        cls, ex: Exchange, deadline_ms: int, before: str, *, close: bool = False
+    ) -> None:
+        """504: the request's total deadline of ``deadline_ms`` (counted from its arrival)
+        passed ``before`` the step named; ``close`` when the body was not read to its end."""
+        where = f"gate {ex.gate!r}: " if ex.gate else ""
+        msg = f"{where}total deadline of {deadline_ms} ms exceeded before {before}"
+        await cls.error(ex, 504, "deadline_exceeded", msg, gate=ex.gate or None, close=close)
 
     @classmethod
     async def not_granted(cls, ex: Exchange, exc: FleetgateError) -> None:

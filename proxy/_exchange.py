@@ -75,6 +75,7 @@ class Exchange:
     note: str = ""
 
     # set by the step named, read by the steps after it
+    begun: float = field(init=False)  # the app: the loop's time at arrival (the deadline's start)
     route: RouteConfig = field(init=False)  # routing
     target: bytes = field(init=False)  # routing: the path to send (RouteConfig.upstream_path)
     asked_at: float = field(init=False)  # the gate: the loop's time when the permit was asked

@@ -3,17 +3,22 @@
 One task (:meth:`Inbound.run`) owns the ASGI ``receive`` for the whole exchange: it buffers the
 body as it arrives (at most ``limit`` bytes: beyond, :attr:`Inbound.too_large`) and, once the
 body is complete, keeps listening for ``http.disconnect``. So a caller that goes away is seen at
-once in every phase -- queued for a permit, waiting for the upstream, streaming the response --
-and the callbacks given to :meth:`Inbound.on_gone` run (they cancel what the exchange is doing).
+once in every phase -- its body read, queued for a permit, waiting for the upstream, streaming
+the response -- and the callbacks given to :meth:`Inbound.on_gone` run (they cancel what the
+exchange is doing).
 
-While the request waits for a permit its body is buffered (bounded by ``limit``); once granted,
-:meth:`Inbound.body` hands the buffer and then the rest, as it arrives, to the upstream.
+:meth:`Inbound.read_all` waits for the whole body (the app reads it before asking for a
+permit); :meth:`Inbound.body` hands the buffer and then the rest, as it arrives, to the upstream
+(a route that streams its uploads). Every buffered byte is taken from the proxy's
+:class:`BodyBudget` (``max_buffered_bytes``, across all connections) as it arrives and given
+back when it is streamed on or the exchange ends (:meth:`Inbound.release`); a chunk the budget
+has no room for stops the exchange (:attr:`Inbound.over_budget`).
 
 A body that goes ``idle_s`` without a byte before it is complete is :attr:`Inbound.stalled`.
 :attr:`Inbound.stop` is set the moment the exchange cannot go on because of the caller -- gone,
-body too large, body stalled -- whatever phase it is in (queued, at the upstream), and
-:meth:`Inbound.failure` says which; :meth:`Inbound.race` waits for a step of the exchange (the
-permit, the upstream's answer) unless that happens first.
+body too large, body stalled, no room to buffer it -- whatever phase it is in, and
+:meth:`Inbound.failure` says which (a :class:`CallerStopped`); :meth:`Inbound.race` waits for a
+step of the exchange (the permit, the upstream's answer) unless that happens first.
 """
 
 from __future__ import annotations
@@ -24,35 +29,84 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["BodyStalled", "BodyTooLarge", "ClientGone", "Inbound"]
+__all__ = [
+    "BodyBudget",
+    "BodyStalled",
+    "BodyTooLarge",
+    "BuffersFull",
+    "CallerStopped",
+    "ClientGone",
+    "Inbound",
+]
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 T = TypeVar("T")
 
 
-class ClientGone(Exception):
+class CallerStopped(Exception):
+    """The caller's side stopped the exchange (:meth:`Inbound.failure`)."""
+
+
+class ClientGone(CallerStopped):
     """The caller disconnected."""
 
 
-class BodyTooLarge(Exception):
+class BodyTooLarge(CallerStopped):
     """The request body is larger than the proxy's ``max_request_bytes``."""
 
 
-class BodyStalled(Exception):
+class BodyStalled(CallerStopped):
     """No byte of the request body came for the proxy's ``body_timeout_s``."""
+
+
+class BuffersFull(CallerStopped):
+    """Buffering the request body would pass the proxy's ``max_buffered_bytes``."""
+
+
+class BodyBudget:
+    """The request body bytes one proxy buffers across all its connections: at most ``limit``
+    (``max_buffered_bytes``). One event loop uses it: no lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit now."""
+        return self.used + size <= self.limit
+
+    def take(self, size: int) -> bool:
+        """Count ``size`` bytes as buffered, unless they do not fit (False)."""
+        if self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def give(self, size: int) -> None:
+        """``size`` bytes taken are no longer buffered."""
+        self.used -= size
 
 
 class Inbound:
     """The caller's side of one exchange (see the module's docstring)."""
 
-    def __init__(self, receive: Receive, limit: int, idle_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        receive: Receive,
+        limit: int,
+        idle_s: float = 30.0,
+        budget: BodyBudget | None = None,
+    ) -> None:
         self._receive = receive
         self.limit = limit
         self.idle_s = idle_s
+        self.budget = BodyBudget(limit) if budget is None else budget
         self.received = 0
+        self.held = 0  # bytes of the body buffered here, taken from the budget
         self.complete = False
         self.too_large = False
         self.stalled = False
+        self.over_budget = False
         self.gone = asyncio.Event()
         self.stop = asyncio.Event()  # gone, too large or stalled: the exchange cannot go on
         self._chunks: deque[bytes] = deque()
@@ -84,15 +138,30 @@ class Inbound:
     def _take(self, message: dict[str, Any]) -> None:
         chunk = message.get("body", b"")
         if chunk:
-            self.received += len(chunk)
+            size = len(chunk)
+            self.received += size
             if self.received > self.limit:
                 self.too_large = True
-                self._chunks.clear()
-                self.stop.set()
+                self._drop()
+            elif not self.budget.take(size):
+                self.over_budget = True
+                self._drop()
             else:
+                self.held += size
                 self._chunks.append(chunk)
         if not message.get("more_body", False):
             self.complete = True
+
+    def _drop(self) -> None:
+        """The body cannot be had: what is buffered goes, and the exchange stops."""
+        self.release()
+        self.stop.set()
+
+    def release(self) -> None:
+        """Give the buffered body's bytes back to the budget (the exchange has ended)."""
+        self._chunks.clear()
+        self.budget.give(self.held)
+        self.held = 0
 
     def _stall(self) -> None:
         if not (self.complete or self.stop.is_set()):
@@ -100,13 +169,15 @@ class Inbound:
             self.stop.set()
             self._news.set()
 
-    def failure(self) -> Exception:
-        """Why :attr:`stop` is set: :class:`ClientGone`, :class:`BodyTooLarge` or
-        :class:`BodyStalled`."""
+    def failure(self) -> CallerStopped:
+        """Why :attr:`stop` is set: :class:`ClientGone`, :class:`BodyTooLarge`,
+        :class:`BuffersFull` or :class:`BodyStalled`."""
         if self.gone.is_set():
             return ClientGone()
         if self.too_large:
             return BodyTooLarge()
+        if self.over_budget:
+            return BuffersFull()
         return BodyStalled()
 
     async def race(
@@ -162,12 +233,14 @@ class Inbound:
         for cb in callbacks:
             cb()
 
-    async def read_all(self) -> bytes:
-        """The whole body (for routing by the JSON ``model``); :class:`BodyTooLarge` or
-        :class:`ClientGone` if it cannot be had. The bytes stay buffered for :meth:`body`."""
-        while not (self.complete or self.stop.is_set()):
-            self._news.clear()
-            await self._news.wait()
+    async def read_all(self, timeout: float | None = None) -> bytes:
+        """The whole body (it stays buffered, for :meth:`body`): a :class:`CallerStopped` if it
+        cannot be had, :class:`TimeoutError` if it is not complete within ``timeout`` s."""
+        if not (self.complete or self.stop.is_set()):
+            try:
+                await asyncio.wait_for(self._settled(), timeout)
+            except asyncio.TimeoutError:  # not the built-in one before Python 3.11
+                raise TimeoutError from None
         self._check()
         if len(self._chunks) > 1:
             whole = b"".join(self._chunks)
@@ -175,20 +248,32 @@ class Inbound:
             self._chunks.append(whole)
         return self._chunks[0] if self._chunks else b""
 
+    async def _settled(self) -> None:
+        """Until the body is complete or the exchange stopped."""
+        while not (self.complete or self.stop.is_set()):
+            self._news.clear()
+            await self._news.wait()
+
     def _check(self) -> None:
         if self.too_large:
             raise BodyTooLarge
+        if self.over_budget:
+            raise BuffersFull
         if self.stalled:
             raise BodyStalled
         if self.gone.is_set() and not self.complete:
             raise ClientGone
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The body for the upstream: what is buffered, then the rest as it arrives."""
+        """The body for the upstream: what is buffered, then the rest as it arrives (each
+        chunk leaves the budget as it goes on)."""
         while True:
             self._check()
             while self._chunks:
-                yield self._chunks.popleft()
+                chunk = self._chunks.popleft()
+                self.held -= len(chunk)
+                self.budget.give(len(chunk))
+                yield chunk
                 self._check()
             if self.complete:
                 return

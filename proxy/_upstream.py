@@ -22,7 +22,7 @@ import httpx
 
 from ._answers import Answers, http_date
 from ._exchange import Exchange
-from ._inbound import BodyStalled, BodyTooLarge, ClientGone
+from ._inbound import CallerStopped
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
 from .policy import classify, forward_request_headers, forward_response_headers, peer_trusted
@@ -158,11 +158,7 @@ def _cancel(task: asyncio.Future[Any]) -> None:
     task.cancel()
 
 
-def _late(ex: Exchange) -> str:
-    return (
-        f"gate {ex.route.gate!r}: total deadline of {ex.asked().deadline_ms} ms exceeded before "
-        "the upstream's response headers"
-    )
+_HEADERS = "the upstream's response headers"
 
 
 class Relay:
@@ -190,10 +186,11 @@ class Relay:
         """Forward ``ex`` to its route's upstream under its held permit, within the rest of its
         deadline, and pass the answer back."""
         loop = asyncio.get_running_loop()
-        remaining = ex.asked().deadline_s - (loop.time() - ex.asked_at)
+        ask = ex.asked()
+        remaining = ask.deadline_s - (loop.time() - ex.begun)
         if remaining <= 0:
             await ex.permit.release()
-            await self.answers.error(ex, 504, "deadline_exceeded", _late(ex), gate=ex.route.gate)
+            await self.answers.late(ex, ask.deadline_ms, _HEADERS)
             return
         inbound = ex.inbound
         if inbound.stop.is_set():  # the body passed its limit or stalled as the grant came
@@ -211,7 +208,7 @@ class Relay:
             answer = await inbound.race(
                 asyncio.ensure_future(upstream.send(request)), remaining, discard=_close
             )
-        except (BodyTooLarge, BodyStalled, ClientGone) as exc:
+        except CallerStopped as exc:
             await ex.permit.release()
             await self.answers.caller_failed(ex, exc, "upstream")
             return
@@ -260,7 +257,7 @@ class Relay:
         if isinstance(exc, TimeoutError):
             await ex.permit.release("timeout")
             errors.labels(ex.label, "timeout").inc()
-            await self.answers.error(ex, 504, "deadline_exceeded", _late(ex), gate=route.gate)
+            await self.answers.late(ex, ex.asked().deadline_ms, _HEADERS)
         elif isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
             await ex.permit.release("timeout")
             errors.labels(ex.label, "connect").inc()

@@ -4,14 +4,20 @@ One exchange (:class:`~._exchange.Exchange`), in order (each step may answer ins
 on; the answers are :mod:`._answers`'):
 
 1. the request head (:func:`~._checks.refusal`: 431, 400, 501, 413, 508), a route for the
-   path (404);
-2. the route by the JSON body's ``model`` when routes name models (the body is read first);
-3. the ``X-Fleetgate-*`` headers -> the permit asked for (:func:`~.policy.parse_ask`; 400);
-4. the permit: ``Overloaded`` -> 429 with ``Retry-After``; the deadline while queued -> 504; a
+   path (404); a declared body with no room in ``max_buffered_bytes`` (503, nothing read);
+2. the ``X-Fleetgate-*`` headers -> the permit asked for (:func:`~.policy.parse_ask`; 400);
+3. the route by the JSON body's ``model`` when routes name models (the body is read first);
+4. the whole body, unless the route streams its uploads (``stream_uploads``): a request joins
+   the gate's queue only once it can be sent at once, so a permit always means the upstream is
+   working (408 stalled, 413, 503 no room to buffer it, 504 past the deadline);
+5. the permit: ``Overloaded`` -> 429 with ``Retry-After``; the deadline while queued -> 504; a
    caller that disconnects while queued leaves the wait list (no permit consumed);
-5. the upstream call and the answer streamed back under the permit
+6. the upstream call and the answer streamed back under the permit
    (:meth:`~._upstream.Relay.forward`): 504 past the deadline, 502 when the upstream cannot be
    reached; the permit freed the moment the upstream is done, whatever the caller's pace.
+
+The deadline counts from the request's arrival: the body's read, the queue wait and the time
+to the upstream's response headers are all in it.
 
 The app never raises into the server: every failure becomes a response (or, once the response
 has started, a cut connection). No header value, query string or URL credential is logged.
@@ -32,9 +38,9 @@ from fleetgate.client import Fleet, Gate, Lease
 from fleetgate.errors import FleetgateError
 
 from ._answers import CLIENT_CLOSED, ENCODER, Answers, send_plain
-from ._checks import refusal
+from ._checks import content_length, refusal
 from ._exchange import Exchange, Permit, Receive, Scope, Send, log_access
-from ._inbound import BodyStalled, BodyTooLarge, ClientGone, Inbound
+from ._inbound import BodyBudget, CallerStopped, Inbound
 from ._upstream import Relay
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
@@ -73,6 +79,9 @@ class ProxyApp:
         self.metrics = ProxyMetrics.create(registry)
         self.answers = Answers(config.proxy, self.metrics)
         self.draining = False
+        #: the request body bytes buffered across all connections (``max_buffered_bytes``)
+        self.budget = BodyBudget(config.proxy.max_buffered_bytes)
+        self.metrics.buffered_bytes.set_function(lambda: self.budget.used)
         self._gates: dict[str, Gate] = {}
         self._gauges: dict[str, Gauge] = {}
         self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
@@ -113,8 +122,9 @@ class ProxyApp:
             await self._metrics(scope, send)
             return
         client = scope.get("client")
-        inbound = Inbound(receive, settings.max_request_bytes, settings.body_timeout_s)
+        inbound = Inbound(receive, settings.max_request_bytes, settings.body_timeout_s, self.budget)
         ex = Exchange(scope, send, inbound, scope["method"], path, client[0] if client else "-")
+        ex.begun = asyncio.get_running_loop().time()
         try:
             await self._exchange(ex)
         except asyncio.CancelledError:
@@ -172,30 +182,41 @@ class ProxyApp:
         if not routes:
             await self.answers.error(ex, 404, "no_route", f"no route for path {ex.path!r}")
             return
+        declared = content_length(ex.scope["headers"])  # one number: refusal checked it
+        if declared and not routes[0].stream_uploads and not self.budget.fits(declared):
+            await self.answers.buffers_full(ex)  # no room for a body read whole: none of it
+            return
         pump = asyncio.ensure_future(ex.inbound.run())
         try:
             await self._routed(ex, routes)
         finally:
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
+            ex.inbound.release()
 
     async def _routed(self, ex: Exchange, routes: list[RouteConfig]) -> None:
-        """Route ``ex`` (the first of ``routes`` that takes its model), parse its ask, then on
-        to the gate; ``ex`` carries the route, the target and the ask from here."""
-        route = await self._by_model(ex, routes)
+        """Parse the ask, route ``ex`` (the first of ``routes`` that takes its model), read its
+        body unless the route streams uploads, then on to the gate; ``ex`` carries the route,
+        the target and the ask from here."""
+        # the asks of the routes the request may take: all when a model picks, else the first
+        candidates = routes if routes[0].models else routes[:1]
+        try:
+            asks = {id(r): parse_ask(ex.scope["headers"], r) for r in candidates}
+        except BadHeader as exc:  # the headers' form is every route's: the route cannot mend it
+            await self.answers.error(ex, 400, "bad_header", str(exc))
+            return
+        route = await self._by_model(ex, routes, max(a.deadline_ms for a in asks.values()))
         if route is None:
             return
-        ex.route, ex.label, ex.gate = route, route.label, route.gate
+        ex.route, ex.label, ex.gate, ex.ask = route, route.label, route.gate, asks[id(route)]
         target = route.upstream_path(ex.scope.get("raw_path") or ex.path.encode())
         if target is None:
             msg = f"route {route.label!r} strips {route.path!r}: it must not be percent-encoded"
             await self.answers.error(ex, 400, "bad_request", msg)
             return
         ex.target = target
-        try:
-            ex.ask = parse_ask(ex.scope["headers"], route)
-        except BadHeader as exc:
-            await self.answers.error(ex, 400, "bad_header", str(exc))
+        # the whole body first (a permit means the upstream is working) unless the route streams
+        if not route.stream_uploads and await self._body(ex, ex.ask.deadline_ms) is None:
             return
         gauge = self._gauges.get(route.label)
         if gauge is None:
@@ -206,16 +227,17 @@ class ProxyApp:
         finally:
             gauge.dec()
 
-    async def _by_model(self, ex: Exchange, routes: list[RouteConfig]) -> RouteConfig | None:
+    async def _by_model(
+        self, ex: Exchange, routes: list[RouteConfig], deadline_ms: int
+    ) -> RouteConfig | None:
         """The route of ``ex``: the first of ``routes``, or when routes name models, the first
-        that takes the JSON body's ``model``; None when answered instead (404, the body)."""
+        that takes the JSON body's ``model`` (the body read within ``deadline_ms``, the longest
+        deadline the request has on any of them); None when answered instead (404, the body)."""
         route = routes[0]
         if not route.models:
             return route
-        try:
-            body = await ex.inbound.read_all()
-        except (BodyTooLarge, BodyStalled, ClientGone) as exc:
-            await self.answers.caller_failed(ex, exc, "body")
+        body = await self._body(ex, deadline_ms)
+        if body is None:
             return None
         try:
             model = msgspec.json.decode(body, type=_Model).model
@@ -228,20 +250,36 @@ class ProxyApp:
             await self.answers.error(ex, 404, "no_route", msg)
         return found
 
+    async def _body(self, ex: Exchange, deadline_ms: int) -> bytes | None:
+        """The whole body of ``ex`` within what is left of its deadline of ``deadline_ms``
+        (counted from its arrival), or None when answered instead: gone, 408 stalled, 413, 503
+        no room to buffer it, 504 past the deadline (the connection closed)."""
+        left = deadline_ms / 1000 - (asyncio.get_running_loop().time() - ex.begun)
+        try:
+            return await ex.inbound.read_all(max(left, 0.0))
+        except CallerStopped as exc:
+            await self.answers.caller_failed(ex, exc, "body")
+        except TimeoutError:
+            await self.answers.late(ex, deadline_ms, "the request body was complete", close=True)
+        return None
+
     async def _gated(self, ex: Exchange) -> None:
-        """Wait for the permit ``ex`` asks for, then forward under it."""
+        """Wait for the permit ``ex`` asks for, within the rest of its deadline, then forward
+        under it."""
         ask = ex.asked()
         gate = self.gate(ex.route)
         loop = asyncio.get_running_loop()
         ex.asked_at = loop.time()
+        left = ask.deadline_s - (ex.asked_at - ex.begun)
+        if left <= 0:  # the body's read took it all
+            await self.answers.late(ex, ask.deadline_ms, "a permit was asked")
+            return
         acquire = asyncio.ensure_future(
-            gate.acquire(
-                ask.deadline_s, weight=ask.weight, priority=ask.priority, tenant=ask.tenant
-            )
+            gate.acquire(left, weight=ask.weight, priority=ask.priority, tenant=ask.tenant)
         )
         try:
             lease = await ex.inbound.race(acquire, discard=_give_back)
-        except (BodyTooLarge, BodyStalled, ClientGone) as exc:
+        except CallerStopped as exc:
             await self.answers.caller_failed(ex, exc, "queued")
             return
         except FleetgateError as exc:

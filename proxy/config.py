@@ -4,12 +4,13 @@ msgspec structs.
 Shape (``example.toml`` next to this module shows every key with its default)::
 
     [redis]      url, prefix
-    [proxy]      listen, max_request_bytes, max_response_bytes, max_header_bytes,
-                 head_timeout_s, body_timeout_s, trusted_proxies, drain_seconds, access_log,
-                 metrics_path, health_path
+    [proxy]      listen, max_request_bytes, max_buffered_bytes, max_response_bytes,
+                 max_header_bytes, head_timeout_s, body_timeout_s, trusted_proxies,
+                 drain_seconds, access_log, metrics_path, health_path
     [[routes]]   path, strip_path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
                  min_priority, max_priority, tenant, tenants, weight, max_weight,
-                 stream_timeout_s, connect_timeout_s, retry_after_s, gate_defaults
+                 stream_uploads, stream_timeout_s, connect_timeout_s, retry_after_s,
+                 gate_defaults
 
 A request goes to the first route whose ``path`` is a prefix of its path (on a ``/`` boundary)
 and, when the route lists ``models``, whose JSON body names one of them in ``model``. Every
@@ -89,6 +90,10 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     listen: str = "127.0.0.1:8080"
     #: a larger request body gets 413 (before a permit is taken when Content-Length says so)
     max_request_bytes: Annotated[int, Meta(ge=1, le=1024 * MiB)] = 16 * MiB
+    #: request body bytes buffered across all connections at once (a body is read whole
+    #: before its request joins the gate's queue); a body that would pass it gets 503 with
+    #: Retry-After and the connection is closed. At least max_request_bytes
+    max_buffered_bytes: Annotated[int, Meta(ge=1, le=64 * 1024 * MiB)] = 256 * MiB
     #: a larger upstream response is cut: 502 before its headers were sent, else the connection
     #: is closed (the permit is freed either way)
     max_response_bytes: Annotated[int, Meta(ge=1, le=16 * 1024 * MiB)] = 256 * MiB
@@ -112,6 +117,11 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         checked("listen", parse_listen, self.listen)
+        if self.max_buffered_bytes < self.max_request_bytes:
+            raise ConfigError(
+                f"max_buffered_bytes: {self.max_buffered_bytes} is below max_request_bytes "
+                f"{self.max_request_bytes} (a body of the largest size could never be buffered)"
+            )
         for i, network in enumerate(self.trusted_proxies):
             try:
                 ipaddress.ip_network(network, strict=False)
@@ -161,6 +171,10 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: X-Fleetgate-Weight when absent; asked values are clamped to [1, max_weight]
     weight: Annotated[int, Meta(ge=1)] = 1
     max_weight: Annotated[int, Meta(ge=1)] | None = None
+    #: take the permit first and stream the request body to the upstream as it arrives (for
+    #: uploads too large to buffer: a slow sender then holds the permit); default: the body is
+    #: read whole, within the deadline, before the request joins the gate's queue
+    stream_uploads: bool = False
     #: a streamed (or any) response body must be complete this long after its headers
     stream_timeout_s: Seconds = 600.0
     connect_timeout_s: Seconds = 10.0
@@ -184,6 +198,10 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except TypeError as exc:  # an unknown keyword of gate_defaults
             raise ConfigError(f"gate_defaults: {exc}") from None
         msgspec.structs.force_setattr(self, "upstream", upstream)
+        if self.stream_uploads and self.models:
+            raise ConfigError(
+                "stream_uploads: a route that names models reads the body whole to route it"
+            )
         lo, hi = self.priority_range
         if not lo <= self.priority <= hi:
             raise ConfigError(

@@ -3,7 +3,8 @@
 Both live in the registry the proxy is given, which ``/metrics`` serves. Labels: ``route`` is the
 route's label (its ``name``, else its path; ``""`` for requests no route took), ``status`` the
 HTTP status the caller got -- both bounded: routes come from the configuration, statuses are
-three digits.
+three digits. ``fleetgate_proxy_buffered_body_bytes`` has no label: it is read from the proxy's
+:class:`~._inbound.BodyBudget` when scraped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class ProxyMetrics:
     in_flight: Gauge
     disconnects: Counter
     upstream_errors: Counter
+    buffered_bytes: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ProxyMetrics:
@@ -66,6 +68,12 @@ class ProxyMetrics:
                 "Calls that got no complete response from the upstream, by route and kind "
                 "(connect, timeout, protocol, too_large)",
                 ("route", "kind"),
+                registry=registry,
+            ),
+            buffered_bytes=Gauge(
+                "fleetgate_proxy_buffered_body_bytes",
+                "Request body bytes buffered across all connections (bodies being read, queued "
+                "for a permit or not yet sent upstream); at most max_buffered_bytes",
                 registry=registry,
             ),
         )

@@ -180,13 +180,21 @@ def test_upstream_framings_pass_through_and_bad_ones_get_502(
     wait_idle(rut.url, rut.prefix, "g")
 
 
-def test_a_body_still_arriving_is_streamed_upstream(rut: RedisUnderTest, upstream: Served) -> None:
+def test_a_body_still_arriving_is_streamed_upstream_on_a_streaming_route(
+    rut: RedisUnderTest, upstream: Served
+) -> None:
+    """A route with ``stream_uploads`` takes the permit first and streams the body on as it
+    arrives (by default the body is read whole first: tests/test_proxy_bodies.py)."""
+
     def chunks() -> Iterator[bytes]:
         for i in range(50):
             time.sleep(0.002)
             yield f"{i:04d}".encode()
 
-    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with (
+        serve_proxy(rut, upstream, stream_uploads=True) as url,
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
         seen = http.post("/echo", content=chunks()).json()
         assert seen["body"] == "".join(f"{i:04d}" for i in range(50))
         assert seen["headers"].get("transfer-encoding") == "chunked"
