@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetgate.ask import Ask
 from fleetgate.client import Lease
 
 from ._inbound import Inbound
 from .config import RouteConfig
-from .policy import Ask
 
 __all__ = ["Exchange", "Message", "Permit", "Receive", "Scope", "Send", "log_access"]
 

@@ -25,7 +25,14 @@ from ._exchange import Exchange
 from ._inbound import CallerStopped
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
-from .policy import classify, forward_request_headers, forward_response_headers, peer_trusted
+from .policy import (
+    classify,
+    deadline_ms_of,
+    deadline_of,
+    forward_request_headers,
+    forward_response_headers,
+    peer_trusted,
+)
 
 __all__ = ["POOLS_PER_ROUTE", "Answer", "Relay", "Upstream"]
 
@@ -187,10 +194,10 @@ class Relay:
         deadline, and pass the answer back."""
         loop = asyncio.get_running_loop()
         ask = ex.asked()
-        remaining = ask.deadline_s - (loop.time() - ex.begun)
+        remaining = deadline_of(ask) - (loop.time() - ex.begun)
         if remaining <= 0:
             await ex.permit.release()
-            await self.answers.late(ex, ask.deadline_ms, _HEADERS)
+            await self.answers.late(ex, deadline_ms_of(ask), _HEADERS)
             return
         inbound = ex.inbound
         if inbound.stop.is_set():  # the body passed its limit or stalled as the grant came
@@ -257,7 +264,7 @@ class Relay:
         if isinstance(exc, TimeoutError):
             await ex.permit.release("timeout")
             errors.labels(ex.label, "timeout").inc()
-            await self.answers.late(ex, ex.asked().deadline_ms, _HEADERS)
+            await self.answers.late(ex, deadline_ms_of(ex.asked()), _HEADERS)
         elif isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
             await ex.permit.release("timeout")
             errors.labels(ex.label, "connect").inc()

@@ -26,6 +26,7 @@ has started, a cut connection). No header value, query string or URL credential 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -44,7 +45,7 @@ from ._inbound import BodyBudget, CallerStopped, Inbound
 from ._upstream import Relay
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
-from .policy import BadHeader, parse_ask
+from .policy import BadHeader, deadline_ms_of, deadline_of, parse_ask
 
 __all__ = ["ProxyApp"]
 
@@ -205,7 +206,7 @@ class ProxyApp:
         except BadHeader as exc:  # the headers' form is every route's: the route cannot mend it
             await self.answers.error(ex, 400, "bad_header", str(exc))
             return
-        route = await self._by_model(ex, routes, max(a.deadline_ms for a in asks.values()))
+        route = await self._by_model(ex, routes, max(deadline_ms_of(a) for a in asks.values()))
         if route is None:
             return
         ex.route, ex.label, ex.gate, ex.ask = route, route.label, route.gate, asks[id(route)]
@@ -216,7 +217,7 @@ class ProxyApp:
             return
         ex.target = target
         # the whole body first (a permit means the upstream is working) unless the route streams
-        if not route.stream_uploads and await self._body(ex, ex.ask.deadline_ms) is None:
+        if not route.stream_uploads and await self._body(ex, deadline_ms_of(ex.ask)) is None:
             return
         gauge = self._gauges.get(route.label)
         if gauge is None:
@@ -270,13 +271,11 @@ class ProxyApp:
         gate = self.gate(ex.route)
         loop = asyncio.get_running_loop()
         ex.asked_at = loop.time()
-        left = ask.deadline_s - (ex.asked_at - ex.begun)
+        left = deadline_of(ask) - (ex.asked_at - ex.begun)
         if left <= 0:  # the body's read took it all
-            await self.answers.late(ex, ask.deadline_ms, "a permit was asked")
+            await self.answers.late(ex, deadline_ms_of(ask), "a permit was asked")
             return
-        acquire = asyncio.ensure_future(
-            gate.acquire(left, weight=ask.weight, priority=ask.priority, tenant=ask.tenant)
-        )
+        acquire = asyncio.ensure_future(gate.acquire(ask=dataclasses.replace(ask, deadline=left)))
         try:
             lease = await ex.inbound.race(acquire, discard=_give_back)
         except CallerStopped as exc:

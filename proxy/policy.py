@@ -1,6 +1,7 @@
 """What the proxy decides about one request and one response, as pure functions (no I/O).
 
-* :func:`parse_ask`: the ``X-Fleetgate-*`` headers -> the permit to ask for (:class:`Ask`),
+* :func:`parse_ask`: the ``X-Fleetgate-*`` headers -> the permit to ask for (the core
+  :class:`~fleetgate.ask.Ask`, carried as it is to the gate),
   validated (a malformed value is a :class:`BadHeader`: 400) and clamped to what the route
   allows (a caller never gets above ``max_priority``, a tenant the route does not list, a weight
   above ``max_weight`` or a deadline above ``max_deadline_ms``);
@@ -23,10 +24,10 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Final, Literal
 
 from fleetgate.admission import MAX_PRIORITY, MIN_PRIORITY
+from fleetgate.ask import Ask
 from fleetgate.keys import name_problem
 from fleetgate.observed import OVERLOADED_STATUSES, TIMEOUT_STATUSES
 
@@ -39,6 +40,8 @@ __all__ = [
     "BadHeader",
     "Outcome",
     "classify",
+    "deadline_ms_of",
+    "deadline_of",
     "forward_request_headers",
     "forward_response_headers",
     "parse_ask",
@@ -94,18 +97,16 @@ class BadHeader(ValueError):
         super().__init__(f"{self.header}: {problem}")
 
 
-@dataclass(frozen=True)
-class Ask:
-    """The permit one request asks for, after the route's policy."""
+def deadline_of(ask: Ask) -> float:
+    """The total deadline of a request's :class:`~fleetgate.ask.Ask`, in seconds (every ask
+    :func:`parse_ask` makes has one: the route's default when the header is absent)."""
+    assert ask.deadline is not None
+    return ask.deadline
 
-    priority: int
-    tenant: str | None
-    weight: int
-    deadline_ms: int
 
-    @property
-    def deadline_s(self) -> float:
-        return self.deadline_ms / 1000.0
+def deadline_ms_of(ask: Ask) -> int:
+    """:func:`deadline_of` in whole milliseconds, as the header and the 504 name it."""
+    return round(deadline_of(ask) * 1000)
 
 
 def _single(headers: Headers, name: bytes) -> str | None:
@@ -169,7 +170,7 @@ def parse_ask(headers: Headers, route: RouteConfig) -> Ask:
             raise BadHeader(TENANT, problem)
         if route.any_tenant or text in route.tenants:
             tenant = text
-    return Ask(priority=priority, tenant=tenant, weight=weight, deadline_ms=deadline)
+    return Ask(weight=weight, priority=priority, tenant=tenant, deadline=deadline / 1000)
 
 
 def _connection_tokens(headers: Headers) -> set[bytes]:

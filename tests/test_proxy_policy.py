@@ -164,7 +164,7 @@ def test_one_route_defaults() -> None:
 
 def test_absent_headers_take_the_route_defaults() -> None:
     route = _config(priority=2, max_priority=5, tenant="t", weight=3, deadline_ms=1500).routes[0]
-    assert parse_ask([], route) == Ask(priority=2, tenant="t", weight=3, deadline_ms=1500)
+    assert parse_ask([], route) == Ask(priority=2, tenant="t", weight=3, deadline=1.5)
 
 
 def test_headers_are_clamped_to_the_route() -> None:
@@ -184,7 +184,7 @@ def test_headers_are_clamped_to_the_route() -> None:
         ),
         route,
     )
-    assert ask == Ask(priority=10, tenant="search", weight=64, deadline_ms=60_000)
+    assert ask == Ask(priority=10, tenant="search", weight=64, deadline=60.0)
     low = parse_ask(_h(x_fleetgate_priority="-100", x_fleetgate_tenant="intruder"), route)
     assert (low.priority, low.tenant) == (-5, None)  # an unlisted tenant: the route's own
     assert parse_ask(_h(x_fleetgate_priority=" 7 "), route).priority == 7
