@@ -14,7 +14,6 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 import redis
@@ -182,24 +181,3 @@ async def fleet(rut: RedisUnderTest, registry: CollectorRegistry) -> AsyncIterat
     other settings define their own ``fleet``."""
     async with Fleet(rut.url, prefix=rut.prefix, registry=registry, heartbeat_interval=0.2) as f:
         yield f
-
-
-@pytest.fixture
-def upstream() -> Iterator[Any]:
-    """The proxy tests' upstream (``tests/_proxy.py``'s ``upstream_app``) on a thread: the
-    ``Served`` of fleetgate.tools.sim (``.url``; what it saw: ``upstream_log``)."""
-    from fleetgate.tools.sim._server import serve_in_thread
-
-    from ._proxy import upstream_app
-
-    with serve_in_thread(upstream_app()) as served:
-        yield served
-
-
-@pytest.fixture(params=["httptools", "h11"])
-def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A proxy test on both request parsers (httptools: the fast extra's; h11: the fallback)."""
-    if request.param == "h11":
-        monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
-    name: str = request.param
-    return name

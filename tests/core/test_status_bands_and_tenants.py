@@ -1,0 +1,397 @@
+"""Visibility of weights, bands and tenants (issue 12, item 4) against a real redis-server:
+``fleetgate status`` and ``inspect``, the README's redis-cli commands, ``fleetgate check``'s
+key types, the coordinator's units in flight, ``fleet.utilization`` and the client metrics'
+priority and tenant labels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
+
+from fleetgate.client import Fleet, Gate, Lease, Overloaded
+from fleetgate.client._metrics import MAX_TENANT_LABELS, GateMetrics, client_metrics
+from fleetgate.commands import format_inspect
+from fleetgate.coordinator.config import GateConfig
+from fleetgate.coordinator.publisher import Publisher
+from fleetgate.keys import GateKeys
+from fleetgate.safety import EXPECTED_TYPES, find_bad_keys
+from fleetgate.status import format_status, gather_status
+from fleetgate.tools.redisproc import RedisProcess
+
+from ..conftest import RedisUnderTest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@dataclass
+class Scene:
+    gate: Gate
+    held: list[Lease]
+    tasks: list[asyncio.Task[Lease]]
+    refusals: list[str]
+
+
+async def _scene(fleet: Fleet) -> Scene:
+    """Gate ``rerank``, limit 8 (ceiling 16): 7 units held by 2 leases; waiting: search 3 at
+    priority 10 (its weight-4 head keeps the free unit: reserved), the default tenant 1 at
+    priority 5 (weight 12: heavier than the limit) and 1 at priority 0, ingest 2 at priority 0
+    (its third was evicted by search's third); one call refused per tenant bound, one shed."""
+    r = fleet.redis
+    gate = fleet.gate("rerank", floor=8, ceiling=16)
+    cfg = {"floor": 8, "ceiling": 16, "max_queued": 7, "max_queued_per_tenant": 3}
+    await r.hset(gate.keys.cfg, mapping={**cfg, "shed_below": 0})
+    await r.hset(gate.keys.tenant_weights, mapping={"search": 3, "ingest": 1})
+    held = [await gate.acquire(weight=3), await gate.acquire(weight=4), await gate.acquire()]
+    tasks: list[asyncio.Task[Lease]] = []
+
+    def park(weight: int = 1, priority: int = 0, tenant: str | None = None) -> None:
+        call = gate.acquire(deadline=60, weight=weight, priority=priority, tenant=tenant)
+        tasks.append(asyncio.create_task(call))
+
+    for _ in range(3):
+        park(tenant="ingest")
+    park(priority=10, tenant="search", weight=4)
+    park(priority=10, tenant="search")
+    park()
+    park(priority=5, weight=12)
+    await _until(lambda: _queued(gate) == 7)
+    refusals = []
+    for priority, tenant in ((0, "ingest"), (-5, None)):
+        with pytest.raises(Overloaded) as info:
+            await gate.acquire(deadline=1, priority=priority, tenant=tenant)
+        refusals.append(str(info.value))
+    park(priority=10, tenant="search")  # the list is full: ingest's newest waiter leaves
+    await _until(lambda: sum(t.done() for t in tasks) == 1)
+    await held.pop().release()  # one unit free, kept for search's weight-4 head
+    await fleet.flush()
+    return Scene(gate, held, tasks, refusals)
+
+
+def _queued(gate: Gate) -> int:
+    return sum(1 for w in gate.waiters.values() if w.parked)
+
+
+async def _until(check: object, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _end(scene: Scene) -> None:
+    for task in scene.tasks:
+        task.cancel()
+    for outcome in await asyncio.gather(*scene.tasks, return_exceptions=True):
+        if isinstance(outcome, Lease):
+            await outcome.release()
+    for lease in scene.held:
+        await lease.release()
+
+
+@pytest.fixture
+async def scene_fleet() -> AsyncIterator[tuple[RedisProcess, Fleet, Scene]]:
+    """The scene in a private server under the default prefix (the README's key names)."""
+    if not RedisProcess.available():
+        pytest.skip("redis-server missing")
+    with RedisProcess() as proc:
+        async with Fleet(proc.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+            scene = await _scene(fleet)
+            await fleet.redis.sadd("fg:gates", "rerank")
+            try:
+                yield proc, fleet, scene
+            finally:
+                await _end(scene)
+
+
+def fleetgate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetgate.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+# ------------------------------------------------------------------------- status and inspect
+
+
+async def test_status_shows_units_bands_and_tenants(
+    scene_fleet: tuple[RedisProcess, Fleet, Scene],
+) -> None:
+    proc, fleet, scene = scene_fleet
+    assert len(scene.refusals) == 2
+    status = await gather_status(fleet.redis, "fg", tenants=1)
+    [g] = status.gates
+    assert (g.units, g.limit, g.in_flight, g.queued, g.schema) == (7, 8, 2, 7, 2)
+    assert (g.max_queued_per_tenant, g.shed_below) == (3, 0)
+    assert g.tenant_weights == {"search": 3, "ingest": 1}
+    assert [(b.priority, b.queued, b.lanes) for b in g.bands] == [(10, 3, 1), (5, 1, 1), (0, 3, 2)]
+    assert g.bands[0].reserved is not None and g.bands[0].reserved.endswith("w4")
+    assert g.bands[0].reserved_tenant == "search"
+    # capped at one tenant (the largest queue), the rest summed as other
+    assert [(t.tenant, t.queued) for t in g.tenants] == [("search", 3)]
+    assert (g.tenants_other, g.unlisted) == (4, 0)
+    assert (g.evicted, g.shed, g.rejected_tenant, g.too_heavy) == (1, 1, 1, 0)
+
+    text = format_status(status, time.time())
+    assert "7/8" in text
+    assert re.search(
+        r"queued by priority: p10 3 \(units kept for \S+w4 of search\), p5 1, p0 3", text
+    )
+    assert "queued by tenant:   search 3, other 4" in text
+
+    out = fleetgate("status", "--json", "--tenants", "2", "--redis", proc.url)
+    assert out.returncode == 0, out.stderr
+    [row] = json.loads(out.stdout)["gates"]
+    assert row["in_flight"] == 2 and row["units"] == 7  # the old field keeps its meaning
+    # a tie (ingest and the default tenant wait 2 each) keeps the order of service
+    assert [t["tenant"] for t in row["tenants"]] == ["search", ""]
+    assert row["tenants_other"] == 2
+
+
+async def test_inspect_lists_lanes_in_service_order_with_their_heads(
+    scene_fleet: tuple[RedisProcess, Fleet, Scene],
+) -> None:
+    proc, _, scene = scene_fleet
+    snap = await scene.gate.snapshot()
+    text = format_inspect("rerank", snap)
+    lanes = [line.split() for line in text.splitlines() if line.startswith("    p")]
+    # band 10 first; in band 0 the lanes by tag (equal: by name, the default tenant first);
+    # the oversize lane after the fair order
+    assert [(lane[0], lane[1]) for lane in lanes] == [
+        ("p10", "search"),
+        ("p0", "(default)"),
+        ("p0", "ingest"),
+        ("p5", "(default)"),
+    ]
+    lines = {
+        line.split()[0] + line.split()[1]: line
+        for line in text.splitlines()
+        if line.startswith("    p")
+    }
+    assert "units kept for" in lines["p10search"]
+    assert "heavier than the limit" in lines["p5(default)"]
+    assert "units held 7/8 by 2 leases" in text and "tenant weights ingest=1 search=3" in text
+    heads = re.findall(r"waiter (\S+)\s+weight (\d+)", text)
+    assert heads[0][1] == "4" and len(heads) == 7
+
+    out = fleetgate("inspect", "rerank", "--redis", proc.url, "-n", "2")
+    assert out.returncode == 0, out.stderr
+    assert "p10   search" in out.stdout and "2 more waiting in lanes not listed" in out.stdout
+    assert "weight 4" in out.stdout
+    raw = json.loads(fleetgate("inspect", "rerank", "--json", "--redis", proc.url).stdout)
+    assert raw["units"] == 7 and [lane["priority"] for lane in raw["lanes"]] == [10, 0, 0, 5]
+
+
+# ------------------------------------------------------------------- the README's redis-cli
+
+
+def _readme_commands() -> list[tuple[str, str]]:
+    """(command, comment) of the README's redis-cli block, the ``G=`` line excepted."""
+    text = README.read_text()
+    section = text[text.index("## Inspecting a gate with redis-cli") :]
+    block = section[section.index("```bash") + len("```bash") :]
+    block = block[: block.index("```")]
+    out = []
+    for line in block.strip().splitlines():
+        if line.startswith("G="):
+            assert line == "G='fg:{rerank}'"
+            continue
+        command, _, comment = line.partition("  #")
+        out.append((command.strip(), comment.strip()))
+    return out
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="redis-cli missing")
+async def test_readme_redis_cli_commands_read_a_real_gate(
+    scene_fleet: tuple[RedisProcess, Fleet, Scene],
+) -> None:
+    proc, _, scene = scene_fleet
+    answers: dict[str, list[str]] = {}
+    for command, _ in _readme_commands():
+        assert command.startswith("redis-cli "), command
+        shell = f"G='fg:{{rerank}}'; redis-cli -p {proc.port} {command[len('redis-cli ') :]}"
+        out = await asyncio.to_thread(
+            subprocess.run, ["bash", "-c", shell], capture_output=True, text=True, timeout=10
+        )
+        assert out.returncode == 0 and "ERR" not in out.stdout, (command, out.stdout, out.stderr)
+        answers[command] = out.stdout.split()
+
+    def answer(start: str) -> list[str]:
+        [found] = [v for k, v in answers.items() if k.startswith(start)]
+        return found
+
+    snap = await scene.gate.snapshot()
+    held, extra = (
+        answer('redis-cli ZCARD   "$G:holders"'),
+        answer('redis-cli HGET    "$G:adm" extra'),
+    )
+    assert int(held[0]) + int(extra[0]) == snap.units == 7
+    assert len(answer('redis-cli ZRANGE  "$G:fair" 0 -1')) == 3
+    assert answer('redis-cli ZRANGE  "$G:big"') == ["}095", "12"]
+    line = answer('redis-cli ZRANGE  "$G:lanes" "[search}090}"')
+    assert len(line) == 3 and all(m.startswith("search}090}") for m in line)
+    assert line[0].endswith("w4")
+    assert answer('redis-cli ZLEXCOUNT "$G:lanes" "[search}090}"') == ["3"]
+    assert answer('redis-cli ZLEXCOUNT "$G:lanes" "[search}" ') == ["3"]
+    assert answer('redis-cli ZLEXCOUNT "$G:lanes" "[}"') == ["2"]
+    assert answer('redis-cli ZRANGE  "$G:fair" "[090}"')[0].endswith("}search")
+    assert answer('redis-cli HGET    "$G:adm" rsv:090') == [line[0]]
+    weights = answer('redis-cli HGETALL "$G:tw"')
+    assert dict(zip(weights[::2], weights[1::2], strict=True)) == {"search": "3", "ingest": "1"}
+    stats = answer('redis-cli HGETALL "$G:stats"')
+    counters = dict(zip(stats[::2], stats[1::2], strict=True))
+    assert (counters["shed"], counters["rejected_tenant"], counters["evicted"]) == ("1", "1", "1")
+    assert answer('redis-cli ZCARD   "$G:waiters"') == [str(snap.queued)]
+    assert "2" in answer('redis-cli HGETALL "$G:cfg"')  # the schema
+
+
+# ------------------------------------------------------- check, coordinator, utilization
+
+
+def test_expected_types_are_gate_keys_types() -> None:
+    keys = GateKeys.of("fg", "g")
+    assert {getattr(keys, attr): t for attr, t in EXPECTED_TYPES.items()} == dict(
+        keys.expected_types()
+    )
+
+
+async def test_check_knows_the_schema_2_keys(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("ok", floor=2)
+        lease = await gate.acquire(weight=2, priority=3, tenant="t")
+        assert await find_bad_keys(async_redis, rut.prefix, ["ok"]) == []
+        await lease.release()
+
+    def keys(name: str) -> GateKeys:
+        return GateKeys.of(rut.prefix, name)
+
+    # schema 1 (fleetgate 0.1's FIFO, not converted yet): a warning about the upgrade
+    await async_redis.hset(keys("old").cfg, "floor", 1)
+    await async_redis.zadd(keys("old").queue, {"p:1": 1})
+    # schema 2 with a FIFO where the fence belongs: an old client wrote it
+    await async_redis.hset(keys("mixed").cfg, mapping={"floor": 1, "schema": 2})
+    await async_redis.zadd(keys("mixed").queue, {"p:1": 1})
+    # schema 2 without its fence
+    await async_redis.hset(keys("open").cfg, mapping={"floor": 1, "schema": 2})
+    # garbled tenant weight and per-tenant bound; lanes of the wrong type
+    await async_redis.hset(keys("bad").cfg, mapping={"max_queued_per_tenant": "x", "schema": 2})
+    await async_redis.set(keys("bad").queue, "fence")
+    await async_redis.hset(keys("bad").tenant_weights, mapping={"a": "2", "b": "nan", "c": "5000"})
+    await async_redis.set(keys("bad").lanes, "x")
+    found = {
+        name: sorted(
+            (f.level, f.code) for f in await find_bad_keys(async_redis, rut.prefix, [name])
+        )
+        for name in ("old", "mixed", "open", "bad")
+    }
+    assert found == {
+        "old": [("warning", "schema")],
+        "mixed": [("error", "wrong_type")],
+        "open": [("warning", "schema")],
+        "bad": [("error", "bad_value")] * 3 + [("error", "wrong_type")],
+    }
+    [mixed] = await find_bad_keys(async_redis, rut.prefix, ["mixed"])
+    assert "HDEL" in mixed.message and keys("mixed").queue in mixed.message
+
+
+async def test_coordinator_reads_units_in_flight(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    publisher = Publisher(async_redis, rut.prefix)
+    gates = [GateConfig(name="heavy", floor=16), GateConfig(name="idle", floor=1)]
+    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("heavy", floor=16)
+        leases = [await gate.acquire(weight=w) for w in (1, 5, 10)]
+        assert await publisher.in_flight(gates) == {"heavy": 16, "idle": 0}
+        util = await fleet.utilization("heavy")
+        assert (util.units, util.in_flight, util.limit, util.schema) == (16, 3, 16, 2)
+        assert {"units", "in_flight", "current_target"} <= set(util.to_dict())
+        for lease in leases:
+            await lease.release()
+        await fleet.flush()
+        assert await publisher.in_flight(gates) == {"heavy": 0, "idle": 0}
+    # a counter left without leases (a script stopped half-way) counts nothing
+    await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "extra", 7)
+    assert (await publisher.in_flight(gates))["idle"] == 0
+
+
+# --------------------------------------------------------------------------- client metrics
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_metric_labels_priority_and_capped_tenants() -> None:
+    registry = CollectorRegistry()
+    series = GateMetrics(client_metrics(registry), "g", tenants=["search"])
+    search = series.for_ask(10, "search")
+    assert series.for_ask(10, "search") is search  # cached per (priority, tenant label)
+    assert series.for_ask(10, "someone") is series.for_ask(10, "else")  # both 'other'
+    assert series.tenant_label(None) == series.tenant_label("") == ""
+    assert series.tenant_label("someone") == "other"
+    assert search.labels == ("g", "10", "search")
+
+    search.hold(4)
+    search.wait_seconds.observe(0.2)
+    series.for_ask(-5, "x").rejected.inc()
+    assert (
+        _value(registry, "fleetgate_client_in_flight", gate="g", priority="10", tenant="search")
+        == 1
+    )
+    units = _value(
+        registry, "fleetgate_client_in_flight_units", gate="g", priority="10", tenant="search"
+    )
+    assert units == 4
+    assert (
+        _value(registry, "fleetgate_client_granted_total", gate="g", priority="10", tenant="search")
+        == 1
+    )
+    assert (
+        _value(
+            registry,
+            "fleetgate_client_wait_seconds_count",
+            gate="g",
+            priority="10",
+            tenant="search",
+        )
+        == 1
+    )
+    assert (
+        _value(registry, "fleetgate_client_rejected_total", gate="g", priority="-5", tenant="other")
+        == 1
+    )
+    search.drop(4)
+    assert (
+        _value(
+            registry, "fleetgate_client_in_flight_units", gate="g", priority="10", tenant="search"
+        )
+        == 0
+    )
+
+    # the former gate-wide names are the default class's series
+    series.rejected.inc()
+    assert (
+        _value(registry, "fleetgate_client_rejected_total", gate="g", priority="0", tenant="") == 1
+    )
+    assert series.granted is series.for_ask().granted
+    series.queue_depth.inc()
+    assert _value(registry, "fleetgate_client_queue_depth", gate="g") == 1
+
+    # the allow-list only grows, up to the cap; 'other' is never a tenant's own label
+    series.allow_tenants(["other", *(f"t{i}" for i in range(2 * MAX_TENANT_LABELS))])
+    assert len(series.tenants) == MAX_TENANT_LABELS and "search" in series.tenants
+    assert series.tenant_label(f"t{2 * MAX_TENANT_LABELS - 1}") == "other"
+    assert series.tenant_label("t0") == "t0"

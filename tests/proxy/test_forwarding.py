@@ -1,0 +1,333 @@
+"""Regressions of the proxy's review (real Redis, real HTTP on loopback): what one caller sends
+never reaches another host or another caller, framing the proxy cannot forward faithfully is
+refused, no log line carries a query string, and a drain cut short frees every permit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from fleetgate.client import Fleet
+from fleetgate.keys import GateKeys
+from fleetgate.observed import Reading
+from fleetgate.proxy import serve_in_thread
+from fleetgate.tools.sim._server import Served
+from fleetgate.tools.sim._server import serve_in_thread as serve_app
+
+from ..conftest import RedisUnderTest
+from ._proxy import (
+    counting_upstream,
+    gate_counts,
+    proxy_config,
+    serve_proxy,
+    upstream_app,
+    upstream_log,
+    wait_idle,
+    wait_until,
+)
+from .test_serving import _raw, _status
+
+
+@pytest.fixture
+def elsewhere() -> Iterator[Served]:
+    """Another server on loopback: one the proxy must never be made to call."""
+    with serve_app(upstream_app()) as served:
+        yield served
+
+
+def test_a_request_target_not_starting_with_a_slash_is_refused(
+    rut: RedisUnderTest, upstream: Served, elsewhere: Served
+) -> None:
+    """``GET @host:port/x`` made the upstream URL ``http://up:port@host:port/x``: the proxy
+    called a host of the caller's choosing (the upstream's address as its user name)."""
+    hostport = elsewhere.url.removeprefix("http://")
+    with serve_proxy(rut, upstream) as url:
+        for target in (f"@{hostport}/echo", "*", "echo"):
+            data = f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+            answer = _raw(url, data)
+            assert _status(answer) == 400, (target, answer[:300])
+        # absolute-form: refused, or (an HTTP parser that takes its path) the upstream's path
+        _raw(url, f"GET http://{hostport}/echo HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert upstream_log(elsewhere).headers == []
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_content_length_with_transfer_encoding_is_refused(
+    rut: RedisUnderTest, upstream: Served
+) -> None:
+    """RFC 9112 6.3: both framings at once is the request-smuggling shape; the proxy would
+    forward the caller's Content-Length beside a body of another length."""
+    with serve_proxy(rut, upstream) as url:
+        data = (
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        )
+        answer = _raw(url, data)
+        assert _status(answer) == 400, answer[:300]  # the proxy's (h11) or httptools' own
+    assert upstream_log(upstream).headers == []
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_cookies_of_one_caller_never_reach_another(rut: RedisUnderTest, upstream: Served) -> None:
+    """The upstream's Set-Cookie goes to the caller that got it; the proxy keeps no cookie jar
+    (httpx's client did: alice's session went upstream with bob's next request)."""
+    with serve_proxy(rut, upstream) as url:
+        with httpx.Client(base_url=url, timeout=10) as alice:
+            r = alice.get("/cookie?v=alice")
+            assert r.headers["set-cookie"].startswith("session=alice")
+        with httpx.Client(base_url=url, timeout=10) as bob:
+            seen = [bob.post("/echo", content=b"hi").json()["headers"] for _ in range(10)]
+    assert all("cookie" not in headers for headers in seen), seen
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_no_log_line_has_the_query_string(
+    rut: RedisUnderTest, upstream: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``fleetgate proxy`` logs at INFO; httpx logged every upstream URL there, query string
+    (``?api_key=...``) included."""
+    caplog.set_level(logging.DEBUG)
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+        assert http.post("/echo?api_key=sk-secret-in-query", content=b"x").status_code == 200
+    # the proxy's own records (the test's client logs its URLs on this thread)
+    text = "\n".join(r.getMessage() for r in caplog.records if r.threadName == "fleetgate-proxy")
+    assert "/echo" in text and "sk-secret-in-query" not in text
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
+    """The upstream's Date passes through; uvicorn added a second one to every response."""
+    with serve_proxy(rut, upstream) as url:
+        answer = _raw(url, b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert _status(answer) == 200 and head.count(b"\r\ndate:") == 1, head
+        answer = _raw(url, b"GET /nowhere/.. HTTP/1.1\r\nHost: x\r\n\r\n")  # the proxy's own
+        head = answer.partition(b"\r\n\r\n")[0].lower()
+        assert _status(answer) == 400 and head.count(b"\r\ndate:") == 1, head
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_upstream_connections_are_reused(rut: RedisUnderTest) -> None:
+    """Once the body was forwarded the handler cancelled its reader while the reader was
+    returning the connection to the pool: every request opened a new connection (and the
+    call's outcome was never reported)."""
+    with counting_upstream() as (up, counts):
+        config = proxy_config(rut.url, rut.prefix, up)
+        with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=10) as http:
+            for _ in range(40):
+                assert http.post("/x", content=b"{}").status_code == 200
+    assert counts == [1, 40], counts  # one connection, kept alive
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def _scripted(head: bytes) -> tuple[bytes, bool]:
+    """Answers by path: the framings an upstream may use, and two it must not."""
+    path = head.split(b" ", 2)[1]
+    if path == b"/chunked":
+        return (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            False,
+        )
+    if path == b"/until-close":  # no length: the body ends with the connection
+        return b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it", True
+    if path == b"/head":
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", False
+    if path == b"/continue":
+        return b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", False
+    if path == b"/extra":  # a second, unasked-for answer behind the first
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}" + (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nforged"
+        ), False
+    if path == b"/garbage":
+        return b"NOT HTTP AT ALL\r\n\r\n", True
+    return b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}", False
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_upstream_framings_pass_through_and_bad_ones_get_502(
+    rut: RedisUnderTest, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every framing an upstream may use passes through; garbage is a 502; bytes the upstream
+    sent past an answer never answer anyone (httpcore would pool that connection: the proxy
+    closes it), on asyncio's loop and on uvloop (the fast extra's)."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        monkeypatch.setattr(asyncio, "new_event_loop", uvloop.new_event_loop)
+    with counting_upstream(_scripted) as (up, counts):
+        config = proxy_config(rut.url, rut.prefix, up)
+        with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=10) as http:
+            for _ in range(3):
+                assert http.get("/chunked").content == b"hello"
+                assert http.get("/until-close").content == b"all of it"
+                r = http.head("/head")
+                assert r.status_code == 200 and r.headers["content-length"] == "5"
+                assert http.get("/continue").content == b"ok"
+                assert http.get("/extra").content == b"{}"
+                # the forged answer never reaches anyone: the connection was not reused
+                assert [http.get("/x").content for _ in range(3)] == [b"{}"] * 3
+                r = http.get("/garbage")
+                assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+            assert http.get("/x").content == b"{}"
+    assert counts[1] == 3 * 9 + 1
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_a_body_still_arriving_is_streamed_upstream_on_a_streaming_route(
+    rut: RedisUnderTest, upstream: Served
+) -> None:
+    """A route with ``stream_uploads`` takes the permit first and streams the body on as it
+    arrives (by default the body is read whole first: tests/test_proxy_bodies.py)."""
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(50):
+            time.sleep(0.002)
+            yield f"{i:04d}".encode()
+
+    with (
+        serve_proxy(rut, upstream, stream_uploads=True) as url,
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
+        seen = http.post("/echo", content=chunks()).json()
+        assert seen["body"] == "".join(f"{i:04d}" for i in range(50))
+        assert seen["headers"].get("transfer-encoding") == "chunked"
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_the_metrics_path_is_never_forwarded(rut: RedisUnderTest, upstream: Served) -> None:
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+        r = http.post("/metrics", content=b"x")
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+        assert http.get("/metrics").status_code == 200
+    assert upstream_log(upstream).headers == []
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+async def test_a_request_still_queued_when_the_drain_ends_gets_503(
+    rut: RedisUnderTest, upstream: Served, fleet: Fleet
+) -> None:
+    """uvicorn cancels what is still running once the drain's time is up, and answered a
+    cancelled request 500 (text, "Internal Server Error"): now a 503 naming the gate, and the
+    request leaves the wait list."""
+    gate = fleet.gate("g", floor=1)
+    proxy = serve_proxy(rut, upstream, gate_defaults={"floor": 1}, proxy={"drain_seconds": 1})
+    url = proxy.__enter__()
+    stopping: asyncio.Future[Any] | None = None
+    try:
+        async with gate.permit(deadline=30), httpx.AsyncClient(base_url=url, timeout=20) as http:
+            call = asyncio.ensure_future(http.post("/work?tag=late", content=b"{}"))
+            await asyncio.to_thread(
+                wait_until, lambda: gate_counts(rut.url, rut.prefix, "g")[1] == 1, 5, "parked"
+            )
+            stopping = asyncio.ensure_future(asyncio.to_thread(proxy.__exit__, None, None, None))
+            r = await call
+    finally:
+        if stopping is None:
+            proxy.__exit__(None, None, None)
+        else:
+            await stopping
+    assert r.status_code == 503, (r.status_code, r.text[:200])
+    error = r.json()["error"]
+    assert error["type"] == "shutting_down" and error["gate"] == "g"
+    # not an overload (another replica can serve it): retryable, on a new connection
+    assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+    assert "x-should-retry" not in r.headers
+    assert upstream_log(upstream).arrivals == []
+    await fleet.flush()
+    await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
+    rut: RedisUnderTest, upstream: Served, parser: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``curl --http2 http://...`` asks to upgrade to h2c, body included. The proxy upgrades
+    nothing (RFC 9110 7.8: a server may ignore Upgrade): it forwards a plain request without the
+    Upgrade headers. httptools took everything after such a head for the new protocol: the body
+    was dropped and the upstream got Content-Length: 0."""
+    if parser == "h11":
+        monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
+    with serve_proxy(rut, upstream) as url:
+        for _ in range(2):
+            answer = _raw(
+                url,
+                b"POST /echo?x=1 HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nContent-Length: 5\r\n"
+                b"\r\nhello",
+            )
+            assert _status(answer) == 200, answer[:300]
+            seen = json.loads(answer.partition(b"\r\n\r\n")[2])
+            assert seen["body"] == "hello" and seen["query"] == "x=1"
+            assert "upgrade" not in seen["headers"] and "http2-settings" not in seen["headers"]
+        answer = _raw(
+            url,
+            b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+        )
+        assert _status(answer) == 200, answer[:300]
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+def test_outcomes_land_in_the_gates_observed_counters(
+    rut: RedisUnderTest, upstream: Served
+) -> None:
+    """Each forwarded call's outcome leaves with its permit's release (``lease.report``), as
+    ``gate.map``'s do: a 200 counts ``ok`` with its latency, the upstream's own 429 counts
+    ``overloaded`` and a 500 ``error``, neither with a latency."""
+
+    def observed() -> Reading:
+        with redis.Redis.from_url(rut.url) as r:
+            return Reading.parse(r.hgetall(GateKeys.of(rut.prefix, "g").obs))
+
+    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
+        for _ in range(3):
+            assert http.post("/work?ms=40", content=b"{}").status_code == 200
+        for _ in range(2):
+            assert http.get("/status/429").status_code == 429
+        assert http.get("/status/500").status_code == 500
+        wait_until(lambda: observed().ok + observed().overloaded + observed().error == 6, 10)
+    got = observed()
+    assert (got.ok, got.overloaded, got.timeout, got.error) == (3, 2, 0, 1), got
+    assert got.lat_n == 3 and 3 * 40_000 <= got.lat_us < 3 * 1_000_000, got
+    wait_idle(rut.url, rut.prefix, "g")
+
+
+async def test_a_latency_is_reported_for_ok_only() -> None:
+    """The proxy's permit reports like ``gate.map``: the latency it measured for ``ok``, none
+    for a failure (its time says nothing of the server's speed), and releases even when the
+    report fails."""
+    from fleetgate.proxy._exchange import Permit as _Permit
+
+    class FakeLease:
+        def __init__(self, fail: bool = False) -> None:
+            self.reports: list[tuple[str, float | None]] = []
+            self.released = 0
+            self.fail = fail
+
+        def report(self, outcome: str, latency: float | None = None) -> None:
+            self.reports.append((outcome, latency))
+            if self.fail:
+                raise RuntimeError("report failed")
+
+        async def release(self) -> None:
+            self.released += 1
+
+    seen = []
+    for outcome in ("ok", "overloaded", "timeout", "error"):
+        lease = FakeLease()
+        permit = _Permit(lease)  # type: ignore[arg-type]
+        await permit.release(outcome, 0.25)
+        await permit.release(outcome, 0.25)  # once only
+        assert lease.released == 1
+        seen += lease.reports
+    assert seen == [("ok", 0.25), ("overloaded", None), ("timeout", None), ("error", None)]
+    lease = FakeLease(fail=True)
+    with pytest.raises(RuntimeError):
+        await _Permit(lease).release("ok", 0.1)  # type: ignore[arg-type]
+    assert lease.released == 1
