@@ -1,11 +1,14 @@
-"""Code run in child OS processes by the fleet tests (spawned, so importable by path)."""
+"""Code run in child OS processes by the fleet tests (spawned, so importable by path), and the
+parent's side of it: :func:`run_pods` starts them, :func:`wait_for` polls for what they did."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import redis
@@ -260,6 +263,14 @@ def hammer_with(
         return peak
 
     return asyncio.run(main())
+
+
+def run_pods(n: int, **kwargs: Any) -> list[int]:
+    """Run ``n`` :func:`hammer_with` processes with the same arguments; their probe peaks."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(n, mp_context=spawn) as ex:
+        futs = [ex.submit(hammer_with, **kwargs) for _ in range(n)]
+        return [f.result(timeout=120) for f in futs]
 
 
 def hold_and_report(

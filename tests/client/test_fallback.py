@@ -7,20 +7,22 @@ import logging
 import time
 
 import pytest
+import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import ConnectionError, MaxConnectionsError
 
 from fleetgate.client import Fleet, RedisUnavailable
 from fleetgate.tools.redisproc import RedisProcess
 
+from .. import _workers
 from ..conftest import RedisUnderTest
 
 
-async def _wait(predicate, timeout: float) -> None:  # type: ignore[no-untyped-def]
+async def _wait(predicate, timeout: float, what: str = "the condition") -> None:  # type: ignore[no-untyped-def]
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:
-            raise TimeoutError("condition not met")
+            raise TimeoutError(f"not within {timeout}s: {what}")
         await asyncio.sleep(0.02)
 
 
@@ -145,3 +147,88 @@ async def test_outage_lines_name_the_cause(
         assert f"unreachable {cause}: serving with local fair-share bounds" in line
         assert cause[1:-1] in str(fleet.runtime.unreachable(exc))  # the fail mode's error
         await _wait(lambda: not fleet.fallback_active, 5)  # the probe finds Redis up
+
+
+@pytest.mark.slow
+def test_pods_starting_during_an_outage_take_one_permit_each(
+    own_redis: RedisProcess, rut: RedisUnderTest
+) -> None:
+    """4 pods, limit 4, Redis down before any heartbeat: each pod's share is 1, not the limit.
+
+    Before the fix a pod with no live-pod count took the whole limit locally: 16 running.
+    """
+    own_redis.kill()
+    probe = f"{rut.prefix}:probe"
+    peaks = _workers.run_pods(
+        4,
+        url=own_redis.url,
+        prefix="fg",
+        gate="outage",
+        probe_url=rut.url,
+        probe=probe,
+        tasks=6,
+        loops=2,
+        hold_s=0.2,
+        floor=4,
+        barrier=(f"{rut.prefix}:ready", 4),
+    )
+    print(f"[fault] outage start: peak {max(peaks)} under limit 4 (pods' peaks {peaks})")
+    assert max(peaks) <= 4, f"{max(peaks)} running under a limit of 4 (pods' peaks {peaks})"
+
+
+async def test_live_pod_count_is_trusted_after_one_registration_period(
+    own_redis: RedisProcess,
+) -> None:
+    async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+        gate = fleet.gate("trust", floor=4)
+        await _wait(lambda: gate.registered_at is not None, 2, "the pod registers")
+        # Registered, but not a full period ago: the count may miss peers starting now.
+        assert gate.last_live_pods == 0 and gate.fair_share() == 1
+        await _wait(lambda: gate.last_live_pods == 1, 3, "the count becomes trusted")
+        assert gate.fair_share() == 4
+        # Another pod appears: counted after the next beats.
+        async with Fleet(
+            own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2
+        ) as other:
+            other.gate("trust", floor=4)
+            await _wait(lambda: gate.last_live_pods == 2, 3, "the peer is counted")
+            assert gate.fair_share() == 2
+
+
+@pytest.mark.parametrize(
+    ("refusal", "heal"),
+    [
+        (["--maxmemory", "1"], ("CONFIG", "SET", "maxmemory", "0")),
+        (["--replicaof", "127.0.0.1", "1"], ("REPLICAOF", "NO", "ONE")),
+    ],
+    ids=["oom", "readonly"],
+)
+async def test_pod_resumes_after_redis_refused_writes(
+    own_redis: RedisProcess, refusal: list[str], heal: tuple[str, ...]
+) -> None:
+    """Redis returns from an outage refusing writes (OOM, READONLY), then heals.
+
+    Before the fix the refusal (a ResponseError) ended the probe task during adoption: the pod
+    stayed in fallback for good, every acquire bound by the local share, even once Redis was
+    healthy.
+    """
+    async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+        gate = fleet.gate("wedge", floor=2)
+        running = await gate.acquire()
+        own_redis.kill()
+        await _wait(lambda: fleet.fallback_active, 5, "the pod falls back")
+        own_redis.extra_args = refusal
+        own_redis.start()
+        await asyncio.sleep(1.0)  # several probes meet the refusal
+        assert fleet.fallback_active, "a refusal to write is an outage, not fleet mode"
+        admin = aredis.Redis.from_url(own_redis.url)
+        await admin.execute_command(*heal)
+        await admin.aclose()
+        healed = time.monotonic()
+        await _wait(lambda: not fleet.fallback_active, 5, "fleet mode resumes")
+        print(f"[fault] refused writes: fleet mode {time.monotonic() - healed:.2f} s after heal")
+        assert await fleet.redis.zrange(gate.keys.holders, 0, -1) == [running.id]  # adopted
+        async with gate.permit(deadline=5) as lease:
+            assert not lease.local
+            assert await fleet.redis.zcard(gate.keys.holders) == 2
+        await running.release()

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate.admission import member_id
 from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
+from fleetgate.tools.redisproc import RedisProcess
 
 from .. import _workers
 from .._workers import wait_for
@@ -145,3 +146,45 @@ def test_killed_waiter_leaves_queue(rut: RedisUnderTest, r: redis.Redis) -> None
     print(f"queue moved after waiter SIGKILL: {took * 1000:.0f} ms (waiter TTL {waiter_ms} ms)")
     assert took <= waiter_ms / 1000 + 1.0
     assert int(r.hget(keys.stats, "abandoned_waiters") or 0) == 1
+
+
+@pytest.mark.slow
+def test_processes_sharing_a_pod_id_keep_the_cap(
+    rut: RedisUnderTest, sync_redis: redis.Redis
+) -> None:
+    """Two processes given the same pod_id ($HOSTNAME with two workers), limit 2.
+
+    Before the fix both minted the same lease ids and shared holder entries: 3 running.
+    """
+    peaks = _workers.run_pods(
+        2,
+        url=rut.url,
+        prefix=rut.prefix,
+        gate="shared-id",
+        probe_url=rut.url,
+        probe=f"{rut.prefix}:probe",
+        tasks=4,
+        loops=25,
+        hold_s=0.02,
+        pod_id="worker",
+        floor=2,
+        barrier=(f"{rut.prefix}:ready", 2),
+    )
+    print(f"[fault] shared pod_id: peak {max(peaks)} under limit 2")
+    assert max(peaks) <= 2, f"{max(peaks)} running under a limit of 2"
+    keys = GateKeys.of(rut.prefix, "shared-id")
+    assert sync_redis.zcard(keys.holders) == 0 and sync_redis.zcard(keys.waiters) == 0
+
+
+async def test_pod_key_is_unique_per_process_whatever_the_label(own_redis: RedisProcess) -> None:
+    async with (
+        Fleet(own_redis.url, pod_id="worker", registry=CollectorRegistry()) as a,
+        Fleet(own_redis.url, pod_id="worker", registry=CollectorRegistry()) as b,
+    ):
+        assert a.pod_id == b.pod_id == "worker"
+        assert a.pod_key != b.pod_key and a.pod_key.startswith("worker")
+        la, lb = await a.gate("g", floor=2).acquire(), await b.gate("g", floor=2).acquire()
+        assert la.id != lb.id
+        assert await a.redis.zcard(a.gate("g").keys.holders) == 2
+        await la.release()
+        await lb.release()

@@ -10,12 +10,18 @@ short lease lapse.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
+import pytest
+import redis
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
+from fleetgate.keys import GateKeys
 
+from .. import _workers
 from ..conftest import RedisUnderTest
 
 
@@ -62,3 +68,31 @@ async def test_sequential_permits_do_not_wake_the_heartbeat_each_time(
                 pass
         # At most about one wake per heartbeat period (plus a few), not one per permit.
         assert wakes <= 10, wakes
+
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.mark.slow
+def test_short_lease_from_the_gate_config_is_renewed_from_the_first_grant(
+    rut: RedisUnderTest, sync_redis: redis.Redis
+) -> None:
+    """The coordinator's config says lease_ms=300; clients beat every 1 s by default.
+
+    Before the fix the first renewal was paced by the client's default TTL: the holder's lease
+    lapsed after 300 ms and a second process was granted while it still ran (2 under limit 1).
+    """
+    keys = GateKeys.of(rut.prefix, "short")
+    sync_redis.hset(
+        keys.cfg,
+        mapping={"floor": 1, "ceiling": 1, "max_queued": 10, "lease_ms": 300, "waiter_ms": 1000},
+    )
+    probe = f"{rut.prefix}:probe"
+    common = dict(url=rut.url, prefix=rut.prefix, gate="short", probe_url=rut.url, probe=probe)
+    with ProcessPoolExecutor(2, mp_context=SPAWN) as ex:
+        holder = ex.submit(_workers.hammer_with, **common, hold_s=2.0)  # type: ignore[arg-type]
+        other = ex.submit(_workers.hammer_with, **common, hold_s=0.1, after_probe=1)  # type: ignore[arg-type]
+        peaks = [holder.result(timeout=60), other.result(timeout=60)]
+    print(f"[fault] lease_ms 300 from the config: peak {max(peaks)} under limit 1")
+    assert max(peaks) == 1, f"{max(peaks)} running under a limit of 1"
+    assert int(sync_redis.hget(keys.stats, "expired_leases") or 0) == 0

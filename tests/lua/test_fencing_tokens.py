@@ -13,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import pytest
 import redis
+import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import GRANTED, PARKED, GateScripts
+from fleetgate.settings import GateSettings
 from fleetgate.tools.redisproc import RedisProcess
 
 from .. import _workers
@@ -151,12 +155,6 @@ async def test_waiters_parked_across_a_rollback_keep_their_place(rut: RedisUnder
     """A rollback that keeps the parked entries but not the counter (a lossy failover): a caller
     arriving after it parks behind them, and the hand-offs go in arrival order. Before, its
     seq restarted below theirs, so it sorted first in the lane and was served first."""
-    import redis.asyncio as aredis
-
-    from fleetgate.keys import GateKeys
-    from fleetgate.scripts import GRANTED, PARKED, GateScripts
-    from fleetgate.settings import GateSettings
-
     r = aredis.Redis.from_url(rut.url, decode_responses=True)
     scripts = GateScripts(r)
     keys = GateKeys.of(rut.prefix, "rollback")
@@ -176,3 +174,41 @@ async def test_waiters_parked_across_a_rollback_keep_their_place(rut: RedisUnder
         served += [v.partition("=")[0] for v in await r.lpop(keys.wake("w"), 10) or []]
     assert served == ["w:1", "w:2", "w:3"]
     await r.aclose()
+
+
+@pytest.fixture
+async def r(own_redis: RedisProcess) -> AsyncIterator[aredis.Redis]:
+    client = aredis.Redis.from_url(own_redis.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def test_tokens_stay_monotonic_across_a_redis_restart(own_redis: RedisProcess) -> None:
+    """Before the fix the counter restarted at 1 while adopted leases held tokens up to 3."""
+    async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+        gate = fleet.gate("tokens", floor=4)
+        held = [await gate.acquire() for _ in range(3)]
+        top = max(lease.token for lease in held)
+        own_redis.kill()
+        own_redis.start()  # empty
+        await asyncio.sleep(0.6)  # the pod meets the restart (fallback, or a heartbeat)
+        await _until(lambda: not fleet.fallback_active, 5, "fleet mode")
+        fresh = await gate.acquire(deadline=5)
+        assert fresh.token > top
+        for lease in (*held, fresh):
+            await lease.release()
+
+
+async def test_tokens_stay_monotonic_after_the_counter_rolls_back(
+    own_redis: RedisProcess, r: aredis.Redis
+) -> None:
+    """A lossy failover keeps the gate but rolls its counter back below held tokens."""
+    async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+        gate = fleet.gate("rollback", floor=4)
+        held = [await gate.acquire() for _ in range(3)]
+        await r.set(gate.keys.seq, 1)
+        await asyncio.sleep(0.5)  # the holder's next heartbeat raises the counter again
+        fresh = await gate.acquire(deadline=5)
+        assert fresh.token > max(lease.token for lease in held)
+        for lease in (*held, fresh):
+            await lease.release()

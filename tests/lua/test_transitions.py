@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aredis
@@ -12,6 +13,7 @@ from fleetgate.keys import GateKeys
 from fleetgate.observed import encode_report, tally
 from fleetgate.scripts import GRANTED, PARKED, REJECTED, GateScripts
 from fleetgate.settings import GateSettings
+from fleetgate.tools.redisproc import RedisProcess
 
 from ..conftest import RedisUnderTest
 
@@ -192,3 +194,55 @@ async def test_scripts_write_only_the_keys_gate_keys_names(
     assert sorted(await queue_ids(async_redis, keys)) == ["pb:2", "pd:4w3"]
     [wake] = await async_redis.lrange(keys.wake("pe"), 0, -1)
     assert wake.startswith("pe:5=")
+
+
+@pytest.fixture
+async def r(own_redis: RedisProcess) -> AsyncIterator[aredis.Redis]:
+    client = aredis.Redis.from_url(own_redis.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def test_heartbeat_adopts_leases_the_gate_lost_before_they_expired(
+    r: aredis.Redis,
+) -> None:
+    scripts = GateScripts(r)
+    keys = GateKeys.of("fg", "wiped")
+    d = GateSettings(floor=2, ceiling=2, lease_ms=5000)
+    a = await scripts.acquire(keys, "p:1", 1000, d)
+    b = await scripts.acquire(keys, "p:2", 1000, d)
+    await r.flushall()  # a restart without persistence
+    await asyncio.sleep(0.005)  # the renewal below must land in a later millisecond than the grant
+    hb = await scripts.heartbeat(
+        keys, "p", 10_000, [("p:1", a.expires_at), ("p:2", 0)], [], max_token=b.token, defaults=d
+    )
+    # p:1 was seen renewed to a time still ahead: the gate lost it, so it counts again. p:2's
+    # expiry is unknown to the pod: reported lost (it may have expired).
+    assert hb.adopted == ["p:1"] and hb.lost_leases == ["p:2"]
+    assert await r.zrange(keys.holders, 0, -1) == ["p:1"]
+    assert hb.pod_new and hb.expires_at > a.expires_at
+    # A lease whose renewal time has passed is lost, never revived.
+    await asyncio.sleep(0.05)
+    past = await scripts.heartbeat(keys, "p", 10_000, [("p:3", 1)], [], defaults=d)
+    assert past.lost_leases == ["p:3"] and past.adopted == []
+
+
+async def test_handoff_skips_waiters_that_died_beyond_one_reap(r: aredis.Redis) -> None:
+    """100 parked waiters die at once (more than one reap removes), then a slot frees.
+
+    Before the fix the slot went to a dead head and sat idle for a lease TTL.
+    """
+    scripts = GateScripts(r)
+    keys = GateKeys.of("fg", "dead-heads")
+    d = GateSettings(floor=1, ceiling=1, max_queued=1000)
+    assert (await scripts.acquire(keys, "holder:1", 1000, d)).status == 1
+    for i in range(100):
+        assert (await scripts.acquire(keys, f"dead:{i}", 100, d)).status == PARKED
+    assert (await scripts.acquire(keys, "live:1", 60_000, d)).status == PARKED
+    await asyncio.sleep(0.2)  # every dead waiter's entry has expired
+    assert await scripts.release(keys, "holder:1")
+    assert await r.zrange(keys.holders, 0, -1) == ["live:1"]
+    [wake] = await r.lrange(keys.wake("live"), 0, -1)
+    assert wake.partition("=")[0] == "live:1"  # <id>=<token>
+    assert await r.zcard(keys.waiters) == 0 and await r.zcard(keys.waiters) == 0
+    assert int(await r.hget(keys.stats, "abandoned_waiters") or 0) == 100
