@@ -15,11 +15,15 @@ import redis
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
+from fleetgate.client import Fleet
 from fleetgate.coordinator import daemon
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
-from fleetgate.safety import check_redis, server_findings
+from fleetgate.keys import GateKeys
+from fleetgate.safety import EXPECTED_TYPES, check_redis, find_bad_keys, server_findings
 from fleetgate.tools.redisproc import RedisProcess
+
+from ..conftest import RedisUnderTest
 
 
 def _cli_check(url: str) -> subprocess.CompletedProcess[str]:
@@ -163,3 +167,51 @@ async def test_coordinator_warns_loudly_at_start_up(
     assert "'volatile-lru'" in coord.safety_findings[0]
     [record] = [rec for rec in caplog.records if "volatile-lru" in rec.getMessage()]
     assert record.levelno == logging.WARNING and record.name == "fleetgate.coordinator"
+
+
+def test_expected_types_are_gate_keys_types() -> None:
+    keys = GateKeys.of("fg", "g")
+    assert {getattr(keys, attr): t for attr, t in EXPECTED_TYPES.items()} == dict(
+        keys.expected_types()
+    )
+
+
+async def test_check_knows_the_schema_2_keys(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("ok", floor=2)
+        lease = await gate.acquire(weight=2, priority=3, tenant="t")
+        assert await find_bad_keys(async_redis, rut.prefix, ["ok"]) == []
+        await lease.release()
+
+    def keys(name: str) -> GateKeys:
+        return GateKeys.of(rut.prefix, name)
+
+    # schema 1 (fleetgate 0.1's FIFO, not converted yet): a warning about the upgrade
+    await async_redis.hset(keys("old").cfg, "floor", 1)
+    await async_redis.zadd(keys("old").queue, {"p:1": 1})
+    # schema 2 with a FIFO where the fence belongs: an old client wrote it
+    await async_redis.hset(keys("mixed").cfg, mapping={"floor": 1, "schema": 2})
+    await async_redis.zadd(keys("mixed").queue, {"p:1": 1})
+    # schema 2 without its fence
+    await async_redis.hset(keys("open").cfg, mapping={"floor": 1, "schema": 2})
+    # garbled tenant weight and per-tenant bound; lanes of the wrong type
+    await async_redis.hset(keys("bad").cfg, mapping={"max_queued_per_tenant": "x", "schema": 2})
+    await async_redis.set(keys("bad").queue, "fence")
+    await async_redis.hset(keys("bad").tenant_weights, mapping={"a": "2", "b": "nan", "c": "5000"})
+    await async_redis.set(keys("bad").lanes, "x")
+    found = {
+        name: sorted(
+            (f.level, f.code) for f in await find_bad_keys(async_redis, rut.prefix, [name])
+        )
+        for name in ("old", "mixed", "open", "bad")
+    }
+    assert found == {
+        "old": [("warning", "schema")],
+        "mixed": [("error", "wrong_type")],
+        "open": [("warning", "schema")],
+        "bad": [("error", "bad_value")] * 3 + [("error", "wrong_type")],
+    }
+    [mixed] = await find_bad_keys(async_redis, rut.prefix, ["mixed"])
+    assert "HDEL" in mixed.message and keys("mixed").queue in mixed.message

@@ -17,20 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet, Gate, Lease, Overloaded
-from fleetgate.client._metrics import MAX_TENANT_LABELS, GateMetrics, client_metrics
 from fleetgate.commands import format_inspect
-from fleetgate.coordinator.config import GateConfig
-from fleetgate.coordinator.publisher import Publisher
-from fleetgate.keys import GateKeys
-from fleetgate.safety import EXPECTED_TYPES, find_bad_keys
 from fleetgate.status import format_status, gather_status
 from fleetgate.tools.redisproc import RedisProcess
-
-from ..conftest import RedisUnderTest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -253,145 +245,3 @@ async def test_readme_redis_cli_commands_read_a_real_gate(
     assert (counters["shed"], counters["rejected_tenant"], counters["evicted"]) == ("1", "1", "1")
     assert answer('redis-cli ZCARD   "$G:waiters"') == [str(snap.queued)]
     assert "2" in answer('redis-cli HGETALL "$G:cfg"')  # the schema
-
-
-# ------------------------------------------------------- check, coordinator, utilization
-
-
-def test_expected_types_are_gate_keys_types() -> None:
-    keys = GateKeys.of("fg", "g")
-    assert {getattr(keys, attr): t for attr, t in EXPECTED_TYPES.items()} == dict(
-        keys.expected_types()
-    )
-
-
-async def test_check_knows_the_schema_2_keys(
-    rut: RedisUnderTest, async_redis: aredis.Redis
-) -> None:
-    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
-        gate = fleet.gate("ok", floor=2)
-        lease = await gate.acquire(weight=2, priority=3, tenant="t")
-        assert await find_bad_keys(async_redis, rut.prefix, ["ok"]) == []
-        await lease.release()
-
-    def keys(name: str) -> GateKeys:
-        return GateKeys.of(rut.prefix, name)
-
-    # schema 1 (fleetgate 0.1's FIFO, not converted yet): a warning about the upgrade
-    await async_redis.hset(keys("old").cfg, "floor", 1)
-    await async_redis.zadd(keys("old").queue, {"p:1": 1})
-    # schema 2 with a FIFO where the fence belongs: an old client wrote it
-    await async_redis.hset(keys("mixed").cfg, mapping={"floor": 1, "schema": 2})
-    await async_redis.zadd(keys("mixed").queue, {"p:1": 1})
-    # schema 2 without its fence
-    await async_redis.hset(keys("open").cfg, mapping={"floor": 1, "schema": 2})
-    # garbled tenant weight and per-tenant bound; lanes of the wrong type
-    await async_redis.hset(keys("bad").cfg, mapping={"max_queued_per_tenant": "x", "schema": 2})
-    await async_redis.set(keys("bad").queue, "fence")
-    await async_redis.hset(keys("bad").tenant_weights, mapping={"a": "2", "b": "nan", "c": "5000"})
-    await async_redis.set(keys("bad").lanes, "x")
-    found = {
-        name: sorted(
-            (f.level, f.code) for f in await find_bad_keys(async_redis, rut.prefix, [name])
-        )
-        for name in ("old", "mixed", "open", "bad")
-    }
-    assert found == {
-        "old": [("warning", "schema")],
-        "mixed": [("error", "wrong_type")],
-        "open": [("warning", "schema")],
-        "bad": [("error", "bad_value")] * 3 + [("error", "wrong_type")],
-    }
-    [mixed] = await find_bad_keys(async_redis, rut.prefix, ["mixed"])
-    assert "HDEL" in mixed.message and keys("mixed").queue in mixed.message
-
-
-async def test_coordinator_reads_units_in_flight(
-    rut: RedisUnderTest, async_redis: aredis.Redis
-) -> None:
-    publisher = Publisher(async_redis, rut.prefix)
-    gates = [GateConfig(name="heavy", floor=16), GateConfig(name="idle", floor=1)]
-    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
-        gate = fleet.gate("heavy", floor=16)
-        leases = [await gate.acquire(weight=w) for w in (1, 5, 10)]
-        assert await publisher.in_flight(gates) == {"heavy": 16, "idle": 0}
-        util = await fleet.utilization("heavy")
-        assert (util.units, util.in_flight, util.limit, util.schema) == (16, 3, 16, 2)
-        assert {"units", "in_flight", "current_target"} <= set(util.to_dict())
-        for lease in leases:
-            await lease.release()
-        await fleet.flush()
-        assert await publisher.in_flight(gates) == {"heavy": 0, "idle": 0}
-    # a counter left without leases (a script stopped half-way) counts nothing
-    await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "extra", 7)
-    assert (await publisher.in_flight(gates))["idle"] == 0
-
-
-# --------------------------------------------------------------------------- client metrics
-
-
-def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
-    return registry.get_sample_value(name, labels)
-
-
-def test_metric_labels_priority_and_capped_tenants() -> None:
-    registry = CollectorRegistry()
-    series = GateMetrics(client_metrics(registry), "g", tenants=["search"])
-    search = series.for_ask(10, "search")
-    assert series.for_ask(10, "search") is search  # cached per (priority, tenant label)
-    assert series.for_ask(10, "someone") is series.for_ask(10, "else")  # both 'other'
-    assert series.tenant_label(None) == series.tenant_label("") == ""
-    assert series.tenant_label("someone") == "other"
-    assert search.labels == ("g", "10", "search")
-
-    search.hold(4)
-    search.wait_seconds.observe(0.2)
-    series.for_ask(-5, "x").rejected.inc()
-    assert (
-        _value(registry, "fleetgate_client_in_flight", gate="g", priority="10", tenant="search")
-        == 1
-    )
-    units = _value(
-        registry, "fleetgate_client_in_flight_units", gate="g", priority="10", tenant="search"
-    )
-    assert units == 4
-    assert (
-        _value(registry, "fleetgate_client_granted_total", gate="g", priority="10", tenant="search")
-        == 1
-    )
-    assert (
-        _value(
-            registry,
-            "fleetgate_client_wait_seconds_count",
-            gate="g",
-            priority="10",
-            tenant="search",
-        )
-        == 1
-    )
-    assert (
-        _value(registry, "fleetgate_client_rejected_total", gate="g", priority="-5", tenant="other")
-        == 1
-    )
-    search.drop(4)
-    assert (
-        _value(
-            registry, "fleetgate_client_in_flight_units", gate="g", priority="10", tenant="search"
-        )
-        == 0
-    )
-
-    # the former gate-wide names are the default class's series
-    series.rejected.inc()
-    assert (
-        _value(registry, "fleetgate_client_rejected_total", gate="g", priority="0", tenant="") == 1
-    )
-    assert series.granted is series.for_ask().granted
-    series.queue_depth.inc()
-    assert _value(registry, "fleetgate_client_queue_depth", gate="g") == 1
-
-    # the allow-list only grows, up to the cap; 'other' is never a tenant's own label
-    series.allow_tenants(["other", *(f"t{i}" for i in range(2 * MAX_TENANT_LABELS))])
-    assert len(series.tenants) == MAX_TENANT_LABELS and "search" in series.tenants
-    assert series.tenant_label(f"t{2 * MAX_TENANT_LABELS - 1}") == "other"
-    assert series.tenant_label("t0") == "t0"

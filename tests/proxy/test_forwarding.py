@@ -9,15 +9,10 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from fleetgate.client import Fleet
-from fleetgate.keys import GateKeys
-from fleetgate.observed import Reading
 from fleetgate.proxy import serve_in_thread
 from fleetgate.tools.sim._server import Served
 from fleetgate.tools.sim._server import serve_in_thread as serve_app
@@ -25,13 +20,11 @@ from fleetgate.tools.sim._server import serve_in_thread as serve_app
 from ..conftest import RedisUnderTest
 from ._proxy import (
     counting_upstream,
-    gate_counts,
     proxy_config,
     serve_proxy,
     upstream_app,
     upstream_log,
     wait_idle,
-    wait_until,
 )
 from .test_serving import _raw, _status
 
@@ -210,40 +203,6 @@ def test_the_metrics_path_is_never_forwarded(rut: RedisUnderTest, upstream: Serv
     wait_idle(rut.url, rut.prefix, "g")
 
 
-async def test_a_request_still_queued_when_the_drain_ends_gets_503(
-    rut: RedisUnderTest, upstream: Served, fleet: Fleet
-) -> None:
-    """uvicorn cancels what is still running once the drain's time is up, and answered a
-    cancelled request 500 (text, "Internal Server Error"): now a 503 naming the gate, and the
-    request leaves the wait list."""
-    gate = fleet.gate("g", floor=1)
-    proxy = serve_proxy(rut, upstream, gate_defaults={"floor": 1}, proxy={"drain_seconds": 1})
-    url = proxy.__enter__()
-    stopping: asyncio.Future[Any] | None = None
-    try:
-        async with gate.permit(deadline=30), httpx.AsyncClient(base_url=url, timeout=20) as http:
-            call = asyncio.ensure_future(http.post("/work?tag=late", content=b"{}"))
-            await asyncio.to_thread(
-                wait_until, lambda: gate_counts(rut.url, rut.prefix, "g")[1] == 1, 5, "parked"
-            )
-            stopping = asyncio.ensure_future(asyncio.to_thread(proxy.__exit__, None, None, None))
-            r = await call
-    finally:
-        if stopping is None:
-            proxy.__exit__(None, None, None)
-        else:
-            await stopping
-    assert r.status_code == 503, (r.status_code, r.text[:200])
-    error = r.json()["error"]
-    assert error["type"] == "shutting_down" and error["gate"] == "g"
-    # not an overload (another replica can serve it): retryable, on a new connection
-    assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
-    assert "x-should-retry" not in r.headers
-    assert upstream_log(upstream).arrivals == []
-    await fleet.flush()
-    await asyncio.to_thread(wait_idle, rut.url, rut.prefix, "g")
-
-
 @pytest.mark.parametrize("parser", ["httptools", "h11"])
 def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
     rut: RedisUnderTest, upstream: Served, parser: str, monkeypatch: pytest.MonkeyPatch
@@ -272,62 +231,3 @@ def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
         )
         assert _status(answer) == 200, answer[:300]
     wait_idle(rut.url, rut.prefix, "g")
-
-
-def test_outcomes_land_in_the_gates_observed_counters(
-    rut: RedisUnderTest, upstream: Served
-) -> None:
-    """Each forwarded call's outcome leaves with its permit's release (``lease.report``), as
-    ``gate.map``'s do: a 200 counts ``ok`` with its latency, the upstream's own 429 counts
-    ``overloaded`` and a 500 ``error``, neither with a latency."""
-
-    def observed() -> Reading:
-        with redis.Redis.from_url(rut.url) as r:
-            return Reading.parse(r.hgetall(GateKeys.of(rut.prefix, "g").obs))
-
-    with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
-        for _ in range(3):
-            assert http.post("/work?ms=40", content=b"{}").status_code == 200
-        for _ in range(2):
-            assert http.get("/status/429").status_code == 429
-        assert http.get("/status/500").status_code == 500
-        wait_until(lambda: observed().ok + observed().overloaded + observed().error == 6, 10)
-    got = observed()
-    assert (got.ok, got.overloaded, got.timeout, got.error) == (3, 2, 0, 1), got
-    assert got.lat_n == 3 and 3 * 40_000 <= got.lat_us < 3 * 1_000_000, got
-    wait_idle(rut.url, rut.prefix, "g")
-
-
-async def test_a_latency_is_reported_for_ok_only() -> None:
-    """The proxy's permit reports like ``gate.map``: the latency it measured for ``ok``, none
-    for a failure (its time says nothing of the server's speed), and releases even when the
-    report fails."""
-    from fleetgate.proxy._exchange import Permit as _Permit
-
-    class FakeLease:
-        def __init__(self, fail: bool = False) -> None:
-            self.reports: list[tuple[str, float | None]] = []
-            self.released = 0
-            self.fail = fail
-
-        def report(self, outcome: str, latency: float | None = None) -> None:
-            self.reports.append((outcome, latency))
-            if self.fail:
-                raise RuntimeError("report failed")
-
-        async def release(self) -> None:
-            self.released += 1
-
-    seen = []
-    for outcome in ("ok", "overloaded", "timeout", "error"):
-        lease = FakeLease()
-        permit = _Permit(lease)  # type: ignore[arg-type]
-        await permit.release(outcome, 0.25)
-        await permit.release(outcome, 0.25)  # once only
-        assert lease.released == 1
-        seen += lease.reports
-    assert seen == [("ok", 0.25), ("overloaded", None), ("timeout", None), ("error", None)]
-    lease = FakeLease(fail=True)
-    with pytest.raises(RuntimeError):
-        await _Permit(lease).release("ok", 0.1)  # type: ignore[arg-type]
-    assert lease.released == 1

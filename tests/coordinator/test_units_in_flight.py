@@ -1,0 +1,35 @@
+"""The units in flight the coordinator reads for each gate (weighted leases count their weight;
+a counter left without leases counts nothing), as ``fleet.utilization`` shows them."""
+
+from __future__ import annotations
+
+import redis.asyncio as aredis
+from prometheus_client import CollectorRegistry
+
+from fleetgate.client import Fleet
+from fleetgate.coordinator.config import GateConfig
+from fleetgate.coordinator.publisher import Publisher
+from fleetgate.keys import GateKeys
+
+from ..conftest import RedisUnderTest
+
+
+async def test_coordinator_reads_units_in_flight(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    publisher = Publisher(async_redis, rut.prefix)
+    gates = [GateConfig(name="heavy", floor=16), GateConfig(name="idle", floor=1)]
+    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("heavy", floor=16)
+        leases = [await gate.acquire(weight=w) for w in (1, 5, 10)]
+        assert await publisher.in_flight(gates) == {"heavy": 16, "idle": 0}
+        util = await fleet.utilization("heavy")
+        assert (util.units, util.in_flight, util.limit, util.schema) == (16, 3, 16, 2)
+        assert {"units", "in_flight", "current_target"} <= set(util.to_dict())
+        for lease in leases:
+            await lease.release()
+        await fleet.flush()
+        assert await publisher.in_flight(gates) == {"heavy": 0, "idle": 0}
+    # a counter left without leases (a script stopped half-way) counts nothing
+    await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "extra", 7)
+    assert (await publisher.in_flight(gates))["idle"] == 0
