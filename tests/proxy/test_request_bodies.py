@@ -21,10 +21,10 @@ from fleetgate.errors import ConfigError
 from fleetgate.proxy.config import ProxySettings
 from fleetgate.tools.sim._server import Served
 
+from ..conftest import RedisUnderTest
 from ._proxy import gate_counts, proxy_config, serve_proxy, upstream_log, wait_idle, wait_until
-from .conftest import RedisUnderTest
-from .test_proxy import _status
-from .test_proxy_inbound import _connect, _until_closed
+from .test_inbound_limits import _connect, _until_closed
+from .test_serving import _status
 
 pytestmark = pytest.mark.usefixtures("parser")  # every test on both request parsers (conftest)
 
