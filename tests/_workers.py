@@ -95,7 +95,7 @@ def burst(
     """``requests`` concurrent findAndRerank-like requests of ``calls`` rerank calls each.
 
     mode "fleet": every call inside a permit of the fleet gate ``rerank`` (limit ``cap``);
-    mode "local": a per-process ``asyncio.Semaphore(cap)`` only (the pull request's per-pod gate).
+    mode "local": a per-process ``asyncio.Semaphore(cap)`` only (a per-pod gate).
     No retries in either mode, so every server-side rejection is counted.
     """
     import httpx

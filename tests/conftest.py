@@ -73,7 +73,7 @@ def rut(shared_redis: RedisUnderTest) -> RedisUnderTest:
     The prefix is marked as one this server has held state under for long (``<prefix>:born``
     = 0), which is true of every test prefix in the sense that matters: no process ran work
     under it that a wipe could have lost. So a test's first gate is not held behind the
-    recovery fence (lua/lib.lua gate_birth) that a server seen empty imposes; tests of the
+    recovery fence (lua/lib_fence.lua gate_birth) that a server seen empty imposes; tests of the
     fence use their own servers (``own_redis``).
     """
     prefix = f"t{uuid.uuid4().hex[:10]}"
@@ -158,7 +158,7 @@ def no_gc_during_test() -> Iterator[None]:
     Tests that plant wrong-typed keys or deny commands make the client's background cleanups
     fail. If the garbage collector finalises such a task while Python 3.11.7 is inside
     ``ast.parse`` (traceback printing calls it), CPython can raise "SystemError: AST constructor
-    recursion depth mismatch" and pytest dies with INTERNALERROR. The client now logs those
+    recursion depth mismatch" and pytest dies with INTERNALERROR. The client logs those
     failures (``Gate._forget_later``); this keeps the runs deterministic all the same.
     """
     gc.disable()

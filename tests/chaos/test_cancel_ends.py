@@ -1,4 +1,4 @@
-"""Every cancelled task ends, and nothing leaks (issue 9, item 13).
+"""Every cancelled task ends, and nothing leaks.
 
 ``test_cancellations.py`` checks that 10,000 cancellations leak nothing in Redis, but its tasks
 finish by themselves: a cancellation that is *lost* -- swallowed on its way, e.g. by

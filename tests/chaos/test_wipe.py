@@ -1,11 +1,11 @@
-"""A wiped gate and the work that still runs: the recovery fence (``lua/lib.lua`` gate_birth).
+"""A wiped gate and the work that still runs: the recovery fence (``lua/lib_fence.lua`` gate_birth).
 
 Limit 4; pods A and B (worker processes) each run 2 calls at a time at the simulator. Redis
 loses every key while they run -- it is SIGKILLed and restarted empty, or FLUSHALL'd under
 them -- and a third process C, which never used the gate, opens its ``Fleet`` the instant Redis
 answers again and asks for 4 permits. Inside Redis the wiped gate looks new, so without a
-fence C was granted all 4 while A's and B's calls ran uncounted: 8 at the simulator (6 with a
-pod whose probe was late). The first script that finds the state missing now fences the gate
+fence C would be granted all 4 while A's and B's calls ran uncounted: 8 at the simulator (6 with
+a pod whose probe was late). The first script that finds the state missing fences the gate
 for one registration period (3 x heartbeat interval): no grant until the pods whose work the
 lost state counted have counted it again (adopted after the fallback, or by their heartbeat).
 
@@ -98,4 +98,3 @@ def test_a_fresh_pod_is_not_granted_the_work_a_wipe_forgot(
     assert peak <= LIMIT, (peak, finals)
     assert int(finals[c.pod].get("fleet_grants", 0)) > 0, finals  # C was served in the end
     assert all(not _errors(s) for s in finals.values()), finals
-

@@ -1,4 +1,4 @@
-"""Child-process code of tests/test_report.py (spawned, so importable by path)."""
+"""Child-process code of tests/client/test_report.py (spawned, so importable by path)."""
 
 from __future__ import annotations
 

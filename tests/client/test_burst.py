@@ -1,4 +1,4 @@
-"""The rerank burst from the pull request, fleet-wide: 4 processes × 250 requests × 10 calls
+"""A rerank burst, fleet-wide: 4 processes × 250 requests × 10 calls
 against a server that rejects whatever exceeds 32 calls in flight."""
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""A cancellation racing the acquire script's round trip is never lost (issue 9, item 13).
+"""A cancellation racing the acquire script's round trip is never lost.
 
 redis-py 8.1 sends each command under ``asyncio.wait_for`` (a socket timeout is set), which on
 Python 3.11 returns the result when the caller's cancellation races the send's completion. The
 cancellation is sent here 0-12 event-loop iterations after the acquire starts -- sweeping the
 pool checkout, the send, the read and the reply -- and every cancellation that reached a running
-task must end it with CancelledError, leaving nothing held or queued. The multi-process version
-under load is tests/chaos/test_cancel_ends.py.
+task must end it with CancelledError, leaving nothing held or queued. The other cancellations of
+one process are in ``test_cancellation.py``; the multi-process version under load is
+``tests/chaos/test_cancel_ends.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cross-thread cancellation of the sync face and the seed-compatible functions (issue 9, item 6).
+"""Cross-thread cancellation of the sync face and the seed-compatible functions.
 
 A call made from another thread (``SyncGate``, ``map_concurrent_sync``) or from another event loop
 (``map_concurrent``) runs on the fleet's loop. When the caller gives up just as a grant lands --
@@ -9,8 +9,8 @@ heartbeat would renew it for the life of the process.
 The grant is made to land at a chosen moment with a hook on the gate's ``on_granted`` (test
 instrumentation): right after the hand-off resolved the parked acquire, the fleet's loop is
 paused for 0.1 s while the caller is interrupted. Whether the interruption or the result reaches
-the caller's side first then depends on the scheduler; both orders leaked a permit before the
-fix, and neither may leak one now. Leases and waiters live 60 s, so expiry cannot hide a leak.
+the caller's side first then depends on the scheduler; neither order may leak a permit. Leases
+and waiters live 60 s, so expiry cannot hide a leak.
 """
 
 from __future__ import annotations
@@ -298,10 +298,10 @@ def test_interrupted_release_still_releases(
 def test_threads_asking_for_a_new_gate_at_once_get_the_one_registered_gate(
     rut: RedisUnderTest,
 ) -> None:
-    """Was (found by review): ``SyncFleet.gate`` ran ``Fleet.gate``'s check-then-set in the
-    caller's thread; two threads asking for a new gate at once could each build one, and the
-    one not stored in the fleet was never renewed by the heartbeat (its lease lapsed while held:
-    2 running under a limit of 1). A switch interval of 1 µs makes the race likely."""
+    """``SyncFleet.gate``'s check-then-set holds a lock: two threads asking for a new gate at
+    once get the same one (a second gate, not stored in the fleet, would never be renewed by the
+    heartbeat: its lease would lapse while held, 2 running under a limit of 1). A switch
+    interval of 1 µs makes the race likely."""
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:

@@ -1,4 +1,4 @@
-"""Deadline values at every entry point (issue 9, item 11).
+"""Deadline values at every entry point.
 
 ``deadline=None`` or ``float("inf")`` means no deadline; NaN, zero, negative numbers and
 non-numbers are a :class:`ConfigError` naming the argument, raised before anything reaches Redis.

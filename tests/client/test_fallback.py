@@ -1,4 +1,8 @@
-"""Redis going away: the fair-share fallback and the fail mode (a private server we kill)."""
+"""Redis going away: the fair-share fallback and the fail mode (a private server we kill).
+
+Also: each pod's share while its count of live pods is not trusted yet (pods starting during an
+outage), the outage's cause named in the log, and the return to fleet mode once Redis stops
+refusing writes."""
 
 from __future__ import annotations
 
@@ -135,8 +139,8 @@ async def test_outage_lines_name_the_cause(
     rut: RedisUnderTest, caplog: pytest.LogCaptureFixture, exc: Exception, cause: str
 ) -> None:
     """The fallback's line and the fail mode's error name the error's type, also when it has
-    no text (issue 21 item 5: "Redis ... unreachable (): serving with local fair-share
-    bounds", 12 times, said nothing of why)."""
+    no text (never "Redis ... unreachable (): serving with local fair-share bounds", which
+    says nothing of why)."""
     async with Fleet(
         rut.url, prefix=rut.prefix, registry=CollectorRegistry(), heartbeat_interval=0.2
     ) as fleet:
@@ -155,7 +159,7 @@ def test_pods_starting_during_an_outage_take_one_permit_each(
 ) -> None:
     """4 pods, limit 4, Redis down before any heartbeat: each pod's share is 1, not the limit.
 
-    Before the fix a pod with no live-pod count took the whole limit locally: 16 running.
+    A pod with no live-pod count taking the whole limit locally would run 16.
     """
     own_redis.kill()
     probe = f"{rut.prefix}:probe"
@@ -208,9 +212,9 @@ async def test_pod_resumes_after_redis_refused_writes(
 ) -> None:
     """Redis returns from an outage refusing writes (OOM, READONLY), then heals.
 
-    Before the fix the refusal (a ResponseError) ended the probe task during adoption: the pod
-    stayed in fallback for good, every acquire bound by the local share, even once Redis was
-    healthy.
+    The refusal (a ResponseError) is an outage to the probe, not its end: were it to end the
+    probe task during adoption, the pod would stay in fallback for good, every acquire bound by
+    the local share, even once Redis was healthy.
     """
     async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
         gate = fleet.gate("wedge", floor=2)

@@ -1,4 +1,5 @@
-"""Fleet-wide claims checked across several OS processes against a real redis-server."""
+"""Fleet-wide claims checked across several OS processes against a real redis-server: the cap,
+FIFO order, a killed holder's or waiter's place, and the cap of processes sharing a pod_id."""
 
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ def test_processes_sharing_a_pod_id_keep_the_cap(
 ) -> None:
     """Two processes given the same pod_id ($HOSTNAME with two workers), limit 2.
 
-    Before the fix both minted the same lease ids and shared holder entries: 3 running.
+    Each process mints lease ids of its own (a pod key unique per process): sharing lease ids
+    and holder entries, they would run 3.
     """
     peaks = _workers.run_pods(
         2,

@@ -4,7 +4,8 @@ renewal (against a real redis-server).
 An idle gate is beaten every registration period (3 heartbeat intervals); a gate with a lease
 must be renewed within a third of its TTL. Waking the heartbeat on every idle -> busy change cost
 a sequential caller a loop iteration and a re-plan per permit; waking it never would let a
-short lease lapse.
+short lease lapse. A short lease set by the gate's config (not the client's) is renewed in time
+from its first grant, across processes.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def test_short_lease_from_the_gate_config_is_renewed_from_the_first_grant(
 ) -> None:
     """The coordinator's config says lease_ms=300; clients beat every 1 s by default.
 
-    Before the fix the first renewal was paced by the client's default TTL: the holder's lease
-    lapsed after 300 ms and a second process was granted while it still ran (2 under limit 1).
+    The first renewal is paced by the gate's lease, not the client's default TTL: the holder's
+    lease does not lapse after 300 ms, so no second process is granted while it still runs (2
+    under limit 1).
     """
     keys = GateKeys.of(rut.prefix, "short")
     sync_redis.hset(

@@ -127,8 +127,8 @@ async def _grants_within(fleet: Fleet, gate: str, n: int) -> int:
 async def test_non_finite_cfg_falls_back(
     own_redis: RedisProcess, r: aredis.Redis, value: str
 ) -> None:
-    """lib.lua's num() ignores NaN and infinities (Lua's tonumber accepts 'inf' and '1e400'):
-    the cap holds and leases still expire."""
+    """lua/lib_gate.lua's num() ignores NaN and infinities (Lua's tonumber accepts 'inf' and
+    '1e400'): the cap holds and leases still expire."""
     keys = GateKeys.of("fg", "g")
     await r.hset(keys.cfg, mapping={"floor": value, "lease_ms": value})
     async with Fleet(own_redis.url, registry=CollectorRegistry()) as fleet:

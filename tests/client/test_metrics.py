@@ -59,7 +59,7 @@ def test_metric_labels_priority_and_capped_tenants() -> None:
         == 0
     )
 
-    # the former gate-wide names are the default class's series
+    # the gate-wide names are the default class's series
     series.rejected.inc()
     assert (
         _value(registry, "fleetgate_client_rejected_total", gate="g", priority="0", tenant="") == 1

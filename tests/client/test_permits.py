@@ -171,12 +171,12 @@ async def test_lost_lease_sets_event(
     fleet: Fleet, registry: CollectorRegistry, async_redis: aredis.Redis
 ) -> None:
     gate = fleet.gate("lost", floor=1, lease_ms=300)
-    with pytest.raises(LeaseLost):  # on leaving the block (tests/test_lease_lost.py)
+    with pytest.raises(LeaseLost):  # on leaving the block (test_lease_lost.py)
         async with gate.permit() as lease:
             # The whole process stalls past the lease TTL (a GC pause, a frozen VM): the lease
             # expires in Redis before any renewal, so the next heartbeat reports it lost. (A
             # lease that vanished before its renewal time had passed would be counted again
-            # instead: see tests/test_fault_holes.py.)
+            # instead: tests/lua/test_transitions.py, the heartbeat adopting leases.)
             time.sleep(0.5)  # blocking the loop is the point
             await asyncio.wait_for(lease.lost.wait(), 2)
     assert sample(registry, "fleetgate_client_lease_lost_total", "lost") == 1

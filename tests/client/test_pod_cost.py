@@ -1,4 +1,4 @@
-"""A pod's cost to Redis does not grow with its gates (issue 11 item 2), against a real
+"""A pod's cost to Redis does not grow with its gates, against a real
 redis-server: one wake connection per pod (standalone), a bounded pool, a gate added while the
 blocking pop waits is woken at once."""
 

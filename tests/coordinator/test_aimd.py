@@ -190,8 +190,8 @@ def test_clock_going_back_does_not_block_a_cut() -> None:
 
 
 def test_after_a_decrease_the_target_holds_at_the_remembered_capacity() -> None:
-    # Was: hold one poll, then +25 % (the 256, 256, 320 sawtooth). Now the cut level is the
-    # capacity estimate and the target stays there.
+    # The cut level is the capacity estimate and the target stays there (no +25 % after one
+    # poll: no 256, 256, 320 sawtooth).
     d = step(state(100, slow_start=False), saturated(running=80, in_flight=100), P, now=0)
     assert d.target == 80 and d.state.recovering and d.state.capacity == 80
     for n in range(1, P.probe_polls):
@@ -380,8 +380,8 @@ def test_ramp_floor_4_to_capacity_200_with_kv() -> None:
 def test_ramp_floor_4_to_capacity_256_without_kv() -> None:
     """No KV signal: one slow-start overshoot finds the capacity, then it is remembered.
 
-    Was: 256, 256, 320 forever (+25 % probe one poll in three). Now: a +5 % probe once every
-    ``probe_polls`` + 1 polls."""
+    Then a +5 % probe once every ``probe_polls`` + 1 polls (never a +25 % probe one poll in
+    three: 256, 256, 320 for ever)."""
     decisions = run(Engine(256), P, polls=60)
     assert [d.target for d in decisions[:8]] == [8, 16, 32, 64, 128, 256, 512, 256]
     assert polls_to_reach(decisions, 0.9 * 256) == 6
@@ -469,7 +469,7 @@ def test_target_always_within_bounds(
         s = d.state
 
 
-# ------------------------------------------------------------- capacity memory (issue 13 item 4)
+# ------------------------------------------------------------------------------ capacity memory
 
 
 def kv_busy(target: int, capacity: float, **kw: float) -> Observation:
@@ -628,7 +628,7 @@ def test_saturated_engine_running_below_a_fresh_cut_cuts_again_at_once() -> None
     assert d2.reason is Reason.HOLD_COOLDOWN
 
 
-# ------------------------------------------- foreign load does not teach the capacity (issue 23)
+# ---------------------------------------------------- foreign load does not teach the capacity
 
 
 def foreign(capacity: int, in_flight: float = 0, kv: bool = False) -> Observation:
@@ -671,9 +671,10 @@ def after_foreign(
 def test_foreign_saturation_leaves_the_learned_capacity(
     capacity: int, floor: int, polls: int, kv: bool
 ) -> None:
-    """Was: every foreign poll cut toward the fleet's 'share' (in_flight - waiting < 0: by half),
-    stored the cut as C, and 13-26 polls (KV gauge: never, E / E_sat stays 1) were needed to get
-    back to 0.8 C once the foreign callers left. Now the learned capacity is kept: one poll."""
+    """Foreign saturation keeps the learned capacity, so the fleet is back at 0.8 C within a few
+    polls once the foreign callers leave. Cutting toward the fleet's 'share' each foreign poll
+    (in_flight - waiting < 0: by half) and storing the cut as C would cost 13-26 polls (with a
+    KV gauge: for ever, E / E_sat stays 1)."""
     during, back, before = after_foreign(capacity, floor, polls, kv, warm=True)
     assert before.target == capacity  # learned: C (no KV gauge) or E (KV gauge)
     assert {d.state.capacity for d in during} == {before.capacity}
@@ -688,7 +689,7 @@ def test_foreign_saturation_at_a_cold_start_costs_nothing_after_it(
     capacity: int, floor: int, kv: bool
 ) -> None:
     """Before the fleet has saturated anything itself, foreign load teaches nothing: once it
-    leaves, the ramp is a cold start's (was: C := floor, 23 polls at 64, 26 at 256)."""
+    leaves, the ramp is a cold start's (not C := floor: 23 polls at 64, 26 at 256)."""
     cold = run(Engine(capacity, kv=kv), ControllerParams(floor, 512, poll_interval=2.0), 60)
     during, back, _ = after_foreign(capacity, floor, 10, kv, warm=False)
     assert all(d.state.slow_start and d.state.capacity is None for d in during)

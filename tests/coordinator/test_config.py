@@ -80,9 +80,10 @@ def test_design_example_decodes() -> None:
     ],
 )
 def test_a_target_outlives_a_leader_takeover(coordinator: str, takeover: float) -> None:
-    """Found by review: a target lived target_ttl_polls polls (6 s), a takeover ~10 s, so a
-    SIGKILLed leader's successor restarted every gate from its floor. The lifetime now adds the
-    whole takeover: the lease lapsing, a standby's next try, the new leader's first scrape."""
+    """A target's lifetime is target_ttl_polls polls plus the whole takeover: the lease
+    lapsing, a standby's next try, the new leader's first scrape. Polls alone (6 s) are shorter
+    than a takeover (~10 s): a SIGKILLed leader's successor would restart every gate from its
+    floor."""
     c = parse(f"[coordinator]\n{coordinator}\n").coordinator
     assert c.takeover == pytest.approx(takeover)
     assert c.target_ttl == pytest.approx(c.target_ttl_polls * c.poll_interval + takeover)
@@ -188,7 +189,7 @@ def test_single_metrics_url() -> None:
             'leader_ttl = "10s"',
             "coordinator.leader_ttl: expected float, got str",
         ),
-        (  # 0 whole ms in Redis: accepted before, then every SET of the lease failed
+        (  # 0 whole ms in Redis: every SET of the lease would fail
             "leader_ttl = 10.0",
             "leader_ttl = 0.0005",
             "coordinator.leader_ttl: expected float >= 0.01",
@@ -328,7 +329,7 @@ def test_model_max_concurrency_is_the_default_ceiling() -> None:
         ({"KG_ADAPTIVE_CONCURRENCY": "2"}, "KG_ADAPTIVE_CONCURRENCY: expected 0/1"),
         ({"MODEL_MAX_CONCURRENCY": "0"}, "MODEL_MAX_CONCURRENCY: expected an int >= 1, got '0'"),
         ({"MODEL_MAX_CONCURRENCY": "lots"}, "MODEL_MAX_CONCURRENCY: expected an int >= 1"),
-        # '²'.isdigit() is true, int('²') raises ValueError: found by the env fuzz test
+        # '²'.isdigit() is true, int('²') raises ValueError
         ({"MODEL_MAX_CONCURRENCY": "²"}, "MODEL_MAX_CONCURRENCY: expected an int >= 1, got '²'"),
     ],
 )
@@ -354,7 +355,7 @@ def test_controller_params_for_gate() -> None:
     assert ControllerParams.for_gate(off.gates[0], off.coordinator).adaptive is False
 
 
-# ------------------------------------------------------- defaults that fit (issue 13 item 5)
+# ---------------------------------------------------------------------------- defaults that fit
 
 
 def test_scrape_timeout_follows_a_short_poll_interval() -> None:
@@ -380,7 +381,7 @@ def test_explicit_scrape_timeout_above_the_poll_is_still_refused() -> None:
         Config.from_toml_text("[coordinator]\nscrape_timeout = 0\n", env={})
 
 
-# ------------------------------------------------------------ admission order (issue 12)
+# ----------------------------------------------------------------------------- admission order
 
 ADMISSION_GATE = """\
 [[gates]]

@@ -163,7 +163,7 @@ async def test_a_blind_leader_publishes_the_floor_after_unknown_reset_polls(
 ) -> None:
     """A target outlives a leader takeover (config.target_ttl), so a leader that cannot read a
     server must not wait for its last target to run out: after unknown_reset_polls unknown polls
-    it publishes the floor (before, the target stayed until it expired)."""
+    it publishes the floor, not the last target until it expires."""
     keys = GateKeys.of(rut.prefix, "llm")
     with serve_in_thread(metrics_stub(StubValues())) as served:
         cfg = config(rut, f"{served.url}/nothing-here")  # every scrape fails: blind
@@ -239,9 +239,8 @@ async def test_a_state_whose_target_ran_out_restarts_from_the_floor(
     rut: RedisUnderTest, async_redis: aredis.Redis
 ) -> None:
     """Every coordinator was down for longer than the target's TTL: the fleet is at the floor.
-    The stored state must not hand a backlog its old target (400) in one poll (found by
-    review: the new leader published it at once); it starts from the floor, keeping the
-    capacity it had learnt."""
+    The stored state must not hand a backlog its old target (400) in one poll: the new leader
+    starts from the floor, keeping the capacity it had learnt."""
     keys = GateKeys.of(rut.prefix, "llm")
     with serve_in_thread(metrics_stub(StubValues())) as served:
         cfg = config(rut, f"{served.url}/metrics")

@@ -1,7 +1,8 @@
-"""One gate's bad input never stops the coordinator for the others (found by review: any
-exception in one gate's decision aborted the whole poll, while the leader kept its lease, so
-every adaptive gate decayed to its floor and no standby took over), and the inputs that raised
-are unknown now, not errors."""
+"""One gate's bad input never stops the coordinator for the others: an exception in one gate's
+decision costs that gate's poll only (were it to abort the whole poll while the leader keeps its
+lease, every adaptive gate would decay to its floor with no standby taking over), and odd inputs
+(a non-UTF-8 field, an absurd count, a window of zeros, a non-ASCII metrics URL) are unknown,
+not errors."""
 
 from __future__ import annotations
 
@@ -99,8 +100,8 @@ def test_a_latency_window_of_zeros_is_no_latency() -> None:
 async def test_a_metrics_listen_host_that_does_not_resolve_names_the_field(
     rut: RedisUnderTest,
 ) -> None:
-    """Accepted by the config (only the port is checked there), it failed at start with a bare
-    ``gaierror`` (found by review)."""
+    """Accepted by the config (only the port is checked there), it fails at start with an
+    error naming the field, not a bare ``gaierror``."""
     cfg = Config.from_toml_text(
         f"""
 [redis]
@@ -123,8 +124,8 @@ async def test_a_gate_held_by_failing_decisions_restarts_from_the_floor(
     rut: RedisUnderTest, async_redis: aredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Held polls count as unknown: after unknown_reset_polls of them the gate's state restarts
-    from the floor, as its target has run out (found by review: the held state kept 40, and the
-    first good poll published 40 at once to a fleet at the floor)."""
+    from the floor, as its target has run out (a held state of 40 would be published at once by
+    the first good poll, to a fleet at the floor)."""
     keys = GateKeys.of(rut.prefix, "good")
     with serve_in_thread(metrics_stub(StubValues(running=0))) as served:
         cfg = _config(rut, f"{served.url}/metrics")

@@ -110,8 +110,8 @@ def test_unknown_window_holds_unpublished_then_resets() -> None:
 
 
 def test_a_window_of_errors_only_is_unknown_and_a_thin_one_holds_published() -> None:
-    """Every call failing says nothing of a queue: unknown, decaying to the floor (found by
-    review: the last target stayed published for ever). A window with calls but too few ok
+    """Every call failing says nothing of a queue: unknown, decaying to the floor (never
+    the last target published for ever). A window with calls but too few ok
     latencies holds the target, published: the fleet does not use it (app-limited)."""
     state = GradientState(target=100, no_load=0.2, slow_start=False)
     errors = Reading(error=30, at=2.0, seconds=2.0)

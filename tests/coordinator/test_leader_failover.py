@@ -1,12 +1,12 @@
-"""A SIGKILLed leader hands over warm under the default lifetimes (issue 21, item 4).
+"""A SIGKILLed leader hands over warm under the default lifetimes.
 
 Real ``fleetgate coordinator`` processes with the default ``poll_interval`` (2 s),
 ``leader_ttl`` (10 s) and ``target_ttl_polls`` (3), one adaptive gate against the vLLM
 simulator, load from a ``fleetgate worker`` process. Once the gate's target has grown well above
-its floor and settled, the leader is SIGKILLed; the standby wins the lease when it lapses. Found
-by review: a target lived only ``target_ttl_polls × poll_interval`` (6 s), less than the
-takeover (~10 s), so the new leader found every target run out, restarted each gate from its
-floor (231 -> 8 in the reviewer's run), and the pods' limit fell to the floor meanwhile.
+its floor and settled, the leader is SIGKILLed; the standby wins the lease when it lapses. The
+target outlives the takeover: were it to live only ``target_ttl_polls × poll_interval`` (6 s),
+less than the takeover (~10 s), the new leader would find every target run out and restart each
+gate from its floor (231 -> 8), and the pods' limit would fall to the floor meanwhile.
 """
 
 from __future__ import annotations

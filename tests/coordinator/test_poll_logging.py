@@ -1,4 +1,4 @@
-"""What the coordinator writes to its log per poll (issue 13 item 5): no line per scrape."""
+"""What the coordinator writes to its log per poll : no line per scrape."""
 
 from __future__ import annotations
 

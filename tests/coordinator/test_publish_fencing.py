@@ -1,8 +1,8 @@
-"""Every coordinator write of a gate is epoch-fenced (issue 9, item 14): a deposed leader that
+"""Every coordinator write of a gate is epoch-fenced: a deposed leader that
 wakes up between its validity check and its pipeline (a GC pause, CPU starvation, a slow link)
 must not overwrite its successor's gate configuration (``fg:{G}:cfg``: the floor *is* the cap
 of a fixed gate) nor its utilisation snapshot and controller state (``fg:{G}:util``: the next
-leader resumes from it), just as ``set_target`` already refuses its target.
+leader resumes from it), just as ``set_target`` refuses its target.
 
 The Publisher is driven directly with two epochs: the minimal honest reproduction, since a real
 leader pauses at an arbitrary instant (the process tests of the election cover the rest).

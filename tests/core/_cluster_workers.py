@@ -1,4 +1,5 @@
-"""Code run in child OS processes by tests/test_cluster_pool.py (spawned, so importable by path).
+"""Code run in child OS processes by tests/core/test_cluster_pool.py (spawned, so importable by
+path).
 
 Each worker opens one Fleet on a Redis Cluster and reports what it saw as plain data: how often
 it fell into the fair-share fallback (its log lines) and the highest per-gate concurrency its

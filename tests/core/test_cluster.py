@@ -159,9 +159,9 @@ scrape_timeout = 0.2
 
 
 async def test_stored_controller_states_are_read_on_cluster(cluster_rut: RedisUnderTest) -> None:
-    """A new leader reads each gate's stored state and whether its target is live (found by
-    review: the read put TIME in a pipeline, which redis-py refuses on Cluster, so every leader
-    change there started cold)."""
+    """A new leader reads each gate's stored state and whether its target is live, also on
+    Cluster (where redis-py refuses TIME in a pipeline: a read doing so would start every
+    leader change cold)."""
     from fleetgate.coordinator.publisher import Publisher
 
     client = connect(cluster_rut.url)

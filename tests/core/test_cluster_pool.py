@@ -1,8 +1,9 @@
-"""Redis Cluster: a busy node pool is congestion, never an outage (issue 21 item 5).
+"""Redis Cluster: a busy node pool is congestion, never an outage.
 
 redis-py's asyncio RedisCluster has no blocking pool: a call beyond a node's max_connections
-raised ``MaxConnectionsError`` (a ``ConnectionError`` with an empty message), which fleetgate
-read as "Redis unreachable ()" and served under the fair-share fallback with every node up.
+raises ``MaxConnectionsError`` (a ``ConnectionError`` with an empty message). fleetgate's
+permits make such a call wait for a connection; read as "Redis unreachable ()", it would serve
+under the fair-share fallback with every node up.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _per_node(client: Any) -> dict[str, int]:
 @pytest.mark.cluster
 async def test_calls_beyond_a_node_pool_wait_on_cluster(cluster_rut: RedisUnderTest) -> None:
     """200 concurrent calls (commands, scripts, pipelines) on a client of 2 connections per
-    node: all succeed (before: MaxConnectionsError, read as an outage) and no node's pool
+    node: all succeed (no MaxConnectionsError read as an outage) and no node's pool
     grows past its bound."""
     client = connect(cluster_rut.url, max_connections=2)
     try:
@@ -139,7 +140,7 @@ async def test_a_pool_busy_past_its_timeout_is_an_outage(cluster_rut: RedisUnder
 @pytest.mark.cluster
 async def test_cluster_clients_share_one_command_table(cluster_rut: RedisUnderTest) -> None:
     """Every cluster client of one URL in a process uses the command table the first one
-    loaded: a wake listener (a client of its own, per gate on Cluster) no longer parses
+    loaded: a wake listener (a client of its own, per gate on Cluster) does not parse
     ``COMMAND`` (~35 ms of CPU) when it starts."""
     first = connect(cluster_rut.url)
     listener = connect(cluster_rut.url, dedicated=True)
@@ -184,8 +185,8 @@ def test_busy_node_pools_are_no_outage(cluster_rut: RedisUnderTest, rut: RedisUn
         "local_bound_lines": sum(r["local_bounds"] for r in results),
         "peak": max(r["peak"] for r in results),
     }
-    # Before the fix, 3 runs: 4-5 fallbacks (cause MaxConnectionsError), 480-600 local-bound
-    # lines, 2-3 permits running at once on gates of limit 1.
+    # A busy pool read as an outage shows here as 4-5 fallbacks (cause MaxConnectionsError),
+    # 480-600 local-bound lines, 2-3 permits running at once on gates of limit 1.
     assert seen == {
         "fallbacks": 0,
         "causes": [],

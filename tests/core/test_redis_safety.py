@@ -1,5 +1,6 @@
 """fleetgate.safety against real servers: eviction policy, replicas, refused CONFIG/INFO, the
-coordinator's start-up check and ``fleetgate check``'s exit code."""
+coordinator's start-up check and ``fleetgate check``'s exit code; and the key types it expects of
+a gate (``GateKeys``' own), schema 1 and 2 keys included."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gate registry ``fg:gates`` (issue 9, item 10): an invalid name stops nothing, and gates
+"""The gate registry ``fg:gates``: an invalid name stops nothing, and gates
 idle for long are pruned from it, never a gate with holders, waiters or live pods."""
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ async def test_status_skips_invalid_registry_names(
     assert out.returncode == 0, out.stderr
     assert [g["name"] for g in json.loads(out.stdout)["gates"]] == ["good"]
     assert "invalid" in out.stderr and "bad{tag}" in out.stderr
-    # `fleetgate check` names each entry (a warning: nothing breaks on it any more).
+    # `fleetgate check` names each entry (a warning: nothing breaks on it).
     findings = await find_bad_keys(async_redis, rut.prefix)
     assert [f.level for f in findings] == ["warning"] * len(INVALID)
     assert all("invalid gate name" in f.message for f in findings)

@@ -1,5 +1,5 @@
-"""One gate-settings struct: its defaults and bounds, and ``lua/lib.lua`` agreeing with them on a
-real redis-server."""
+"""One gate-settings struct: its defaults and bounds, and the Lua library (``lua/lib_cfg.lua``)
+agreeing with them on a real redis-server."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _effective(snap: scripts_module.Snapshot) -> dict[str, int]:
 
 
 def _int_fields(s: GateSettings) -> dict[str, int]:
-    """The settings lib.lua's load_cfg reads (FIELDS), as ``_effective`` shows them."""
+    """The settings lib_cfg.lua's load_cfg reads (FIELDS), as ``_effective`` shows them."""
     return {name: getattr(s, name) for name in FIELDS}
 
 

@@ -1,7 +1,8 @@
-"""Visibility of weights, bands and tenants (issue 12, item 4) against a real redis-server:
-``fleetgate status`` and ``inspect``, the README's redis-cli commands, ``fleetgate check``'s
-key types, the coordinator's units in flight, ``fleet.utilization`` and the client metrics'
-priority and tenant labels."""
+"""Weights, bands and tenants as ``fleetgate status`` and ``inspect`` show them, and as the
+README's redis-cli commands read them, over one scene on a real redis-server. The same scene's
+key types are ``fleetgate check``'s (``test_redis_safety.py``); the coordinator's units in
+flight: ``tests/coordinator/test_units_in_flight.py``; the client metrics' priority and tenant
+labels: ``tests/client/test_metrics.py``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""`fleetgate status` and the inspect script stay O(1) per gate in the queue length (issue 9)
-and in the number of tenants (issue 12).
+"""`fleetgate status` and the inspect script stay O(1) per gate in the queue length and in the
+number of tenants.
 
 The work is measured inside Redis, deterministically: the ZSCORE calls the inspect script makes
 (one per listed waiter, from ``INFO commandstats``) and the bytes Redis sends back
 (``total_net_output_bytes``), around one status read of a gate with 50,000 parked waiters (in
-one lane, or over 1,000 tenants' lanes) and 50,000 holders. Before the fix ``inspect`` with n=0
-ran ``ZRANGE queue 0 -1``: it listed every waiter (50,000 ZSCORE calls, megabytes of reply)
-inside one script, blocking Redis. Status lists STATUS_LANES lanes (for the queue per band and
-per tenant) and at most as many head waiters: a constant.
+one lane, or over 1,000 tenants' lanes) and 50,000 holders. Status lists STATUS_LANES lanes (for
+the queue per band and per tenant) and at most as many head waiters: a constant, where listing
+every waiter (``ZRANGE queue 0 -1``) would make 50,000 ZSCORE calls and megabytes of reply
+inside one script, blocking Redis.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ HOUR_MS = 3_600_000
 async def _park_many(r: aredis.Redis, keys: GateKeys, n: int, tenants: int = 1) -> None:
     """n parked waiters and n holders, written straight into the gate's schema-2 keys (an
     hour's TTL): waiter i of tenant ``t<i % tenants>`` at priority 0 (``tenants=1``: the default
-    tenant), each tenant's lane in the fair order with a tag of its own (see lua/lib.lua)."""
+    tenant), each tenant's lane in the fair order with a tag of its own (see lua/lib_lanes.lua)."""
     sec, usec = await r.time()
     expiry = sec * 1000 + usec // 1000 + HOUR_MS
     await r.hset(keys.cfg, mapping={"floor": 1, "ceiling": 1, "max_queued": 10 * n, "schema": 2})

@@ -1,4 +1,4 @@
-"""Code run in child OS processes by tests/test_admission.py (spawned, so importable by path).
+"""Code run in child OS processes by tests/lua/test_admission.py (spawned, so importable by path).
 
 Each worker opens its own Fleet, runs permits with the weights, priorities and tenants it is
 given, and reports what it saw as plain data (the test process checks the claims).
@@ -20,6 +20,7 @@ from fleetgate.client import Fleet
 from fleetgate.errors import ConfigError, DeadlineExceeded, Overloaded
 
 T = TypeVar("T")
+
 
 async def _uncancellable(aw: Awaitable[T]) -> T:
     """Await ``aw`` to its end even if the caller is cancelled meanwhile (re-raised after)."""

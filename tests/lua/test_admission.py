@@ -266,12 +266,12 @@ async def test_oversize_head_waits_for_the_limit_without_blocking_others(
 async def test_a_lowered_ceiling_refuses_the_parked_head_and_its_lane_moves_on(
     rut: RedisUnderTest, r: redis.Redis, fleet: Fleet
 ) -> None:
-    """Issue 21 item 3. floor = ceiling = 8; another process parks a weight-8 call (no
+    """floor = ceiling = 8; another process parks a weight-8 call (no
     deadline) while this one holds a unit; the coordinator lowers floor and ceiling to 4 and
     the unit is released. The heavy call can never be granted now: its caller gets the
     ConfigError an arrival of weight 8 gets, and a weight-1 call of the same lane is granted at
-    once. Was: the heavy head sat in `big` for ever and the weight-1 call timed out after 3 s
-    with 0 of 4 units held."""
+    once (not the heavy head waiting in `big` for ever, and the weight-1 call timing out after
+    3 s with 0 of 4 units held)."""
     gate = fleet.gate("lowered", floor=8, ceiling=8)
     held = await gate.acquire()
     with ctx.Pool(1) as pool:

@@ -1,7 +1,9 @@
-"""Regression tests for admission-order bugs found by tests/test_scripts_model.py.
+"""The admission order's rules through the scripts, step by step, on a real redis-server.
 
-Each test drives the real scripts on a real redis-server through the steps that broke a rule
-before the fix, and checks the rule holds (each failed on the first schema-2 scripts).
+Each test drives the real scripts through a sequence of calls that puts one rule to the test
+(the random sequences of ``test_transitions_model.py`` cover the rest): every lane with waiters
+stays in the fair order or in big, through reaps, batches and tags; units a call frees go to the
+waiters; and a ceiling lowered below a parked head refuses that head and lets its lane move on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ LONG_MS = 600_000
 class Gate:
     def __init__(self, r: redis.Redis, max_queued: int, floor: int = 1, ceiling: int = 6) -> None:
         self.r = r
-        self.keys = GateKeys.of(f"b{uuid.uuid4().hex[:8]}", "bugs")
+        self.keys = GateKeys.of(f"b{uuid.uuid4().hex[:8]}", "steps")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self.defaults = [floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, ""]
 
@@ -61,10 +63,10 @@ def r(rut: RedisUnderTest) -> Iterator[redis.Redis]:
 def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_scheduled(
     r: redis.Redis,
 ) -> None:
-    """Was: when the wait list is full, the request loop reaps expired waiters and resets the
-    lane_len cache; a lane this call parked into *before* the reap was counted again after the
-    ZADD of this call's parks (1, not 0) and never entered fair or big: its waiters were never
-    handed a permit. Now lanes are counted before the parks go in."""
+    """When the wait list is full, the request loop reaps expired waiters and resets the
+    lane_len cache. A lane this call parked into *before* the reap is still scheduled: lanes are
+    counted before the parks go in (counted after the ZADD of this call's parks, 1 not 0, the
+    lane would never enter fair or big, and its waiters would never be handed a permit)."""
     g = Gate(r, max_queued=2)
     assert g.acquire(("pa:1", 0, None)) == [1]  # holds the only unit
     assert g.acquire(("pa:2", 0, None)) == [2]  # parks in the default lane
@@ -83,10 +85,10 @@ def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_schedule
 def test_a_batch_leaves_no_idle_unit_when_its_parks_put_a_fitting_head_first(
     r: redis.Redis,
 ) -> None:
-    """Was: within one batch a request that does not fit parks (only handoff reserves), and a
-    later request of the same band parks behind it although its lane gets the smaller tag: the
-    first lane of fair then had a head that fit the free unit, and the unit idled until some
-    later call handed off. Now an acquire that parked hands off before it returns."""
+    """Within one batch a request that does not fit parks (only handoff reserves), and a later
+    request of the same band parks behind it although its lane gets the smaller tag: the first
+    lane of fair then has a head that fits the free unit. An acquire that parked hands off
+    before it returns, so the unit does not idle until some later call hands off."""
     g = Gate(r, max_queued=5)
     g.defaults[7] = "a}2"  # tenant a weighs 2: its tags grow half as fast
     assert g.call("set_target", 2, 1, LONG_MS)[0] == 1
@@ -103,10 +105,10 @@ def test_a_batch_leaves_no_idle_unit_when_its_parks_put_a_fitting_head_first(
 def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
     r: redis.Redis,
 ) -> None:
-    """Was: a lane whose head weighs more than the limit is in big; when that head expired and
-    acquire's waiter reap removed it (wait list full), the lane stayed in big although its new
-    head fit (only set_target, publish, cancel and heartbeat readmitted): a later, lower-band
-    request was granted before it. Now acquire readmits after a reap."""
+    """A lane whose head weighs more than the limit is in big. When that head expires and
+    acquire's waiter reap removes it (wait list full), acquire readmits the lane, whose new head
+    fits (as set_target, publish, cancel and heartbeat do): a later, lower-band request is not
+    granted before it."""
     g = Gate(r, max_queued=2)
     g.defaults[6] = -1  # shed_below -1: priority -1 parks/grants like any other band
     assert g.call("set_target", 4, 1, LONG_MS)[0] == 1
@@ -129,11 +131,10 @@ def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
 
 
 def test_a_head_behind_another_lanes_tag_reserves_nothing(r: redis.Redis) -> None:
-    """Was (found by review): after a grant, a lane's next head got a tag past the other
-    lane's, but the "does not fit: reserve" check came before the tag check, so that head
-    reserved the free unit and the other lane's head -- first by tag, and fitting -- waited
-    behind it (rules 3 and 4: only the chosen head, the smallest tag, reserves). Now the tags
-    are compared first."""
+    """After a grant, a lane's next head gets a tag past the other lane's. The tags are compared
+    before the "does not fit: reserve" check, so that head reserves nothing and the other
+    lane's head -- first by tag, and fitting -- is served (rules 3 and 4: only the chosen head,
+    the smallest tag, reserves)."""
     g = Gate(r, max_queued=10)
     assert g.call("set_target", 4, 1, LONG_MS)[0] == 1
     assert g.acquire(*((f"pa:h{i}", 0, None) for i in range(4))) == [1, 1, 1, 1]
@@ -149,9 +150,9 @@ def test_a_head_behind_another_lanes_tag_reserves_nothing(r: redis.Redis) -> Non
 
 
 def test_units_an_acquire_reaps_go_to_the_waiters_even_when_it_refuses(r: redis.Redis) -> None:
-    """Was (found by review): an arrival that reaped an expired lease to make room, and was then
-    refused (here: its tenant's queue bound), returned without a hand-off, so the units it freed
-    idled while a waiter that now fit waited for the next heartbeat or release."""
+    """An arrival that reaps an expired lease to make room, and is then refused (here: its
+    tenant's queue bound), hands the units it freed off before it returns: a waiter that fits
+    now does not wait for the next heartbeat or release."""
     g = Gate(r, max_queued=10)
     g.defaults[5] = 1  # max_queued_per_tenant
     assert g.call("set_target", 3, 1, LONG_MS)[0] == 1
@@ -166,12 +167,12 @@ def test_units_an_acquire_reaps_go_to_the_waiters_even_when_it_refuses(r: redis.
     assert wake.startswith("pw:1w2=")
 
 
-# -- Issue 21 item 3: a lowered ceiling wedged a lane for good ---------------------------------
-# A head heavier than the ceiling in force (lowered after it parked) waited in `big` for a limit
-# the ceiling forbids, and every waiter of its lane behind it waited too (a weight-1 call timed
-# out with 0 of 4 units held). Now it is refused as an arrival that heavy is (ConfigError: wake
-# '<id>=c<ceiling>', or the heartbeat's too_heavy list when the wake is lost) and its lane moves
-# on; a head heavier than the limit but within the ceiling still waits.
+# -- a lowered ceiling never wedges a lane ------------------------------------------------------
+# A head heavier than the ceiling in force (lowered after it parked) is refused as an arrival that
+# heavy is (ConfigError: wake '<id>=c<ceiling>', or the heartbeat's too_heavy list when the wake
+# is lost) and its lane moves on; left in `big`, it would wait for a limit the ceiling forbids,
+# and every waiter of its lane behind it too (a weight-1 call timing out with 0 of 4 units held).
+# A head heavier than the limit but within the ceiling still waits.
 
 
 def publish(g: Gate, **cfg: object) -> list[Any]:
@@ -210,7 +211,7 @@ def refused_once(g: Gate, lease_id: str) -> None:
 def test_a_publish_lowering_the_ceiling_refuses_a_parked_head_too_heavy_for_it(
     r: redis.Redis,
 ) -> None:
-    """The issue's scenario at script level: floor = ceiling = 8, pb:1w8 parks (reserved) while
+    """floor = ceiling = 8, pb:1w8 parks (reserved) while
     a unit is held, pb:2 parks behind it in the same lane; the publish lowering floor and
     ceiling to 4 refuses pb:1w8 and hands a unit to pb:2 in the same call."""
     g = Gate(r, max_queued=10, floor=8, ceiling=8)
@@ -242,7 +243,7 @@ def test_a_lane_already_in_big_is_refused_by_the_publish_that_lowers_the_ceiling
 def test_a_set_target_refuses_a_head_above_a_ceiling_lowered_without_a_settle(
     r: redis.Redis,
 ) -> None:
-    """A ceiling written without a settle (by hand, or an older coordinator's publish): the next
+    """A ceiling written without a settle (by hand, or a publish that does not settle): the next
     set_target refuses the head of big that weighs more than it."""
     g = Gate(r, max_queued=10, floor=2, ceiling=8)
     assert g.acquire(("pa:1", 0, None)) == [1]
@@ -305,7 +306,7 @@ def test_a_release_refuses_a_fair_head_the_lowered_ceiling_left_when_the_gate_wa
 
 
 def test_a_head_above_the_limit_within_the_ceiling_keeps_waiting(r: redis.Redis) -> None:
-    """Unchanged rule: a head heavier than the limit but not than the ceiling waits in big
+    """A head heavier than the limit but not than the ceiling waits in big
     through publishes, heartbeats and set_targets below it, and is granted once the limit
     reaches its weight."""
     g = Gate(r, max_queued=10, floor=2, ceiling=8)

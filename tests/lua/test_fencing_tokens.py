@@ -2,10 +2,11 @@
 a failover to a replica that missed the last grants.
 
 Pod X (a child process) holds a lease with token *a*; pod Y (this process) takes and releases
-*a+1 … a+5*; then the gate loses its counter. Before, the counter was raised only to the
-highest token still *held* (X's *a*, by X's adoption or heartbeat), so Y's next token was
-*a+1*: issued twice. Tokens now never fall below server time × 1000 (``lua/lib.lua``
-next_tokens), which is past every earlier token however the counter was lost.
+*a+1 … a+5*; then the gate loses its counter. Raising the counter only to the highest token
+still *held* (X's *a*, by X's adoption or heartbeat) would give Y *a+1* again: issued twice.
+Tokens never fall below server time × 1000 (``lua/lib_tokens.lua`` next_tokens), which is past
+every earlier token however the counter was lost. Also here: the counter rolled back below the
+tokens of leases still held, and waiters parked across a rollback.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ async def test_tokens_exceed_every_issued_token_after_an_empty_restart(
     holders = redis.Redis.from_url(own_redis.url, decode_responses=True)
     fresh, issued = await _next_token_after_loss(own_redis.url, rut, restart, holders)
     holders.close()
-    # before: fresh == a + 1, a token Y had been issued already
+    # not a + 1: a token Y had been issued already
     assert fresh > max(issued), (fresh, issued)
 
 
@@ -153,8 +154,8 @@ async def test_tokens_exceed_every_issued_token_after_a_lossy_failover(
 
 async def test_waiters_parked_across_a_rollback_keep_their_place(rut: RedisUnderTest) -> None:
     """A rollback that keeps the parked entries but not the counter (a lossy failover): a caller
-    arriving after it parks behind them, and the hand-offs go in arrival order. Before, its
-    seq restarted below theirs, so it sorted first in the lane and was served first."""
+    arriving after it parks behind them, and the hand-offs go in arrival order (its seq
+    does not restart below theirs: it would sort first in the lane and be served first)."""
     r = aredis.Redis.from_url(rut.url, decode_responses=True)
     scripts = GateScripts(r)
     keys = GateKeys.of(rut.prefix, "rollback")
@@ -184,7 +185,7 @@ async def r(own_redis: RedisProcess) -> AsyncIterator[aredis.Redis]:
 
 
 async def test_tokens_stay_monotonic_across_a_redis_restart(own_redis: RedisProcess) -> None:
-    """Before the fix the counter restarted at 1 while adopted leases held tokens up to 3."""
+    """After a restart the counter is above the tokens of the leases adopted (up to 3), not 1."""
     async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
         gate = fleet.gate("tokens", floor=4)
         held = [await gate.acquire() for _ in range(3)]

@@ -1,4 +1,4 @@
-"""What the recovery fence (``lua/lib.lua`` gate_birth) costs, and when it applies.
+"""What the recovery fence (``lua/lib_fence.lua`` gate_birth) costs, and when it applies.
 
 The fleet-level behaviour (a wiped gate grants nothing while the old pods' work still runs) is
 tests/chaos/test_wipe.py; here: a gate with state pays nothing, a first start on an empty
@@ -97,11 +97,11 @@ async def test_state_from_before_birth_marks_is_not_fenced(empty: aredis.Redis) 
 async def test_a_pod_without_a_fence_does_not_lift_it_for_the_server(
     empty: aredis.Redis,
 ) -> None:
-    """Found by review (failed before): after a FLUSHALL an idle pod without a fence
-    (recovery_fence=0, or a fleetgate without one) beat gate X, so X had a live pod but no
-    mark; the next fenced script on X took that for old state and marked the whole server as
-    old (``fg:born`` 0), and a fresh pod on gate G was granted at once while A's work there
-    was still uncounted: 4 units held under a limit of 2."""
+    """After a FLUSHALL an idle pod without a fence (recovery_fence=0, or a fleetgate without
+    one) beats gate X, so X has a live pod but no mark. The next fenced script on X does not
+    take that for old state: the server stays fenced (``fg:born`` not 0), and a fresh pod on
+    gate G parks while A's work there is still uncounted (granted at once, 4 units would be held
+    under a limit of 2)."""
     scripts = GateScripts(empty)
     g, x = GateKeys.of("fg", "g"), GateKeys.of("fg", "x")
     two = GateSettings(floor=2, ceiling=2, max_queued=10, lease_ms=60_000, waiter_ms=60_000)

@@ -169,7 +169,7 @@ async def test_inspect_snapshot(scripts: GateScripts, keys: GateKeys) -> None:
 async def test_scripts_write_only_the_keys_gate_keys_names(
     scripts: GateScripts, keys: GateKeys, async_redis: aredis.Redis
 ) -> None:
-    """The scripts get the gate's base name alone and derive every key (lua/lib.lua): each key
+    """The scripts get the gate's base name alone and derive every key (lua/lib_gate.lua): each key
     they write is one GateKeys names, and each data key GateKeys names is the one written."""
     d = GateSettings(floor=1, ceiling=4, max_queued=3, lease_ms=10_000, waiter_ms=5_000)
     assert (await scripts.acquire(keys, "pa:1", 5_000, d)).status == GRANTED
@@ -228,9 +228,8 @@ async def test_heartbeat_adopts_leases_the_gate_lost_before_they_expired(
 
 
 async def test_handoff_skips_waiters_that_died_beyond_one_reap(r: aredis.Redis) -> None:
-    """100 parked waiters die at once (more than one reap removes), then a slot frees.
-
-    Before the fix the slot went to a dead head and sat idle for a lease TTL.
+    """100 parked waiters die at once (more than one reap removes), then a slot frees: it goes
+    to the live waiter behind them, not to a dead head (where it would idle for a lease TTL).
     """
     scripts = GateScripts(r)
     keys = GateKeys.of("fg", "dead-heads")

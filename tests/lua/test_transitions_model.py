@@ -1,14 +1,15 @@
 """Property-based test: random sequences of transitions against the real scripts.
 
-A plain-Python model of the schema-2 semantics (docs/admission.md, lua/lib.lua) runs in
+A plain-Python model of the schema-2 semantics (docs/admission.md, lua/lib_*.lua) runs in
 lockstep with the real scripts on a real redis-server: weighted leases, lanes per (tenant, band),
-self-clocked fair queuing per band with the exact integer tags of lib.lua, reservations, lanes
-too heavy for the limit ("big"), eviction, shedding, the per-tenant bound and the bounded, lazy
-reaping of each script. After every step the whole gate state in Redis (holders, lanes, waiters,
-fair, big, adm, stats, wake lists, evictions, replies and fencing tokens) must equal the model's.
+self-clocked fair queuing per band with the exact integer tags of the Lua library, reservations,
+lanes too heavy for the limit ("big"), eviction, shedding, the per-tenant bound and the bounded,
+lazy reaping of each script. After every step the whole gate state in Redis (holders, lanes,
+waiters, fair, big, adm, stats, wake lists, evictions, replies and fencing tokens) must equal the
+model's.
 
-Independently of how the model (and lib.lua) pick the next grant, these invariants are checked
-against Redis or at each grant:
+Independently of how the model (and the library) pick the next grant, these invariants are
+checked against Redis or at each grant:
   * units held = sum of the holders' weights = ZCARD holders + adm extra; units <= limit after
     any step that granted;
   * every non-empty lane is in exactly one of fair/big, fair tags = adm f: fields, big scores =
@@ -63,17 +64,17 @@ WEIGHTS = (1, 1, 1, 1, 2, 2, 3, 3, 5, 5, 6, 7)  # 6 = CEILING (above most limits
 TENANT_WEIGHTS = ("a}2", "", "a}2}b}3")  # the first is the gate's initial configuration
 LONG_MS = 600_000  # nothing expires by itself during a run; expiry is a rule
 # The gate's token counter at the start, so every token is predictable: ahead of server ms x
-# 1000 (the floor tokens never go below, lib.lua next_tokens; tested in tests/test_tokens.py)
-# until about 2096, and exact in a Lua double.
+# 1000 (the floor tokens never go below, lib_tokens.lua next_tokens; tested in
+# tests/lua/test_fencing_tokens.py) until about 2096, and exact in a Lua double.
 SEQ0 = 4_000_000_000_000_000
-# lib.lua's per-call bounds
+# the library's per-call bounds
 REAP_MAX, HANDOFF_MAX, READMIT_MAX = 64, 256, 16
 DROP_MAX = 2 * REAP_MAX
 REFUSE_LANES, REFUSE_HEADS = 16, 16
 CEILINGS = (CEILING, CEILING, 4, 3)  # what the coordinator's publish sets (lowered: refusals)
 
 # FLEETGATE_MODEL_MIRROR=0 checks the rules alone (not the exact state): to see that a mutation
-# of lib.lua breaks a rule, not only the mirror.
+# of the library breaks a rule, not only the mirror.
 MIRROR = os.environ.get("FLEETGATE_MODEL_MIRROR", "1") != "0"
 
 GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY = 1, 2, 0, 3, 4, 5
@@ -144,8 +145,8 @@ class Request:
 
 
 class GateModel:
-    """lib.lua and the scripts in Python, on the same integers. The strict-band, FIFO and token
-    rules are asserted at each grant (independently of how the grant was chosen)."""
+    """The Lua library and the scripts in Python, on the same integers. The strict-band, FIFO and
+    token rules are asserted at each grant (independently of how the grant was chosen)."""
 
     def __init__(self) -> None:
         self.holders: dict[str, bool] = {}  # id -> expired
@@ -165,7 +166,7 @@ class GateModel:
         self.ceiling = CEILING
         self.tokens: list[int] = []  # fencing tokens in grant order
         self.granted_seq: dict[str, int] = {}  # lane -> seq of its last waiter granted
-        # this acquire call's parks (not yet in Redis: lib.lua adds them at the end)
+        # this acquire call's parks (not yet in Redis: the library adds them at the end)
         self.pending: dict[str, list[Request]] = {}
 
     # -- derived ------------------------------------------------------------------------------
@@ -221,7 +222,7 @@ class GateModel:
         assert not self.tokens or token > self.tokens[-1], "tokens must increase"
         self.tokens.append(token)
 
-    # -- lib.lua --------------------------------------------------------------------------------
+    # -- the library ------------------------------------------------------------------------
 
     def wake(self, lease_id: str, value: str) -> None:
         self.wakes.setdefault(pod_of(lease_id), []).append(value)
@@ -294,7 +295,8 @@ class GateModel:
         self.reap_waiters()
 
     def handoff(self, lim: int, units: int | None = None) -> tuple[int, int, int]:
-        """lib.lua's handoff, turn by turn (the turns decide which dead heads are dropped)."""
+        """lib_handoff.lua's handoff, turn by turn (the turns decide which dead heads are
+        dropped)."""
         free = lim - (self.units() if units is None else units)
         if free <= 0:
             return 0, 0, 0
@@ -419,7 +421,7 @@ class GateModel:
         self.stats["too_heavy"] += len(ids)
 
     def refuse_big(self) -> None:
-        """lib.lua's refuse_big: the heads of big heavier than the ceiling are refused."""
+        """lib_handoff.lua's refuse_big: the heads of big heavier than the ceiling are refused."""
         lanes = sorted((s, lane) for lane, s in self.big.items() if s > self.ceiling)
         members, ids = [], []
         for _, lane in lanes[:REFUSE_LANES]:
@@ -720,9 +722,7 @@ class GateMachine(RuleBasedStateMachine):
         releases = data.draw(st.lists(st.sampled_from(choices), max_size=2), label="releases")
         reqs = self.requests(data, pods)
         triples = [a for q in reqs for a in (q.id, LONG_MS, lane_class(q.priority, q.tenant))]
-        reply = self.call(
-            "acquire", *self.defaults(), 0, len(releases), *releases, 0, *triples
-        )
+        reply = self.call("acquire", *self.defaults(), 0, len(releases), *releases, 0, *triples)
         got = [tuple(int(x) for x in reply[i : i + 3]) for i in range(5, len(reply), 4)]
         shed_below = self.m.shed_below
         released, expected = self.m.acquire(reqs, releases)

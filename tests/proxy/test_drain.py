@@ -19,9 +19,9 @@ from ._proxy import gate_counts, serve_proxy, upstream_log, wait_idle, wait_unti
 async def test_a_request_still_queued_when_the_drain_ends_gets_503(
     rut: RedisUnderTest, upstream: Served, fleet: Fleet
 ) -> None:
-    """uvicorn cancels what is still running once the drain's time is up, and answered a
-    cancelled request 500 (text, "Internal Server Error"): now a 503 naming the gate, and the
-    request leaves the wait list."""
+    """uvicorn cancels what is still running once the drain's time is up (and would answer a
+    cancelled request 500, "Internal Server Error" in text): the proxy answers 503 naming the
+    gate, and the request leaves the wait list."""
     gate = fleet.gate("g", floor=1)
     proxy = serve_proxy(rut, upstream, gate_defaults={"floor": 1}, proxy={"drain_seconds": 1})
     url = proxy.__enter__()

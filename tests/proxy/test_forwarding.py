@@ -1,6 +1,8 @@
-"""Regressions of the proxy's review (real Redis, real HTTP on loopback): what one caller sends
-never reaches another host or another caller, framing the proxy cannot forward faithfully is
-refused, no log line carries a query string, and a drain cut short frees every permit."""
+"""What ``fleetgate proxy`` forwards, and how (real Redis, real HTTP on loopback): what one
+caller sends never reaches another host or another caller, framing the proxy cannot forward
+faithfully is refused, every framing an upstream may use passes through, upstream connections
+are kept alive, a streaming route streams the body on, an Upgrade is forwarded as plain HTTP,
+and no log line carries a query string."""
 
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ def elsewhere() -> Iterator[Served]:
 def test_a_request_target_not_starting_with_a_slash_is_refused(
     rut: RedisUnderTest, upstream: Served, elsewhere: Served
 ) -> None:
-    """``GET @host:port/x`` made the upstream URL ``http://up:port@host:port/x``: the proxy
-    called a host of the caller's choosing (the upstream's address as its user name)."""
+    """``GET @host:port/x`` would make the upstream URL ``http://up:port@host:port/x``: a host
+    of the caller's choosing (the upstream's address as its user name). Refused, with ``*``
+    and a path without its slash."""
     hostport = elsewhere.url.removeprefix("http://")
     with serve_proxy(rut, upstream) as url:
         for target in (f"@{hostport}/echo", "*", "echo"):
@@ -71,7 +74,8 @@ def test_content_length_with_transfer_encoding_is_refused(
 
 def test_cookies_of_one_caller_never_reach_another(rut: RedisUnderTest, upstream: Served) -> None:
     """The upstream's Set-Cookie goes to the caller that got it; the proxy keeps no cookie jar
-    (httpx's client did: alice's session went upstream with bob's next request)."""
+    (with one, as httpx's client keeps, alice's session would go upstream with bob's next
+    request)."""
     with serve_proxy(rut, upstream) as url:
         with httpx.Client(base_url=url, timeout=10) as alice:
             r = alice.get("/cookie?v=alice")
@@ -85,8 +89,8 @@ def test_cookies_of_one_caller_never_reach_another(rut: RedisUnderTest, upstream
 def test_no_log_line_has_the_query_string(
     rut: RedisUnderTest, upstream: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``fleetgate proxy`` logs at INFO; httpx logged every upstream URL there, query string
-    (``?api_key=...``) included."""
+    """``fleetgate proxy`` logs at INFO: its lines name the path, never the query string
+    (``?api_key=...``), which httpx's own INFO line of every upstream URL would carry."""
     caplog.set_level(logging.DEBUG)
     with serve_proxy(rut, upstream) as url, httpx.Client(base_url=url, timeout=10) as http:
         assert http.post("/echo?api_key=sk-secret-in-query", content=b"x").status_code == 200
@@ -97,7 +101,8 @@ def test_no_log_line_has_the_query_string(
 
 
 def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
-    """The upstream's Date passes through; uvicorn added a second one to every response."""
+    """The upstream's Date passes through, and no second one is added (uvicorn adds one to
+    every response by default)."""
     with serve_proxy(rut, upstream) as url:
         answer = _raw(url, b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
         head = answer.partition(b"\r\n\r\n")[0].lower()
@@ -109,9 +114,9 @@ def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
 
 
 def test_upstream_connections_are_reused(rut: RedisUnderTest) -> None:
-    """Once the body was forwarded the handler cancelled its reader while the reader was
-    returning the connection to the pool: every request opened a new connection (and the
-    call's outcome was never reported)."""
+    """40 calls, one upstream connection: the handler lets its reader return the connection to
+    the pool once the body is forwarded (cancelling the reader then would open a new connection
+    per request, and the call's outcome would never be reported)."""
     with counting_upstream() as (up, counts):
         config = proxy_config(rut.url, rut.prefix, up)
         with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=10) as http:
@@ -177,7 +182,7 @@ def test_a_body_still_arriving_is_streamed_upstream_on_a_streaming_route(
     rut: RedisUnderTest, upstream: Served
 ) -> None:
     """A route with ``stream_uploads`` takes the permit first and streams the body on as it
-    arrives (by default the body is read whole first: tests/test_proxy_bodies.py)."""
+    arrives (by default the body is read whole first: ``test_request_bodies.py``)."""
 
     def chunks() -> Iterator[bytes]:
         for i in range(50):
@@ -209,8 +214,8 @@ def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
 ) -> None:
     """``curl --http2 http://...`` asks to upgrade to h2c, body included. The proxy upgrades
     nothing (RFC 9110 7.8: a server may ignore Upgrade): it forwards a plain request without the
-    Upgrade headers. httptools took everything after such a head for the new protocol: the body
-    was dropped and the upstream got Content-Length: 0."""
+    Upgrade headers. httptools takes everything after such a head for the new protocol: the
+    body must not be dropped (the upstream getting Content-Length: 0)."""
     if parser == "h11":
         monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
     with serve_proxy(rut, upstream) as url:

@@ -1,7 +1,7 @@
-"""``fleetgate proxy`` on the HTTP edge cases a second review found (each failed before its
-fix): a pipelined caller that leaves, upstream answers uvicorn cannot send or that carry a
-stale ``Content-Length``, bodiless answers declaring a large length, request trailers, and
-``X-Forwarded-For`` from a loopback caller."""
+"""``fleetgate proxy`` on HTTP edge cases: a pipelined caller that leaves, upstream answers
+uvicorn cannot send or that carry a stale ``Content-Length``, bodiless answers declaring a large
+length, request trailers, ``X-Forwarded-For`` from a loopback caller, and an upstream cut
+mid-body."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from .test_serving import _raw, _status
 def test_a_pipelined_caller_that_leaves_frees_its_permit(
     rut: RedisUnderTest, upstream: Served, parser: str
 ) -> None:
-    """A caller that sends two requests in one write and closes: uvicorn (httptools) marked
-    only the newest request as disconnected, so the first kept its permit (and its upstream
-    call) until the upstream answered -- here never."""
+    """A caller that sends two requests in one write and closes frees both permits: uvicorn
+    (httptools) marks only the newest request as disconnected, so the first would keep its
+    permit (and its upstream call) until the upstream answered -- here never."""
     with serve_proxy(rut, upstream.url) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as s:
@@ -95,7 +95,7 @@ def test_request_trailers_are_not_forwarded_as_headers(
     rut: RedisUnderTest, upstream: Served, parser: str
 ) -> None:
     """RFC 9110 6.5.1: trailer fields are not merged into the header section (httptools
-    appended them to the request's headers, which the proxy forwarded)."""
+    appends them to the request's headers; the proxy does not forward them)."""
     with serve_proxy(rut, upstream.url) as url:
         answer = _raw(
             url,
@@ -114,7 +114,7 @@ def test_a_loopback_caller_cannot_forge_its_address(
 ) -> None:
     """uvicorn trusts X-Forwarded-For/-Proto from loopback by default: a caller there could
     set the address the proxy logs and appends. The proxy sends the peer it sees (a chain only
-    from a trusted proxy: tests/test_proxy_checks.py)."""
+    from a trusted proxy: ``test_request_checks.py``)."""
     with serve_proxy(rut, upstream.url) as url, httpx.Client(base_url=url, timeout=10) as http:
         r = http.get("/echo", headers={"x-forwarded-for": "6.6.6.6", "x-forwarded-proto": "https"})
         headers = r.json()["headers"]

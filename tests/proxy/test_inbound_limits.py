@@ -73,7 +73,7 @@ def test_a_head_trickled_byte_by_byte_gets_408(
     rut: RedisUnderTest, upstream: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Bytes that keep coming do not extend the head's time: it counts from the connection's
-    start (before: a head at 1 byte/s was still open after 40 s)."""
+    start (a head at 1 byte/s is not still open after 40 s)."""
     caplog.set_level(logging.INFO)
     head = b"GET /work HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
     with serve_proxy(rut, upstream, proxy=TIMEOUTS) as url, _connect(url) as s:
@@ -102,7 +102,7 @@ def test_a_head_trickled_byte_by_byte_gets_408(
 
 
 def test_a_connection_that_sends_nothing_is_closed(rut: RedisUnderTest, upstream: Served) -> None:
-    """Before: open for ever. No request, so no answer: the connection is closed."""
+    """No request, so no answer: the connection is closed, not kept open for ever."""
     with serve_proxy(rut, upstream, proxy=TIMEOUTS) as url, _connect(url) as s:
         answer, closed_after = _until_closed(s, HEAD_S + 5)
     assert answer == b"" and closed_after < HEAD_S + 2, (answer, closed_after)
@@ -140,7 +140,7 @@ async def test_a_stalled_body_gets_408(
 ) -> None:
     """A body that stops arriving: 408 once ``body_timeout_s`` passes without a byte, whether
     the request waits for a permit, is being forwarded, or is read for its ``model``; no permit
-    is kept (before: ``Inbound`` waited for ever, a queued one until its deadline)."""
+    is kept (``Inbound`` does not wait for ever, nor a queued one until its deadline)."""
     caplog.set_level(logging.INFO, logger="fleetgate.proxy.access")
     route: dict[str, Any] = {"gate_defaults": {"floor": 1}, "proxy": TIMEOUTS}
     if phase == "by_model":
@@ -190,7 +190,8 @@ def _chunked_over(limit: int) -> bytes:
 async def test_an_over_limit_chunked_body_gets_413_at_once_while_queued(
     rut: RedisUnderTest, upstream: Served, fleet: Fleet
 ) -> None:
-    """Before: it waited out its deadline (504 after 3 s), holding a place in the queue."""
+    """413 at once, leaving the queue: it does not wait out its deadline (504 after 3 s)
+    holding a place in the queue."""
     limit = 4096
     proxy = {"max_request_bytes": limit}
     with serve_proxy(rut, upstream, gate_defaults={"floor": 1}, proxy=proxy) as url:
@@ -209,7 +210,8 @@ async def test_an_over_limit_chunked_body_gets_413_at_once_while_queued(
 
 
 def test_an_over_limit_chunked_body_gets_413_before_the_upstream(rut: RedisUnderTest) -> None:
-    """Before: with the gate free it took a permit and sent its head upstream, then failed."""
+    """With the gate free it is refused before it takes a permit and sends its head
+    upstream."""
     limit = 4096
     with (
         counting_upstream() as (up, counts),

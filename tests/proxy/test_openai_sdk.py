@@ -2,7 +2,7 @@
 (2 retries of 408, 409, 429 and every 5xx, waiting ``Retry-After``; ``x-should-retry: false``
 obeyed before any status rule). fleetgate's rule is that an overload rejection is never retried
 (retrying deepens it): the proxy's 429 and its queued-deadline 504 say so in the header the SDK
-reads, and exactly one request reaches the proxy per call (before: 3)."""
+reads, and exactly one request reaches the proxy per call (with the SDK's retries: 3)."""
 
 from __future__ import annotations
 

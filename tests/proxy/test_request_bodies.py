@@ -69,8 +69,8 @@ def test_a_trickled_body_holds_no_permit(rut: RedisUnderTest, upstream: Served) 
     """Limit 1; a caller sends its body a byte every 0.5 s. It holds no permit and no place in
     the queue while its body is incomplete, so a well-behaved request with a 6 s deadline is
     served at once; the trickler joins the queue once its body is complete, and is served too
-    (before: the trickler held the only permit, the upstream had nothing complete, and the
-    well-behaved request got 504 after its 6 s)."""
+    (holding the only permit, the trickler would give the upstream nothing complete, and the
+    well-behaved request would get 504 after its 6 s)."""
     body = json.dumps({"input": "x" * 30}).encode()
     with serve_proxy(rut, upstream, gate_defaults=ONE) as url:
         with _trickler(url, body) as (slow, sent):

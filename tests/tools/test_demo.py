@@ -86,7 +86,7 @@ def test_generated_config_is_valid() -> None:
     cfg = Config.from_toml_text(_config_toml("redis://127.0.0.1:1/0", "fg", urls), env={})
     assert [g.name for g in cfg.gates] == [g.name for g in GATES]
     assert [cfg.is_adaptive(g) for g in cfg.gates] == [True, True, False]
-    # the default lifetimes, not shorter ones that hide a slow takeover (issue 21, item 4)
+    # the default lifetimes, not shorter ones that hide a slow takeover
     defaults = CoordinatorSettings()
     assert cfg.coordinator.leader_ttl == defaults.leader_ttl
     assert cfg.coordinator.poll_interval == defaults.poll_interval

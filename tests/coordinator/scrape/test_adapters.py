@@ -239,7 +239,7 @@ async def test_probing_shares_one_timeout_and_stops_at_an_unreachable_server() -
     assert source.kind is None and source.urls is None  # retried next poll
 
 
-# ------------------------------------------------------------------- issue 23, item 4 details
+# ------------------------------------------- expert-parallel ranks, preemption, the old KV gauge
 
 # SGLang with tensor parallelism 4 and expert parallelism 4 (--tp 4 --ep 4): every scheduler
 # reports the same batch, labelled with its tp_rank and its moe_ep_rank.
@@ -256,7 +256,7 @@ SGLANG_EP = "".join(
 
 
 def test_sglang_expert_parallel_ranks_count_once() -> None:
-    """Was: moe_ep_rank was no shard label, so the four ranks' series were summed: 24 / 4."""
+    """moe_ep_rank is a shard label: the four ranks' series count once (summed: 24, not 6)."""
     sig = get_adapter("sglang").parse(SGLANG_EP, None)
     assert (sig.running, sig.waiting_capacity, sig.kv_cache_usage) == (6.0, 1.0, 0.3)
     assert sig.preemptions == 2.0

@@ -1,6 +1,6 @@
 """The coordinator's scrape against a hostile HTTP server: bounded in time and memory.
 
-``tests/test_signals.py`` covers the ordinary failures (404, one 302, a declared oversize body,
+``test_signals.py`` covers the ordinary failures (404, one 302, a declared oversize body,
 a fast endless body, a 0.1 s/byte trickle). Here the server is a raw asyncio TCP server on a
 thread, so it can misbehave below HTTP: trickle its *headers*, never answer, stream 100 MB and
 count what it managed to send, send a gzip bomb, loop redirects with every 3xx code, flood

@@ -1,7 +1,7 @@
 """The coordinator's lean GET: the ordinary cases, keep-alive, and the same refusals as httpx.
 
 Hostile servers (slow-loris, 100 MB bodies, gzip bombs, redirect loops, header floods) are in
-``test_security_scrape.py``, which runs every case against both scrape paths.
+``test_hostile_servers.py``, which runs every case against both scrape paths.
 """
 
 from __future__ import annotations
