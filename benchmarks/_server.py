@@ -30,7 +30,7 @@ def private_redis() -> Iterator[RedisProcess]:
 
     Its prefixes are marked as old (``<prefix>:born`` = 0): no work ran on the new server, so a
     benchmark's first gate is not held behind the recovery fence of a server seen empty (it
-    measures a gate with state; the fence's own cost is tests/test_recovery_fence.py's)."""
+    measures a gate with state; the fence's own cost is tests/lua/test_recovery_fence.py's)."""
     with RedisProcess() as proc:
         with redis.Redis.from_url(proc.url) as client:
             for prefix in (PREFIX, "fg"):

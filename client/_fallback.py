@@ -65,7 +65,7 @@ class Fallback:
         # after a failover, OOM, ...) is an outage like a refused connection (the scripts
         # raise ServerUnavailable), and anything else is logged, counted and retried: a
         # ResponseError during adoption must not end this task, or the pod stays in fallback
-        # for good (tests/test_fault_holes.py::test_pod_resumes_after_redis_refused_writes).
+        # for good (tests/client/test_fallback.py::test_pod_resumes_after_redis_refused_writes).
         rt = self.runtime
         while not rt.closing:
             await asyncio.sleep(min(PROBE_PERIOD, rt.heartbeat_interval))

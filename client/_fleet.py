@@ -109,7 +109,8 @@ class Fleet:
         # What lease ids, wake lists and the live-pod registry use: unique per process even
         # when several processes are given the same pod_id ($HOSTNAME with several workers):
         # two processes minting the same lease ids would share holder entries (limit 2 -> 3
-        # running; tests/test_fault_holes.py::test_processes_sharing_a_pod_id_keep_the_cap).
+        # running; tests/client/test_fleet_processes.py::
+        # test_processes_sharing_a_pod_id_keep_the_cap).
         self.pod_key = self.pod_id if pod_id is None else f"{self.pod_id}-{uuid.uuid4().hex[:8]}"
         self.on_redis_error = on_redis_error
         self.heartbeat_interval = heartbeat_interval

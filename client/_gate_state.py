@@ -169,7 +169,7 @@ class GateState:
         # after this pod's entry was created: by then every live pod of the gate that started
         # about when this one did has registered too. Until then the fair share is 1, never
         # the whole limit (else 4 pods with limit 4 could run 16 at once:
-        # tests/test_fault_holes.py).
+        # tests/client/test_fallback.py::test_pods_starting_during_an_outage_take_one_permit_each).
         if reply.pod_new:
             if self.registered_at is not None:
                 self.in_registry = False  # created anew: a wiped Redis? register the gate again

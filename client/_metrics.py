@@ -221,7 +221,7 @@ class GateMetrics:
 _lock = threading.Lock()
 # Keyed by the registry itself, held weakly: keyed by id(), a registry collected after one test
 # gave its id to the next test's registry, which then got metrics registered in the dead one
-# (tests/test_testing.py::test_overloaded_when_queue_full read no rejected count).
+# (tests/tools/test_fake_fleet.py::test_overloaded_when_queue_full read no rejected count).
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ClientMetrics] = (
     weakref.WeakKeyDictionary()
 )

@@ -151,7 +151,7 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
         while the gate's target is live (one that ran out restarts from the floor: every
         coordinator was gone). With 3 polls alone (6 s) every target ran out during a takeover
         (~10 s), so a SIGKILLed leader restarted every adaptive gate from its floor (64 -> 8 in
-        tests/test_leader_failover.py) and the pods ran at the floor meanwhile. With the
+        tests/coordinator/test_leader_failover.py) and the pods ran at the floor meanwhile. With the
         takeover added, targets outlive it by construction for every accepted configuration,
         and a real blackout (no coordinator left) still decays to the floor, one takeover later.
         A live leader that is blind to a server does not wait for that: its controller

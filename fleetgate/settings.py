@@ -5,8 +5,8 @@ max_queued_per_tenant, shed_below, tenant_weights -- with their defaults and bou
 what a client registers for a gate that has no configuration yet, and what the coordinator's
 :class:`~fleetgate.coordinator.config.GateConfig` is made of (it reuses the annotated field types
 below). ``lua/lib_cfg.lua`` (``load_cfg``) applies the same defaults and lower bounds to whatever it
-finds in ``fg:{G}:cfg``; ``tests/test_settings.py`` runs the real script to prove they agree for
-the int fields of :data:`FIELDS`.
+finds in ``fg:{G}:cfg``; ``tests/core/test_settings.py`` runs the real script to prove they agree
+for the int fields of :data:`FIELDS`.
 """
 
 from __future__ import annotations

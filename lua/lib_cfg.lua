@@ -11,7 +11,7 @@ local QUEUE_FENCE = 'fleetgate schema 2: the wait list is in :lanes; a fleetgate
   .. 'cannot use this gate, upgrade it'
 
 -- A gate's settings without configuration or caller defaults, and their lower bounds: the same
--- as fleetgate.settings.GateSettings (tests/test_settings.py runs this against the struct).
+-- as fleetgate.settings.GateSettings (tests/core/test_settings.py runs this against the struct).
 local DEFAULT = {floor = 1, ceiling = 512, max_queued = 1000, lease_ms = 10000, waiter_ms = 5000}
 local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_ms = 100}
 local CFG_FIELDS = {'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms',

@@ -9,8 +9,9 @@
 --
 -- KEYS[1] is the gate's base name, '<prefix>:{<gate>}' (fleetgate.keys.GateKeys.base); every key
 -- of the gate is that base plus a fixed suffix (the same names as GateKeys, checked by
--- tests/test_scripts.py::test_scripts_write_only_the_keys_gate_keys_names). One name costs the
--- client less to encode than ten (the "+ gate KEYS/ARGV" row of benchmarks/uncontended.py);
+-- tests/lua/test_transitions.py::test_scripts_write_only_the_keys_gate_keys_names). One name
+-- costs the client less to encode than ten (the "+ gate KEYS/ARGV" row of
+-- benchmarks/uncontended.py);
 -- every derived key shares the base's hash tag, so it lives in the slot the call is routed to.
 -- On Cluster the client declares the data keys too (fleetgate._redis.RedisMode.script_keys).
 -- The wake list of a pod is K_WAKE .. pod_id.

@@ -30,7 +30,7 @@ end
 -- from its heartbeat (an evicted waiter gets Overloaded, never parks again by itself).
 -- Read first, written only when there is something to remove: a script's first write decides
 -- whether Redis refuses it under maxmemory (OOM), and a removal that always ran would let every
--- later write of the script through (tests/test_fault_holes.py, the "oom" case).
+-- later write of the script through (tests/client/test_fallback.py, the "oom" case).
 local function reap_evicted(now)
   local gone = redis.call('ZRANGEBYSCORE', K_EVICTED, '-inf', now, 'LIMIT', 0, REAP_MAX)
   if #gone > 0 then redis.call('ZREM', K_EVICTED, unpack(gone)) end

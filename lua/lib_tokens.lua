@@ -6,7 +6,7 @@
 -- per millisecond. So tokens stay above every token the gate ever issued when the counter is
 -- lost (a restart: it starts again at the clock) or rolled back (a failover to a replica that
 -- missed the last grants: the clock is past them), unless the new server's clock is behind the
--- old one's by more than the time between (tests/test_tokens.py). Holders also raise it
+-- old one's by more than the time between (tests/lua/test_fencing_tokens.py). Holders also raise it
 -- above their own tokens (raise_seq). A parked caller's seq (its place in its lane) comes from
 -- the same counter, so later arrivals never sort before it; its fencing token is a fresh one
 -- taken when it is granted.

@@ -152,7 +152,7 @@ def fake_default_fleet(
     one is dropped on leaving the block, so the next call outside builds a real one again.
     """
     # The default fleet is compat's private state, set here and nowhere else outside compat:
-    # tests/test_testing.py::test_default_fleet_runs_the_seed_functions fails if it moves.
+    # tests/tools/test_fake_fleet.py::test_default_fleet_runs_the_seed_functions fails if it moves.
     with fake_sync_fleet(server=server, **fleet_kwargs) as fleet:
         compat.reset_controllers()
         with compat._lock:

@@ -6,8 +6,9 @@ an adapter needs three or four gauges of it. :func:`select_samples` keeps only t
 the plain shape every server writes (``name{k="v",...} value``: no escapes, no blanks inside the
 braces, no timestamp or exemplar) is read by one more regular expression; any other selected line
 goes to ``prometheus_client``'s parser, which decides what it means or refuses it.
-``tests/test_promtext.py`` checks that both readings agree on every line the fast one accepts;
-the fast one is ~10x cheaper per line, which a poll of a thousand endpoints needs.
+``tests/coordinator/scrape/test_promtext.py`` checks that both readings agree on every line the
+fast one accepts; the fast one is ~10x cheaper per line, which a poll of a thousand endpoints
+needs.
 :func:`sample_names_present` answers "which of these names has a sample here" for server
 detection, with the same scan and no parsing.
 

@@ -41,7 +41,7 @@ class _CommandTable(AsyncCommandsParser):
     cluster client of its own (one per gate on Cluster), so a pod parking on 120 gates parsed it
     120 times at once and held its event loop long enough that connects (1 s) and calls (2 s)
     timed out, which reads as an outage (with the pool bound alone, on a loaded 2-core machine,
-    tests/test_cluster_pool.py::test_busy_node_pools_are_no_outage failed 3 of 3 runs: connects
+    tests/core/test_cluster_pool.py::test_busy_node_pools_are_no_outage failed 3 of 3 runs: connects
     timed out, once as a fallback). The main client loads it first (:meth:`RedisMode.prepare`);
     a client that finds no table loads its own. A command missing from the table reloads it
     (redis-py asks with no node then).
@@ -70,7 +70,7 @@ class _PooledCluster(aredis.RedisCluster):
     ``MaxConnectionsError`` (a ``ConnectionError`` with no text), which reads as an outage --
     without the bound, 4-5 false fallbacks per run of 3 healthy pods with 120 gates each, and 2-3
     permits running on gates of limit 1 under the fallback's local bounds; with it, none and 1
-    (tests/test_cluster_pool.py::test_busy_node_pools_are_no_outage). Here at
+    (tests/core/test_cluster_pool.py::test_busy_node_pools_are_no_outage). Here at
     most ``max_connections`` commands (and pipelines, and topology loads) of the client are in
     flight at once; each holds at most one connection of any node, so no node's pool is ever
     asked for more than it has. The others wait in arrival order, for at most ``pool_timeout``

@@ -15,7 +15,7 @@ MAX_CONNECTIONS = 8
 # Cluster: the connections per node, and the commands one cluster client has in flight at once
 # (a command holds at most one connection per node, so no node's pool is asked for more than
 # it has; calls beyond wait: _PooledCluster). 64 covers a busy process' concurrent calls without
-# a wait (tests/test_cluster.py::test_cap_holds_across_processes_on_cluster runs 60 tasks).
+# a wait (tests/core/test_cluster.py::test_cap_holds_across_processes_on_cluster runs 60 tasks).
 CLUSTER_MAX_CONNECTIONS = 64
 # Seconds a call waits for a free connection (standalone, Sentinel) or a free command slot of a
 # cluster client before it fails as an outage: a pool busy that long means Redis does not answer

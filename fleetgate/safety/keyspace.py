@@ -18,7 +18,8 @@ from fleetgate.settings import bounds
 __all__ = ["EXPECTED_TYPES", "find_bad_keys"]
 
 # Redis type of every key of one gate (GateKeys attribute -> TYPE reply); absent keys are fine.
-# The same table as GateKeys.expected_types() (tests/test_visibility.py checks it), by attribute.
+# The same table as GateKeys.expected_types() (tests/core/test_redis_safety.py checks it), by
+# attribute.
 EXPECTED_TYPES: Mapping[str, str] = {
     "cfg": "hash",
     "target": "hash",

@@ -286,7 +286,7 @@ def serve_in_thread(
         timeout_graceful_shutdown=graceful_timeout,
         # Idle keep-alive connections stay open (uvicorn's default closes them after 5 s): a
         # client reusing one just as the server closes it gets a ReadError that no server
-        # rejection caused (tests/test_burst.py counted one as a failed request under load).
+        # rejection caused (tests/client/test_burst.py counted one as a failed request under load).
         timeout_keep_alive=120,
     )
     server = uvicorn.Server(config)
