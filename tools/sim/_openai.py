@@ -13,7 +13,16 @@ import msgspec
 
 from fleetgate.tools.sim._vllm_config import VllmSimConfig
 
-__all__ = ["BadRequest", "openai_body", "parse_request"]
+__all__ = [
+    "BadRequest",
+    "openai_body",
+    "parse_request",
+    "prompts_of",
+    "reply_seed",
+    "stream_mode",
+    "usage",
+    "words",
+]
 
 _DEFAULT_GEN_TOKENS = 16
 _VOCAB = (
@@ -54,8 +63,21 @@ def _count_tokens(value: Any) -> int:
     return 0
 
 
-def _words(seed: str, n: int) -> str:
-    return " ".join(random.Random(seed).choices(_VOCAB, k=min(n, 256)))  # text is capped
+def words(seed: str, n: int) -> list[str]:
+    """The words of a reply of ``n`` tokens, deterministic per ``seed`` (capped at 256)."""
+    return random.Random(seed).choices(_VOCAB, k=min(n, 256))
+
+
+def reply_seed(body: dict[str, Any]) -> str:
+    """The seed of a request's reply text: the request body itself."""
+    return msgspec.json.encode(body).decode()
+
+
+def prompts_of(value: Any) -> list[Any]:
+    """The prompts of a completion's ``prompt`` or an embedding's ``input``, one choice each: a
+    list of them, or one (a string, or a list of token ids)."""
+    many = isinstance(value, list) and not all(isinstance(p, int) for p in value)
+    return list(value) if many else [value]
 
 
 def _embedding(seed: str, dim: int) -> list[float]:
@@ -72,8 +94,8 @@ def parse_request(kind: str, body: dict[str, Any], cfg: VllmSimConfig) -> tuple[
     """
     if body.get("model") not in (None, cfg.model):
         raise LookupError(f"The model `{body['model']}` does not exist.")
-    if body.get("stream"):
-        raise BadRequest("stream=true is not supported by the simulator")
+    if kind == "embedding" and body.get("stream"):
+        raise BadRequest("stream=true is not supported for embeddings")
     field = _FIELDS[kind]
     value = body.get(field)
     if not isinstance(value, list if kind == "chat" else (str, list)) or not value:
@@ -88,7 +110,26 @@ def parse_request(kind: str, body: dict[str, Any], cfg: VllmSimConfig) -> tuple[
     return _count_tokens(value), limit, "length"
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
+def stream_mode(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(streamed, usage chunk wanted) of a request: ``stream`` and
+    ``stream_options.include_usage``. Raises :class:`BadRequest` for options of another type."""
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean")
+    if options is None:
+        return stream, False
+    if not stream or not isinstance(options, dict):
+        raise BadRequest("stream_options is an object, and only with stream=true")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BadRequest("stream_options.include_usage must be a boolean")
+    return stream, include
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    """The ``usage`` object of a reply."""
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -100,7 +141,7 @@ def openai_body(
     kind: str, cfg: VllmSimConfig, body: dict[str, Any], prompt: int, gen: int, reason: str
 ) -> dict[str, Any]:
     """The reply to a ``kind`` request (``chat``, ``completion``, ``embedding``) once served."""
-    created, seed = int(time.time()), msgspec.json.encode(body).decode()
+    created, seed = int(time.time()), reply_seed(body)
     if kind == "chat":
         return _chat_body(cfg, created, seed, prompt, gen, reason)
     if kind == "completion":
@@ -111,7 +152,7 @@ def openai_body(
 def _chat_body(
     cfg: VllmSimConfig, created: int, seed: str, prompt: int, gen: int, reason: str
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": _words(seed, gen)}
+    message = {"role": "assistant", "content": " ".join(words(seed, gen))}
     choices: list[dict[str, Any]] = [
         {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
     ]
@@ -121,19 +162,18 @@ def _chat_body(
         "created": created,
         "model": cfg.model,
         "choices": choices,
-        "usage": _usage(prompt, gen),
+        "usage": usage(prompt, gen),
     }
 
 
 def _completion_body(
     cfg: VllmSimConfig, created: int, seed: str, prompts: Any, prompt: int, gen: int, reason: str
 ) -> dict[str, Any]:
-    many = isinstance(prompts, list) and not all(isinstance(p, int) for p in prompts)
-    n = len(prompts) if many else 1
+    n = len(prompts_of(prompts))
     choices = [
         {
             "index": i,
-            "text": _words(f"{seed}:{i}", gen),
+            "text": " ".join(words(f"{seed}:{i}", gen)),
             "logprobs": None,
             "finish_reason": reason,
         }
@@ -145,13 +185,12 @@ def _completion_body(
         "created": created,
         "model": cfg.model,
         "choices": choices,
-        "usage": _usage(prompt, gen * n),
+        "usage": usage(prompt, gen * n),
     }
 
 
 def _embedding_body(cfg: VllmSimConfig, created: int, inputs: Any, prompt: int) -> dict[str, Any]:
-    many = isinstance(inputs, list) and not all(isinstance(p, int) for p in inputs)
-    items: list[Any] = inputs if many else [inputs]
+    items = prompts_of(inputs)
     data = [
         {
             "index": i,
@@ -166,5 +205,5 @@ def _embedding_body(cfg: VllmSimConfig, created: int, inputs: Any, prompt: int) 
         "created": created,
         "model": cfg.model,
         "data": data,
-        "usage": _usage(prompt, 0),
+        "usage": usage(prompt, 0),
     }

@@ -22,6 +22,8 @@ class VllmSimConfig:
     capacity: int = 8
     engines: int = 1
     service_ms: float = 50.0
+    #: time from admission to the first token, before the service time (the decode)
+    prefill_ms: float = 0.0
     service_dist: ServiceDist = "fixed"
     occupancy_slowdown: float = 0.0
     max_waiting: int | None = None
@@ -56,8 +58,8 @@ class VllmSimConfig:
             self.flavor not in ("tgi", "tei") or self.max_concurrent_requests < 1
         ):
             raise ValueError("max_concurrent_requests is TGI's and TEI's, and must be >= 1")
-        if self.capacity < 0 or self.engines < 1 or self.service_ms < 0:
-            raise ValueError("need capacity >= 0, engines >= 1 and service_ms >= 0")
+        if self.capacity < 0 or self.engines < 1 or min(self.service_ms, self.prefill_ms) < 0:
+            raise ValueError("need capacity >= 0, engines >= 1, service_ms and prefill_ms >= 0")
         if self.service_dist not in ("fixed", "exp", "lognormal"):
             raise ValueError(f"unknown service_dist {self.service_dist!r}")
         if self.occupancy_slowdown < 0 or (self.max_waiting is not None and self.max_waiting < 0):

@@ -1,12 +1,19 @@
 """The simulated vLLM engine: FIFO admission under ``capacity`` (vLLM's ``max_num_seqs``), a
-sampled service time, the counters of ``/admin/stats`` and the flavour's metrics."""
+sampled service time, the counters of ``/admin/stats`` and the flavour's metrics.
+
+A request admitted to a slot holds it for ``prefill_ms`` (the prefill, which yields the first
+token) and then for the sampled service time (the decode of the other tokens, at an even rate).
+A streamed request is the same request with its tokens handed out as they are made: the first
+after the queue and the prefill, the last when the service time is over."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fleetgate.tools.sim._server import FifoLimiter, QueueFull
@@ -56,10 +63,39 @@ class VllmSim:
         return base * (1.0 + self.config.occupancy_slowdown * occupancy)
 
     async def execute(self, prompt_tokens: int, gen_tokens: int, reason: str) -> None:
-        """Wait for a slot (FIFO), hold it for a service time, record the outcome.
+        """Wait for a slot (FIFO), hold it for the prefill and a service time, record the outcome.
 
         Raises :class:`QueueFull` when the waiting cap is exceeded (the caller answers 503) and
         :class:`Overloaded` when TGI/TEI's concurrency limit is reached (the caller answers 429).
+        """
+        async with self._slot(prompt_tokens, gen_tokens, reason) as service_s:
+            await asyncio.sleep(self.config.prefill_ms / 1000.0 + service_s)
+
+    async def stream(
+        self, prompt_tokens: int, gen_tokens: int, reason: str, pieces: int
+    ) -> AsyncGenerator[int, None]:
+        """:meth:`execute`, yielding ``0 .. pieces - 1`` as the reply's pieces are made.
+
+        The ``gen_tokens`` tokens are spread over ``pieces`` pieces (a piece is one token, or a
+        few when the reply text is shorter). Token 1 comes when the prefill is over, the last
+        when the service time is over too; the slot is held until then. Closing the iterator
+        early (the caller gone) aborts the request and frees its slot.
+        """
+        loop = asyncio.get_running_loop()
+        async with self._slot(prompt_tokens, gen_tokens, reason) as service_s:
+            first = loop.time() + self.config.prefill_ms / 1000.0
+            interval = service_s / max(gen_tokens - 1, 1)
+            for i in range(pieces):
+                token = -(-(i + 1) * gen_tokens // pieces)  # the piece's last token, 1-based
+                await asyncio.sleep(max(0.0, first + (token - 1) * interval - loop.time()))
+                yield i
+            await asyncio.sleep(max(0.0, first + service_s - loop.time()))
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, prompt_tokens: int, gen_tokens: int, reason: str) -> AsyncIterator[float]:
+        """Hold a slot (FIFO) while the body runs; gives the request's sampled service time.
+
+        Counts the request as served, rejected or aborted (cancelled or closed early).
         """
         self.metrics.arrived()
         limit = self.config.concurrency_limit
@@ -75,11 +111,11 @@ class VllmSim:
         try:
             await self.limiter.acquire()
             admitted = loop.time()
-            await asyncio.sleep(self.service_seconds())
+            yield self.service_seconds()
         except QueueFull:
             self.rejected += 1
             raise
-        except asyncio.CancelledError:  # the client went away (or the server is stopping)
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or a stop)
             self.aborted += 1
             self.metrics.aborted(engine)
             raise

@@ -6,10 +6,13 @@ overload behaviour (TGI and TEI answer 429 beyond ``--max-concurrent-requests``)
 ``--no-metrics`` serves none.
 
 Each request waits in FIFO order for one of ``capacity`` slots (vLLM's ``max_num_seqs``), holds it
-for a sampled service time, and answers in OpenAI shape. ``/metrics`` uses vLLM's exact family
-names, HELP/TYPE lines and ``model_name``/``engine`` labels, so the coordinator's scraper can be
-tested against it. ``/admin/*`` changes capacity at run time and exposes counters and peaks, so a
-test can act as an invariant checker (peak running never above the fleet-wide limit, ...).
+for ``--prefill-ms`` and a sampled service time, and answers in OpenAI shape; ``"stream": true``
+answers chat and completions as server-sent events, the first token after the queue and the
+prefill and the rest at an even rate over the service time (``_stream.py``). ``/metrics`` uses
+vLLM's exact family names, HELP/TYPE lines and ``model_name``/``engine`` labels, so the
+coordinator's scraper can be tested against it. ``/admin/*`` changes capacity at run time and
+exposes counters and peaks, so a test can act as an invariant checker (peak running never above
+the fleet-wide limit, ...).
 
 This module is the HTTP app and the command line. The engine is ``_vllm_engine.py``, its
 settings ``_vllm_config.py``, vLLM's exposition ``_vllm_metrics.py`` and the OpenAI request and
@@ -21,7 +24,7 @@ Run it with ``fleetgate sim vllm --capacity 8`` or ``python -m fleetgate.tools.s
 from __future__ import annotations
 
 import argparse
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields
 from typing import Any
 
@@ -30,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from fleetgate.tools.sim._openai import BadRequest, openai_body, parse_request
+from fleetgate.tools.sim._openai import BadRequest, openai_body, parse_request, stream_mode
 from fleetgate.tools.sim._server import (
     QueueFull,
     add_server_args,
@@ -41,6 +44,7 @@ from fleetgate.tools.sim._server import (
     run_cli,
     run_unless_disconnected,
 )
+from fleetgate.tools.sim._stream import EventStream, StreamReply
 from fleetgate.tools.sim._vllm_config import LOGNORMAL_SIGMA, ServiceDist, VllmSimConfig
 from fleetgate.tools.sim._vllm_engine import Overloaded, VllmSim
 from fleetgate.tools.sim.flavors import FLAVORS, TrtllmExposition
@@ -57,6 +61,11 @@ __all__ = [
 ]
 
 
+def _gone() -> Response:
+    """The answer to a client gone before its reply (nobody reads it)."""
+    return Response(status_code=499)
+
+
 def _overloaded(flavor: str) -> Response:
     """The 429 body of TGI (``ErrorResponse``) or TEI's OpenAI route (``OpenAICompatError``)."""
     if flavor == "tei":
@@ -66,31 +75,63 @@ def _overloaded(flavor: str) -> Response:
     return json_response(body, 429)
 
 
+def _parse(
+    kind: str, body: dict[str, Any] | None, cfg: VllmSimConfig
+) -> tuple[tuple[int, int, str], StreamReply | None] | Response:
+    """(prompt tokens, generated tokens, finish reason) of a request and its streamed reply
+    (None: not streamed), or the 400 or 404 answer of a request the server refuses."""
+    try:
+        if body is None:
+            raise BadRequest("request body must be a JSON object")
+        tokens = parse_request(kind, body, cfg)
+        streamed, include_usage = stream_mode(body) if kind != "embedding" else (False, False)
+    except BadRequest as exc:
+        return error_response(400, str(exc), "BadRequestError")
+    except LookupError as exc:
+        return error_response(404, str(exc), "NotFoundError")
+    return tokens, StreamReply(kind, cfg, body, tokens, include_usage) if streamed else None
+
+
+async def _events(
+    reply: StreamReply, first: int, ticks: AsyncIterator[int]
+) -> AsyncIterator[bytes]:
+    """The events of ``reply`` as the engine makes its pieces (``first`` is already made)."""
+    yield reply.opening() + reply.piece(first)
+    async for i in ticks:
+        yield reply.piece(i)
+    yield reply.closing()
+
+
 def _endpoint(kind: str, sim: VllmSim) -> Callable[[Request], Awaitable[Response]]:
-    """The handler of one OpenAI route: parse, wait for a slot and serve, answer."""
+    """The handler of one OpenAI route: parse, wait for a slot and serve, answer.
+
+    A streamed request answers once its first piece is made (so a refusal is still a status),
+    and its events then come as the engine makes them."""
     cfg = sim.config
 
     async def handle(request: Request) -> Response:
         body = await read_json_object(request)
+        parsed = _parse(kind, body, cfg)
+        if isinstance(parsed, Response):
+            return parsed
+        (prompt, gen, reason), reply = parsed
         try:
-            if body is None:
-                raise BadRequest("request body must be a JSON object")
-            prompt, gen, reason = parse_request(kind, body, cfg)
-        except BadRequest as exc:
-            return error_response(400, str(exc), "BadRequestError")
-        except LookupError as exc:
-            return error_response(404, str(exc), "NotFoundError")
-        try:
-            finished, _ = await run_unless_disconnected(request, sim.execute(prompt, gen, reason))
+            if reply is None:
+                done, _ = await run_unless_disconnected(request, sim.execute(prompt, gen, reason))
+                if not done or body is None:
+                    return _gone()
+                return json_response(openai_body(kind, cfg, body, prompt, gen, reason))
+            ticks = sim.stream(prompt, gen, reason, reply.pieces)
+            done, first = await run_unless_disconnected(request, anext(ticks))
+            if not done or first is None:
+                return _gone()
+            return EventStream(_events(reply, first, ticks), ticks.aclose)
         except QueueFull as exc:
             if cfg.overload_status == 429:
                 return error_response(429, f"server overloaded: {exc}", "RateLimitError")
             return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
         except Overloaded:
             return _overloaded(cfg.flavor)
-        if not finished:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        return json_response(openai_body(kind, cfg, body, prompt, gen, reason))
 
     return handle
 
@@ -203,6 +244,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=50.0,
         help="mean service time of one request in ms (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=0.0,
+        help="time from admission to the first token, before the service time: a stream's "
+        "time to first token beyond its queueing (default: %(default)s)",
     )
     p.add_argument(
         "--service-dist",
