@@ -2,7 +2,7 @@
 
 Every server is an OS process of its own: a private redis-server, the reranker simulator
 (``python -m fleetgate.tools.sim.rerank``) and ``fleetgate proxy`` processes (``--upstream
-SIM --gate G``, access log on as deployed, to a file). Three parts:
+SIM --gate G``, access log on as deployed, to a file). Four parts:
 
 1. **added latency at light load**: one caller, one request at a time (10 passages), alternately
    straight to the simulator (``--base-ms 0``) and through the proxy; p50/p99 of both, the
@@ -16,7 +16,10 @@ SIM --gate G``, access log on as deployed, to a file). Three parts:
    capacity 32 with a queue of 64 and a 5 s timeout (503/504 beyond: ``burst``'s server), the
    gate's limit 32. Failed calls must be 0; makespan vs the oracle = calls x 20 ms / 32. As in
    ``burst``, the same burst against a simulator that answers at once and never rejects gives
-   the CPU floor of the path (2 cores shared by callers, proxies, simulator and Redis).
+   the CPU floor of the path (2 cores shared by callers, proxies, simulator and Redis);
+4. **streaming**: streamed chat completions from the vLLM simulator (``--prefill-ms 20``, 20
+   tokens over 100 ms), one at a time, alternately straight and through a proxy: the proxy's added
+   time to first token and the chunks' spread (they pass one by one, :mod:`._proxy_stream`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 from fleetgate.tools.proxyproc import start_proxy_process, stop_process
 
 from ._common import Headline, Options, figure, log, percentiles, save, table
+from ._proxy_stream import SIM_ARGS, streaming
 from ._server import PREFIX, busy_fraction, configure_gate, machine_jiffies, private_redis
 from ._workers import Sync, Workers, cpu_seconds
 from .burst import ShardedHTTP, SimProcess, sim_process
@@ -268,6 +272,9 @@ def run(opts: Options) -> list[Headline]:
         ) as sim:  # fmt: skip
             log(f"{NAME}: burst through 2 proxies, {requests} x {CALLS} calls")
             main = burst(rp.url, sim, requests, logdir)
+        with sim_process("vllm", *SIM_ARGS) as vllm, proxy_process(rp.url, vllm.url, logdir) as p:
+            log(f"{NAME}: streaming, {opts.pick(200, 50)} calls each way")
+            stream = streaming(vllm.url, p.url, opts.pick(200, 50))
         bound = max(oracle, floor["makespan_s"])
         d, px, add, ratio = light["direct"], light["proxy"], light["added_ms"], light["ratio"]
 
@@ -290,6 +297,11 @@ def run(opts: Options) -> list[Headline]:
             ("burst: cpu floor makespan s", f"{floor['makespan_s']:.2f}"),
             ("burst: makespan / max(oracle, cpu floor)", f"{main['makespan_s'] / bound:.2f}"),
             ("burst: proxy CPU µs per call", f"{main['proxy_cpu_us_per_call']:.0f}"),
+            ("stream: time to first token p50 direct / proxy ms",
+             f"{stream['direct']['ttft']['p50']:.2f} / {stream['proxy']['ttft']['p50']:.2f}"),
+            ("stream: added time to first token p50 / p99 ms", pair(stream["added_ttft_ms"])),
+            ("stream: chunks' spread p50 direct / proxy ms",
+             f"{stream['direct']['spread']['p50']:.1f} / {stream['proxy']['spread']['p50']:.1f}"),
         ]  # fmt: skip
         text = table(("figure", "value"), rows)
         fig, ax = figure(2)
@@ -313,6 +325,7 @@ def run(opts: Options) -> list[Headline]:
             "throughput": rps,
             "burst": main,
             "burst_cpu_floor": floor,
+            "streaming": stream,
             "oracle_s": oracle,
             "burst_makespan_vs_oracle": main["makespan_s"] / oracle,
             "burst_makespan_vs_max_oracle_cpu_floor": main["makespan_s"] / bound,
@@ -329,6 +342,8 @@ def run(opts: Options) -> list[Headline]:
                  f"<= {MAKESPAN_TARGET}", main["makespan_s"] / oracle <= MAKESPAN_TARGET),
         Headline(NAME, "burst makespan / max(oracle, cpu floor)",
                  f"{main['makespan_s'] / bound:.2f}", "-", None),
+        Headline(NAME, "streaming: added time to first token p50 / p99",
+                 f"{pair(stream['added_ttft_ms'])} ms", "-", None),
     ]  # fmt: skip
 
 
