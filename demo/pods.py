@@ -56,6 +56,7 @@ def start_workers(
             users=g.users,
             calls=g.calls,
             fan=g.fan,
+            stream=g.kind == "chat",  # the LLM's callers read streamed replies
         )
         for g in GATES
     ]

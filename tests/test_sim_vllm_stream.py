@@ -16,8 +16,12 @@ import httpx
 import openai
 import pytest
 
+from fleetgate.tools.load import GateLoad, LoadSpec
+from fleetgate.tools.load import run as run_load
 from fleetgate.tools.sim import Served, serve_in_thread
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app, build_parser, config_from_args
+
+from .conftest import RedisUnderTest
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -182,3 +186,16 @@ def test_prefill_ms_option() -> None:
     assert config_from_args(ns) == VllmSimConfig(prefill_ms=120.0)
     with pytest.raises(ValueError):
         VllmSimConfig(prefill_ms=-1)
+
+
+async def test_the_load_generator_reads_streamed_replies(rut: RedisUnderTest) -> None:
+    """``GateLoad(stream=True)`` (the demo's LLM callers): every call a stream read to
+    ``[DONE]``, under the gate's permit."""
+    config = VllmSimConfig(capacity=4, prefill_ms=20, service_ms=60)
+    with serve_in_thread(build_app(config)) as served:
+        gate = GateLoad(name="llm", kind="chat", url=served.url, users=2, floor=2, stream=True)
+        spec = LoadSpec(redis_url=rut.url, prefix=rut.prefix, gates=[gate], duration=1.5)
+        outcomes = await run_load(spec)
+        engine = served.state.sim
+    assert outcomes["llm"]["ok"] > 3 and set(outcomes["llm"]) == {"ok"}, outcomes
+    assert engine.served >= outcomes["llm"]["ok"] and engine.limiter.peak_running <= 2

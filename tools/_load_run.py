@@ -32,6 +32,18 @@ SHUTDOWN_TIMEOUT = 5.0
 ERROR_PAUSE = 0.2  # seconds an unpaced user waits after a failed request
 
 
+async def _read_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> None:
+    """POST a streamed request and read its events to ``data: [DONE]`` (raises on non-2xx, or a
+    stream that ends without it)."""
+    async with http.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        last = ""
+        async for line in resp.aiter_lines():
+            last = line or last
+    if last != "data: [DONE]":
+        raise httpx.RemoteProtocolError(f"stream from {url} ended without [DONE]")
+
+
 def outcome_of(exc: BaseException) -> str:
     """A short label for a failed request."""
     if isinstance(exc, Overloaded):
@@ -100,8 +112,11 @@ class Load:
         else:
             passages = [{"text": f"passage {p} of {text}"} for p in range(load.passages)]
             path, body = "ranking", {"query": {"text": text}, "passages": passages}
-        resp = await http.post(f"{load.url}/v1/{path}", json={**model, **body})
-        resp.raise_for_status()
+        if load.stream and load.kind in ("completions", "chat"):
+            await _read_stream(http, f"{load.url}/v1/{path}", {**model, **body, "stream": True})
+        else:
+            resp = await http.post(f"{load.url}/v1/{path}", json={**model, **body})
+            resp.raise_for_status()
         self.calls[load.name] += 1
 
     async def _request(self, gate: Gate, http: httpx.AsyncClient, load: GateLoad, i: int) -> None:

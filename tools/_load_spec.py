@@ -28,6 +28,7 @@ class GateLoad(msgspec.Struct, frozen=True):
     fan: int = 1  # max_in_flight of that map
     passages: int = 64  # rerank: passages per call
     model: str = ""  # sent as "model" when set
+    stream: bool = False  # completions, chat: ask for a streamed reply and read it to its end
 
 
 class LoadSpec(msgspec.Struct, frozen=True):
