@@ -148,7 +148,7 @@ def poisoned(response: httpx.Response) -> bool:
     request sent on it, another caller's (it drops a socket that is readable while idle, but
     never looks at bytes already read). No public API tells: this reads httpcore's state
     (httpx 0.28, httpcore 1.0) and says True -- close, never pool -- if that state moved (the
-    reuse test in tests/test_proxy_review.py fails then, the framing test if it lies)."""
+    reuse test in tests/proxy/test_forwarding.py fails then, the framing test if it lies)."""
     try:
         stream: Any = response.stream  # httpx's, over httpcore's pool's, over the connection's
         connection = stream._httpcore_stream._stream._connection

@@ -14,8 +14,8 @@ import pytest
 from fleetgate.tools.sim import Served, serve_in_thread
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
 
+from ..conftest import RedisUnderTest
 from ._proxy import gate_counts, serve_proxy, wait_idle, wait_until
-from .conftest import RedisUnderTest
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -21,7 +21,7 @@ from fleetgate.tools.load import run as run_load
 from fleetgate.tools.sim import Served, serve_in_thread
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app, build_parser, config_from_args
 
-from .conftest import RedisUnderTest
+from ..conftest import RedisUnderTest
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}]}
 
