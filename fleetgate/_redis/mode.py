@@ -130,7 +130,7 @@ class RedisMode:
         if self.cluster:
             return list(
                 await asyncio.gather(
-                    *(_awaited(call(self.client)) for call in calls),
+                    *(_run(call, self.client) for call in calls),
                     return_exceptions=not raise_on_error,
                 )
             )
@@ -144,7 +144,10 @@ class RedisMode:
             return list(await pipe.execute(raise_on_error=raise_on_error))
 
 
-async def _awaited(value: Any) -> Any:
+async def _run(call: BatchCall, client: Any) -> Any:
+    # The call is made inside the task: a task cancelled before its first step (a fleet
+    # closing as the batch starts) then leaves no coroutine of the call behind unawaited.
+    value = call(client)
     return await value if isawaitable(value) else value
 
 

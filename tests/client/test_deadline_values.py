@@ -157,6 +157,7 @@ async def test_map_concurrent_deadline_values(
     for bad in BAD:
         with pytest.raises(ConfigError, match="deadline"):
             await map_concurrent("mc", _one, [1], deadline=bad)
+    await asyncio.to_thread(default_fleet.flush)  # the map's releases are sent in the background
     assert await _queue_and_holders(async_redis, keys) == (0, 0)
 
 
