@@ -85,7 +85,7 @@ async def worker_fleet(
     async with open_fleet(url, flavor) as fleet:
         pool = fleet.redis.connection_pool
         n = min(connections, getattr(pool, "max_connections", connections))
-        conns = [await pool.get_connection() for _ in range(n)]
+        conns = [await pool.get_connection() for _ in range(n)]  # type: ignore[no-untyped-call]
         for c in conns:
             await pool.release(c)
         start = await sync.aready()

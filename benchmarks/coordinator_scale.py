@@ -17,7 +17,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
@@ -30,7 +30,9 @@ from ._server import PREFIX, private_redis
 
 NAME = "coordinator_scale"
 POLLS = 5
-HTTP = "httpx" if os.environ.get("FLEETGATE_BENCH_HTTP") == "httpx" else "lean"
+HTTP: Literal["lean", "httpx"] = (
+    "httpx" if os.environ.get("FLEETGATE_BENCH_HTTP") == "httpx" else "lean"
+)
 
 
 def _exposition(i: int) -> str:

@@ -37,7 +37,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -281,7 +281,7 @@ class PhaseData:
 
     def waits_ms(self, recs: np.ndarray) -> np.ndarray:
         rs = self.asked_in(recs)
-        return (rs[:, 2] - rs[:, 1]) / 1e6
+        return cast(np.ndarray, (rs[:, 2] - rs[:, 1]) / 1e6)
 
     def mean_hold_ms(self) -> float:
         rs = self.granted_in(self.recs)
@@ -290,7 +290,7 @@ class PhaseData:
     def lua_us_per_grant(self) -> float:
         c = self.server["counters"]
         lua = c.get("usec:evalsha", 0.0) + c.get("usec:fcall", 0.0)
-        return lua / max(1.0, c.get("stat:granted", 0.0))
+        return float(lua / max(1.0, c.get("stat:granted", 0.0)))
 
 
 def gather(phase: Phase, out: list[list[dict[str, Any]]], lo: int, hi: int, srv: Any) -> PhaseData:
@@ -449,7 +449,8 @@ class TenantBench(Bench):
         def go() -> None:
             for _ in range(m):
                 self.s["release"](keys=self.keys, args=[0, self.holder])
-                self.holder = self.r.zrange(self.gate.holders, 0, 0)[0]
+                # replies are decoded (the Redis is opened with decode_responses)
+                self.holder = cast(str, self.r.zrange(self.gate.holders, 0, 0)[0])
                 self.s["acquire"](keys=self.keys, args=self.acq_args(self.new_id()))
 
         usec, calls = self._lua(go)
@@ -606,7 +607,10 @@ def run(opts: Options) -> list[Headline]:
 
         # 2. two tenants, 100:1 backlog
         ten: dict[str, Any] = {}
-        for v, target in (("fifo", None), ("equal", 0.5), ("3to1", 0.75)):
+        share_targets: tuple[tuple[str, float | None], ...] = (
+            ("fifo", None), ("equal", 0.5), ("3to1", 0.75)
+        )
+        for v, share_target in share_targets:
             d = data[f"tenants_{v}"]
             both = (d.server["per_tenant"]["bulk"] > 0) & (d.server["per_tenant"]["small"] > 0)
             small = d.granted_in(d.of("small"))
@@ -615,7 +619,7 @@ def run(opts: Options) -> list[Headline]:
             share = len(small) / max(1, len(small) + len(bulk))
             ten[v] = {
                 "share_small": share,
-                "target": target,
+                "target": share_target,
                 "both_backlogged_fraction": float(both.mean()) if v != "fifo" else None,
                 "mean_small_waiting": float(d.server["per_tenant"]["small"].mean()),
                 "grants_per_s": (len(small) + len(bulk)) / d.window,
@@ -623,13 +627,13 @@ def run(opts: Options) -> list[Headline]:
                 "utilisation_redis": float(d.server["units"].mean()) / LIMIT_2,
                 "lua_us_per_grant": d.lua_us_per_grant(),
             }
-            if target is not None:
-                ok = abs(share - target) <= SHARE_TOL
+            if share_target is not None:
+                ok = abs(share - share_target) <= SHARE_TOL
                 ten[v]["met"] = ok
                 heads.append(
                     Headline(NAME, f"tenants {'1:1' if v == 'equal' else '3:1'}: share of small "
                              f"(FIFO {ten['fifo']['share_small']:.3f})", f"{share:.3f}",
-                             f"{target} +- {SHARE_TOL}", ok)
+                             f"{share_target} +- {SHARE_TOL}", ok)
                 )  # fmt: skip
         res["tenants"] = ten
         for v, label in (("equal", "weights 1:1"), ("3to1", "weights small 3 : bulk 1")):
@@ -794,9 +798,9 @@ def plot(data: dict[str, PhaseData], res: dict[str, Any]) -> Any:
     a = ax[0][2]
     for v, color in (("fifo", "tab:red"), ("fair", "tab:blue")):
         d = data[f"weights_{v}"]
-        t = np.arange(len(d.server["counter"])) / 100
+        ts = np.arange(len(d.server["counter"])) / 100
         lab = "count-based (all weight 1)" if v == "fifo" else "weights 1/16"
-        a.plot(t, d.server["counter"], color=color, lw=0.8, label=f"units in use, {lab}")
+        a.plot(ts, d.server["counter"], color=color, lw=0.8, label=f"units in use, {lab}")
     a.axhline(LIMIT_3, color="grey", ls="--", label=f"limit {LIMIT_3}")
     a.set_xlabel("s into the window")
     a.set_ylabel("units in use (external counter)")

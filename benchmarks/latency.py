@@ -135,17 +135,17 @@ async def adaptive(url: str, sim_url: str, poll: float, n_polls: int) -> list[di
         pubs = await original()
         st = (await http.get("/admin/stats")).json()
         for p in pubs:
-            d, extra = p.decision, p.extra
+            d, snap = p.decision, p.snapshot()
             polls.append(
                 {
                     "t_ns": t,
                     "target": d.target,
                     "reason": d.reason.value,
                     "in_flight": p.in_flight,
-                    "p50": _num(extra.get("latency_p50")),
-                    "no_load": _num(extra.get("latency_no_load")),
-                    "obs_calls": _num(extra.get("obs_calls")),
-                    "obs_overloaded": _num(extra.get("obs_overloaded")),
+                    "p50": snap.latency_p50,
+                    "no_load": snap.latency_no_load,
+                    "obs_calls": snap.obs_calls,
+                    "obs_overloaded": snap.obs_overloaded,
                     "sim_running": st["running"],
                     "sim_waiting": st["waiting"],
                 }
@@ -173,10 +173,6 @@ async def adaptive(url: str, sim_url: str, poll: float, n_polls: int) -> list[di
         await asyncio.wait_for(task, 30)
         await http.aclose()
     return polls
-
-
-def _num(v: str | None) -> float | None:
-    return float(v) if v else None
 
 
 def run(opts: Options) -> list[Headline]:

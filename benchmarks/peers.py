@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import redis
@@ -56,6 +56,7 @@ from ._server import (
     busy_fraction,
     delta,
     machine_jiffies,
+    mark_old,
     private_redis,
     redis_counters,
     sleep_until,
@@ -306,9 +307,11 @@ def run_processes(
 
 
 def _reset(url: str) -> None:
-    r = redis.Redis.from_url(url)
-    r.flushall()
-    r.close()
+    """Empty the private server between runs; fleetgate's prefix stays marked old, or its run
+    would start behind the recovery fence of a server seen empty."""
+    with redis.Redis.from_url(url) as r:
+        r.flushall()
+        mark_old(r)
 
 
 # -- figures -----------------------------------------------------------------------------------
@@ -377,9 +380,9 @@ def _mean(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for k, v in rounds[0].items():
         vals = [r.get(k) for r in rounds]
         if isinstance(v, dict):
-            out[k] = _mean(vals)
+            out[k] = _mean(cast(list[dict[str, Any]], vals))
         elif isinstance(v, (int, float)) and all(isinstance(x, (int, float)) for x in vals):
-            out[k] = float(np.mean(vals))
+            out[k] = float(np.mean(cast(list[float], vals)))
         else:
             out[k] = v
     return out
@@ -528,15 +531,12 @@ def run(opts: Options) -> list[Headline]:
         fig, ax = figure(3)
         labels = [i.label.replace(" (", "\n(") for i in ran]
         colors = ["tab:blue", "tab:orange", "tab:green"][: len(ran)]
-        for a, (title, get) in zip(
-            ax[0],
-            (
-                ("utilisation (time in holds / limit × window)", lambda r: r["utilisation"]),
-                ("wait p99 (ms); dashed: FIFO ideal", lambda r: r["wait_ms"]["p99"]),
-                ("client CPU µs per grant", lambda r: r["client_cpu_us_per_grant"]),
-            ),
-            strict=True,
-        ):
+        panels: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
+            ("utilisation (time in holds / limit × window)", lambda r: r["utilisation"]),
+            ("wait p99 (ms); dashed: FIFO ideal", lambda r: r["wait_ms"]["p99"]),
+            ("client CPU µs per grant", lambda r: r["client_cpu_us_per_grant"]),
+        )
+        for a, (title, get) in zip(ax[0], panels, strict=True):
             vals = [get(i.result) for i in ran]
             a.bar(labels, vals, color=colors)
             for x, v in enumerate(vals):

@@ -91,7 +91,9 @@ def light_load(direct: str, proxied: str, n: int) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 http.post(base + "/v1/ranking", json=BODY).raise_for_status()
                 lat[label].append(time.perf_counter() - t0)
-    out = {k: {p: v * 1000 for p, v in percentiles(vs, (50, 99)).items()} for k, vs in lat.items()}
+    out: dict[str, Any] = {
+        k: {p: v * 1000 for p, v in percentiles(vs, (50, 99)).items()} for k, vs in lat.items()
+    }
     out["added_ms"] = {p: out["proxy"][p] - out["direct"][p] for p in ("p50", "p99")}
     out["ratio"] = {p: out["proxy"][p] / out["direct"][p] for p in ("p50", "p99")}
     out["samples"] = {k: sorted(v) for k, v in lat.items()}
