@@ -120,9 +120,9 @@ def log(msg: str) -> None:
 
 
 def open_fleet(url: str, flavor: Flavor, **kwargs: Any) -> Fleet:
+    """A fleet as an application would open it, with the flavor's RESP parser."""
     from prometheus_client import CollectorRegistry
 
-    """A fleet as an application would open it, with the flavor's RESP parser."""
     return Fleet(
         url,
         prefix=PREFIX,

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
@@ -76,7 +75,7 @@ class GateAcquirer(GateState):
         # This process's acquires and releases of the gate, each sent as one script call per
         # batch (group commit: see _batch.py).
         self._calls: Batcher[GateCall, AcquireReply | None] = Batcher(
-            self._send_calls,
+            functools.partial(send_calls, runtime, self.keys, defaults),
             spawn=runtime.spawn,
             max_batch=MAX_BATCH,
             on_orphan=self._acquire_orphaned,
@@ -169,11 +168,6 @@ class GateAcquirer(GateState):
             raise
         assert reply is not None
         return reply
-
-    async def _send_calls(self, calls: Sequence[GateCall]) -> list[AcquireReply | None]:
-        """One batch of the gate's calls in one script call (see ``_calls.py``)."""
-        rt = self.runtime
-        return await send_calls(rt.scripts, self.keys, self.defaults, calls, fence_ms=rt.fence_ms)
 
     def _acquire_orphaned(
         self, call: GateCall, outcome: AcquireReply | BaseException | None

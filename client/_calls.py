@@ -17,8 +17,10 @@ from typing import TypeAlias
 from fleetgate.ask import Ask
 from fleetgate.keys import GateKeys
 from fleetgate.observed import tally
-from fleetgate.scripts import AcquireReply, GateScripts
+from fleetgate.scripts import AcquireReply
 from fleetgate.settings import GateSettings
+
+from ._runtime import Runtime
 
 __all__ = ["AcquireCall", "GateCall", "ReleaseCall", "send_calls"]
 
@@ -46,15 +48,13 @@ GateCall: TypeAlias = AcquireCall | ReleaseCall
 
 
 async def send_calls(
-    scripts: GateScripts,
-    keys: GateKeys,
-    defaults: GateSettings,
-    calls: Sequence[GateCall],
-    *,
-    fence_ms: int,
+    runtime: Runtime, keys: GateKeys, defaults: GateSettings, calls: Sequence[GateCall]
 ) -> list[AcquireReply | None]:
-    """One batch of the gate's calls in one script call: its releases, then its acquires
-    (release.lua alone when there is nothing to acquire); one answer per call, in order."""
+    """One batch of the gate's calls (``keys``, with ``defaults``) in one script call of
+    ``runtime``'s scripts: its releases, then its acquires (release.lua alone when there is
+    nothing to acquire); one answer per call, in order. The batcher's send: the gate binds the
+    first three arguments once."""
+    scripts, fence_ms = runtime.scripts, runtime.fence_ms
     released = [c for c in calls if isinstance(c, ReleaseCall)]
     releases = [c.lease_id for c in released]
     observed = tally(c.report for c in released)
