@@ -10,6 +10,56 @@
 -- renewed to a time still ahead did not expire: the gate lost it (a restart, a lossy failover,
 -- a deleted key) while the work still runs. It is counted again ("adopted"), so the fleet cap
 -- accounts for it; a lease whose renewal time has passed is reported lost and never revived.
+-- Renew id's lease to r.expiry if it still holds an unexpired one; one that expired is removed,
+-- never revived, unless the pod knows it was renewed to a time still ahead (known > now): then
+-- it is counted again (its weight too, before it is added) and listed in r.adopted. Returns
+-- whether id holds a lease now.
+local function renew_lease(id, known, now, r)
+  local expiry = tonumber(redis.call('ZSCORE', K_HOLDERS, id))
+  if expiry == nil or expiry <= now then
+    if known > now then
+      r.adopted[#r.adopted + 1] = id
+      if expiry == nil and weight_of(id) > 1 then
+        redis.call('HINCRBY', K_ADM, 'extra', weight_of(id) - 1)
+      end
+    else
+      if expiry ~= nil then
+        remove_leases({id}, 1, 1)
+        redis.call('HINCRBY', K_STATS, 'expired_leases', 1)
+      end
+      return false
+    end
+  end
+  redis.call('ZADD', K_HOLDERS, r.expiry, id)
+  return true
+end
+
+-- The pod's n waiters, from A[i] on as (member, ms it may still wait) pairs: one still in the
+-- wait list has its entry renewed; one granted while the pod missed the wake holds its lease
+-- now (r.granted); else it was evicted by a higher band ('<id>' in evicted: r.evicted),
+-- refused as heavier than the ceiling ('<id>=c': r.too_heavy), or lost (r.lost_waiters).
+local function renew_waiters(A, i, n, now, cfg, r)
+  for _ = 1, n do
+    local member, remaining = A[i], tonumber(A[i + 1])
+    local id = member_id(member)
+    i = i + 2
+    if redis.call('ZSCORE', K_WAITERS, member) then
+      redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
+    elseif renew_lease(id, 0, now, r) then
+      r.granted[#r.granted + 1] = id
+    else
+      local gone = redis.call('ZMSCORE', K_EVICTED, id, id .. '=c')
+      if gone[1] then
+        r.evicted[#r.evicted + 1] = id
+      elseif gone[2] then
+        r.too_heavy[#r.too_heavy + 1] = id
+      else
+        r.lost_waiters[#r.lost_waiters + 1] = id
+      end
+    end
+  end
+end
+
 local function heartbeat_gate(A)
   local pod, pod_ttl = A[1], tonumber(A[2])
   local n_leases = tonumber(A[3])
@@ -28,66 +78,20 @@ local function heartbeat_gate(A)
   -- this pod's own are reported in this reply (too_heavy)
   refuse_big(now, cfg)
 
-  local lease_expiry = now + cfg.lease_ms
-  local lost, granted, lost_waiters, adopted, evicted = {}, {}, {}, {}, {}
-  local too_heavy = {}
-  -- Renew id's lease if it still holds an unexpired one; one that expired is removed, never
-  -- revived, unless the pod knows it was renewed to a time still ahead (known > now): then it
-  -- is counted again (its weight too, before it is added).
-  local function renew(id, known)
-    local expiry = tonumber(redis.call('ZSCORE', K_HOLDERS, id))
-    if expiry == nil or expiry <= now then
-      if known > now then
-        adopted[#adopted + 1] = id
-        if expiry == nil and weight_of(id) > 1 then
-          redis.call('HINCRBY', K_ADM, 'extra', weight_of(id) - 1)
-        end
-      else
-        if expiry ~= nil then
-          remove_leases({id}, 1, 1)
-          redis.call('HINCRBY', K_STATS, 'expired_leases', 1)
-        end
-        return false
-      end
-    end
-    redis.call('ZADD', K_HOLDERS, lease_expiry, id)
-    return true
+  local r = {expiry = now + cfg.lease_ms, lost = {}, granted = {}, lost_waiters = {},
+             adopted = {}, evicted = {}, too_heavy = {}}
+  for i = 4, i_waiters - 1, 2 do
+    if not renew_lease(A[i], num(A[i + 1], 0), now, r) then r.lost[#r.lost + 1] = A[i] end
   end
-
-  local i = 4
-  for _ = 1, n_leases do
-    if not renew(A[i], num(A[i + 1], 0)) then lost[#lost + 1] = A[i] end
-    i = i + 2
-  end
-  i = i_waiters + 1
-  for _ = 1, n_waiters do
-    local member, remaining = A[i], tonumber(A[i + 1])
-    local id = member_id(member)
-    i = i + 2
-    if redis.call('ZSCORE', K_WAITERS, member) then
-      redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
-    elseif renew(id, 0) then
-      granted[#granted + 1] = id
-    else
-      -- evicted by a higher band ('<id>'), or refused as heavier than the ceiling ('<id>=c')
-      local gone = redis.call('ZMSCORE', K_EVICTED, id, id .. '=c')
-      if gone[1] then
-        evicted[#evicted + 1] = id
-      elseif gone[2] then
-        too_heavy[#too_heavy + 1] = id
-      else
-        lost_waiters[#lost_waiters + 1] = id
-      end
-    end
-  end
-  if #adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #adopted) end
+  renew_waiters(A, i_waiters + 1, n_waiters, now, cfg, r)
+  if #r.adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #r.adopted) end
   raise_seq(max_token)
   -- A grant whose wake this pod missed gets its fencing token now: a fresh one, above every
   -- token issued before the pod learns of its grant (it cannot have used the permit earlier).
   local tokens = {}
-  if #granted > 0 then
-    local first = next_tokens(now, #granted)
-    for k = 1, #granted do tokens[k] = first + k - 1 end
+  if #r.granted > 0 then
+    local first = next_tokens(now, #r.granted)
+    for k = 1, #r.granted do tokens[k] = first + k - 1 end
   end
 
   local pod_new = 0
@@ -98,7 +102,7 @@ local function heartbeat_gate(A)
   readmit(lim)
   handoff(now, cfg, lim)
   adm_flush()
-  return {lim, live, lost, granted, lost_waiters,
+  return {lim, live, r.lost, r.granted, r.lost_waiters,
     redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
-    lease_expiry, pod_new, adopted, tokens, evicted, too_heavy, cfg.ceiling}
+    r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling}
 end

@@ -9,6 +9,176 @@ local DROP_MAX = 2 * REAP_MAX
 
 local refuse_heads  -- defined below, after handoff (which calls it)
 
+-- The lane the next turn of a hand-off serves, as a table: lane, its tag f, bound (the tag of
+-- the best other lane of its band, nil: alone), r (the band), rsv (the band's reserved head, if
+-- any), t (the lane's tenant); nil when nobody waits. The band's smallest tag wins, unless the
+-- band holds a reservation (a head the free units wait for), whose lane is served first.
+local function next_turn()
+  local top = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 2)
+  if #top == 0 then return nil end
+  local lane, f, r = fair_parse(top[1])
+  local bound = nil
+  if #top > 1 then
+    local _, f2, r2 = fair_parse(top[2])
+    if r2 == r then bound = f2 end
+  end
+  adm_prefetch('rsv:' .. r, 'vt:' .. r)
+  local rsv = adm_get('rsv:' .. r)
+  if rsv then
+    local rlane = member_lane(rsv)
+    local rf = rlane and num(adm_get('f:' .. rlane), nil)
+    if rf == nil then
+      adm_set('rsv:' .. r, nil)
+      rsv = nil
+    elseif rlane ~= lane then
+      lane, f, bound = rlane, rf, f
+    end
+  end
+  return {lane = lane, f = f, bound = bound, r = r, rsv = rsv, t = lane_tenant(lane)}
+end
+
+-- The turn's reserved head is gone (granted or dropped): the band has no reservation.
+local function unreserve(turn, m)
+  if turn.rsv == m then
+    adm_set('rsv:' .. turn.r, nil)
+    turn.rsv = nil
+  end
+end
+
+-- Serve the turn's lane from heads[1 .. last] (alive: their waiter entries' expiry) into the
+-- pass h (free units, grants, gone, extra, dropped, granted_units). Moves turn.f (the tag of the
+-- lane's next head) and, shared with other lanes, the band's virtual time vt. Returns the index
+-- of the first head not taken, how the turn ended ('open': the lane may be served again, 'big':
+-- that head weighs more than the limit, 'reserved': the free units wait for that head, 'full':
+-- no free units or grants left for the pass; the last two end the pass), and vt.
+local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
+  local t, bound = turn.t, turn.bound
+  -- Alone in its band (no other eligible lane), a lane is served without moving the band's
+  -- virtual time or its own start: relative to each other, a lane that joins later (at
+  -- vt + its cost) and this one (at vt + its head's cost) are where they would be had both
+  -- moved, and a gate used with defaults writes neither tags nor times per grant.
+  local alone = bound == nil
+  local i = 1
+  while i <= last do
+    local m = heads[i]
+    local id = member_id(m)
+    local w = weight_of(id)
+    local expires = tonumber(alive[i])
+    -- a head heavier than the ceiling (lowered after it parked) can never be granted: it is
+    -- dropped as a dead one is, and refused by the pass (refuse_heads)
+    if expires == nil or expires <= now or w > cfg.ceiling then
+      h.gone[#h.gone + 1] = m
+      h.dropped = h.dropped + 1
+      unreserve(turn, m)
+      -- the next head takes the dropped one's turn
+      if i < #heads then
+        turn.f = start_of(turn.f, w, t) + cost(weight_of(member_id(heads[i + 1])), t)
+      end
+      i = i + 1
+      if h.dropped >= DROP_MAX then break end
+    elseif w > lim then
+      return i, 'big', vt
+    elseif bound and turn.f > bound and turn.rsv ~= m then
+      break  -- another lane of the band has the smaller tag now (before any reservation:
+             -- only the chosen head, the band's smallest tag, reserves)
+    elseif w > h.free then
+      adm_set('rsv:' .. turn.r, m)  -- the free units wait for it: nobody passes it
+      return i, 'reserved', vt
+    else
+      h.gone[#h.gone + 1] = m
+      h.grants[#h.grants + 1] = id
+      h.extra = h.extra + w - 1
+      h.free = h.free - w
+      h.granted_units = h.granted_units + w
+      unreserve(turn, m)
+      local nxt = i < #heads and cost(weight_of(member_id(heads[i + 1])), t)
+      if alone then
+        if nxt then turn.f = start_of(turn.f, w, t) + nxt end
+      else
+        if turn.f > vt then vt = turn.f end
+        if nxt then turn.f = vt + nxt end
+      end
+      i = i + 1
+      if h.free <= 0 or #h.grants >= HANDOFF_MAX then return i, 'full', vt end
+    end
+  end
+  return i, 'open', vt
+end
+
+-- One turn of a hand-off: serve the lane next_turn chose, then move its tag in the fair order
+-- (or take it out: emptied, or its head too big for the limit). Returns true when the pass ends.
+local function hand_turn(now, cfg, lim, h, turn)
+  local lane, old_f = turn.lane, turn.f
+  local want = math.min(h.free, HANDOFF_MAX - #h.grants)
+  -- with other lanes in the band this lane serves a few before the tags are compared again
+  if turn.bound and want > 8 then want = 8 end
+  local lo, hi = lane_range(lane)
+  local skip = h.gone_in[lane] or 0  -- its head prefix already removed in this pass
+  local heads = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', skip, want + 1)
+  if turn.rsv and member_lane(turn.rsv) == lane and heads[1] ~= turn.rsv then
+    -- the reserved waiter left its lane: serve by tags again (the next turn looks again)
+    adm_set('rsv:' .. turn.r, nil)
+    return false
+  end
+  local alive = {}
+  if #heads > 0 then alive = redis.call('ZMSCORE', K_WAITERS, unpack(heads)) end
+  local vt0 = num(adm_get('vt:' .. turn.r), 0)
+  local last = math.min(#heads, want)
+  local i, ended, vt = serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt0)
+  -- heads[1 .. i - 1] are gone; heads[i], if fetched, is the lane's head now (tag turn.f)
+  h.gone_in[lane] = skip + i - 1
+  if vt ~= vt0 then adm_set('vt:' .. turn.r, string.format('%.0f', vt)) end
+  if ended == 'big' or i > #heads then  -- the lane leaves the fair order: too big, or empty
+    left_fair(lane, old_f)
+    if ended == 'big' then
+      if turn.rsv and member_lane(turn.rsv) == lane then adm_set('rsv:' .. turn.r, nil) end
+      redis.call('ZADD', K_BIG, weight_of(member_id(heads[i])), lane)
+    end
+  elseif turn.f ~= old_f then
+    redis.call('ZREM', K_FAIR, fair_member(lane, old_f))
+    redis.call('ZADD', K_FAIR, 0, fair_member(lane, turn.f))
+    adm_set('f:' .. lane, pad20(turn.f))
+  end
+  return ended == 'reserved' or ended == 'full'
+end
+
+-- The end of a hand-off pass h: the heads it took leave the wait list; the granted ones become
+-- leases (tokens, wakes to their pods, stats); of the dropped ones, those heavier than the
+-- ceiling are refused (dead or not: a waiter whose entry expired would be refused as it parked
+-- again; granted heads never weigh that), the others counted as abandoned.
+local function finish_pass(now, cfg, h)
+  if #h.gone > 0 then
+    redis.call('ZREM', K_LANES, unpack(h.gone))
+    redis.call('ZREM', K_WAITERS, unpack(h.gone))
+  end
+  local grants = h.grants
+  if #grants > 0 then
+    local token = next_tokens(now, #grants)
+    local expires = now + cfg.lease_ms
+    local members, wakes = {}, new_wakes()
+    for k, id in ipairs(grants) do
+      members[#members + 1] = expires
+      members[#members + 1] = id
+      add_wake(wakes, id, id .. '=' .. string.format('%.0f', token + k - 1))
+    end
+    add_leases(members, h.extra)
+    send_wakes(wakes, cfg)
+    redis.call('HINCRBY', K_STATS, 'granted', #grants)
+    redis.call('HINCRBY', K_STATS, 'handed_off', #grants)
+  end
+  if h.dropped > 0 then
+    local refused = {}
+    for _, m in ipairs(h.gone) do
+      local id = member_id(m)
+      if weight_of(id) > cfg.ceiling then refused[#refused + 1] = id end
+    end
+    if h.dropped > #refused then
+      redis.call('HINCRBY', K_STATS, 'abandoned_waiters', h.dropped - #refused)
+    end
+    refuse_heads(now, cfg, refused)
+  end
+end
+
 -- Hand free units to waiters and wake their pods: the top band first (strict), within it the
 -- lane with the smallest tag (fair queuing across tenants), FIFO within a lane; a head that does
 -- not fit stops everything and keeps the free units (reserved for it: no passing); a head
@@ -21,154 +191,17 @@ local function handoff(now, cfg, lim, units)
     adm_flush()
     return 0, 0, 0
   end
-  local grants, gone, extra, dropped, granted_units = {}, {}, 0, 0, 0
-  local gone_in = {}  -- lane -> members of it already removed in this call (its head prefix)
-  local stop, turns = false, 0
-  while not stop and #grants < HANDOFF_MAX and dropped < DROP_MAX and turns < 2 * HANDOFF_MAX do
+  local h = {free = free, grants = {}, gone = {}, extra = 0, dropped = 0, granted_units = 0,
+             gone_in = {}}  -- gone_in: lane -> members of it already removed (its head prefix)
+  local turns = 0
+  while #h.grants < HANDOFF_MAX and h.dropped < DROP_MAX and turns < 2 * HANDOFF_MAX do
     turns = turns + 1
-    local top = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 2)
-    if #top == 0 then break end
-    local lane, f, r = fair_parse(top[1])
-    local bound = nil  -- the tag of the best other lane of the band
-    if #top > 1 then
-      local _, f2, r2 = fair_parse(top[2])
-      if r2 == r then bound = f2 end
-    end
-    adm_prefetch('rsv:' .. r, 'vt:' .. r)
-    local rsv = adm_get('rsv:' .. r)
-    if rsv then
-      local rlane = member_lane(rsv)
-      local rf = rlane and num(adm_get('f:' .. rlane), nil)
-      if rf == nil then
-        adm_set('rsv:' .. r, nil)
-        rsv = nil
-      elseif rlane ~= lane then
-        lane, f, bound = rlane, rf, f
-      end
-    end
-    local old_f, t = f, lane_tenant(lane)
-    local want = math.min(free, HANDOFF_MAX - #grants)
-    -- with other lanes in the band this lane serves a few before the tags are compared again
-    if bound and want > 8 then want = 8 end
-    local lo, hi = lane_range(lane)
-    local heads = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', gone_in[lane] or 0, want + 1)
-    if rsv and member_lane(rsv) == lane and heads[1] ~= rsv then
-      -- the reserved waiter left its lane: serve by tags again (the next turn looks again)
-      adm_set('rsv:' .. r, nil)
-    else
-      local alive = {}
-      if #heads > 0 then alive = redis.call('ZMSCORE', K_WAITERS, unpack(heads)) end
-      local vt0 = num(adm_get('vt:' .. r), 0)
-      local vt = vt0
-      -- Alone in its band (no other eligible lane), a lane is served without moving the band's
-      -- virtual time or its own start: relative to each other, a lane that joins later (at
-      -- vt + its cost) and this one (at vt + its head's cost) are where they would be had both
-      -- moved, and a gate used with defaults writes neither tags nor times per grant.
-      local alone = bound == nil
-      local last = math.min(#heads, want)
-      local state = 'open'  -- what the lane is after this turn: open, big (head i), empty
-      local i = 1
-      while i <= last do
-        local m = heads[i]
-        local id = member_id(m)
-        local w = weight_of(id)
-        local expires = tonumber(alive[i])
-        -- a head heavier than the ceiling (lowered after it parked) can never be granted: it is
-        -- dropped as a dead one is, and refused below (refuse_heads)
-        if expires == nil or expires <= now or w > cfg.ceiling then
-          gone[#gone + 1] = m
-          dropped = dropped + 1
-          if rsv == m then
-            adm_set('rsv:' .. r, nil)
-            rsv = nil
-          end
-          -- the next head takes the dropped one's turn
-          if i < #heads then f = start_of(f, w, t) + cost(weight_of(member_id(heads[i + 1])), t) end
-          i = i + 1
-          if dropped >= DROP_MAX then break end
-        elseif w > lim then
-          state = 'big'
-          break
-        elseif bound and f > bound and rsv ~= m then
-          break  -- another lane of the band has the smaller tag now (before any reservation:
-                 -- only the chosen head, the band's smallest tag, reserves)
-        elseif w > free then
-          adm_set('rsv:' .. r, m)  -- the free units wait for it: nobody passes it
-          stop = true
-          break
-        else
-          gone[#gone + 1] = m
-          grants[#grants + 1] = id
-          extra = extra + w - 1
-          free = free - w
-          granted_units = granted_units + w
-          if rsv == m then
-            adm_set('rsv:' .. r, nil)
-            rsv = nil
-          end
-          if alone then
-            if i < #heads then f = start_of(f, w, t) + cost(weight_of(member_id(heads[i + 1])), t) end
-          else
-            if f > vt then vt = f end
-            if i < #heads then f = vt + cost(weight_of(member_id(heads[i + 1])), t) end
-          end
-          i = i + 1
-          if free <= 0 or #grants >= HANDOFF_MAX then
-            stop = true
-            break
-          end
-        end
-      end
-      -- heads[1 .. i - 1] are gone; heads[i], if fetched, is the lane's head now (tag f)
-      gone_in[lane] = (gone_in[lane] or 0) + i - 1
-      if i > #heads then state = 'empty' end
-      if vt ~= vt0 then adm_set('vt:' .. r, string.format('%.0f', vt)) end
-      if state ~= 'open' then
-        left_fair(lane, old_f)
-        if state == 'big' then
-          if rsv and member_lane(rsv) == lane then adm_set('rsv:' .. r, nil) end
-          redis.call('ZADD', K_BIG, weight_of(member_id(heads[i])), lane)
-        end
-      elseif f ~= old_f then
-        redis.call('ZREM', K_FAIR, fair_member(lane, old_f))
-        redis.call('ZADD', K_FAIR, 0, fair_member(lane, f))
-        adm_set('f:' .. lane, pad20(f))
-      end
-    end
+    local turn = next_turn()
+    if turn == nil or hand_turn(now, cfg, lim, h, turn) then break end
   end
-  if #gone > 0 then
-    redis.call('ZREM', K_LANES, unpack(gone))
-    redis.call('ZREM', K_WAITERS, unpack(gone))
-  end
-  if #grants > 0 then
-    local token = next_tokens(now, #grants)
-    local expires = now + cfg.lease_ms
-    local members, wakes = {}, new_wakes()
-    for k, id in ipairs(grants) do
-      members[#members + 1] = expires
-      members[#members + 1] = id
-      add_wake(wakes, id, id .. '=' .. string.format('%.0f', token + k - 1))
-    end
-    add_leases(members, extra)
-    send_wakes(wakes, cfg)
-    redis.call('HINCRBY', K_STATS, 'granted', #grants)
-    redis.call('HINCRBY', K_STATS, 'handed_off', #grants)
-  end
-  if dropped > 0 then
-    -- of the heads dropped, those heavier than the ceiling are refused (dead or not: a waiter
-    -- whose entry expired would be refused as it parked again); granted heads never weigh that
-    local refused = {}
-    for _, m in ipairs(gone) do
-      local id = member_id(m)
-      if weight_of(id) > cfg.ceiling then refused[#refused + 1] = id end
-    end
-    if dropped > #refused then
-      redis.call('HINCRBY', K_STATS, 'abandoned_waiters', dropped - #refused)
-    end
-    refuse_heads(now, cfg, refused)
-  end
+  finish_pass(now, cfg, h)
   adm_flush()
-  return #grants, #gone, granted_units
+  return #h.grants, #h.gone, h.granted_units
 end
 
 -- Waiters heavier than the gate can ever hold: the ceiling in force was lowered after they
