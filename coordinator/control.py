@@ -20,16 +20,28 @@ metrics).
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 
+from fleetgate.errors import ConfigError
 from fleetgate.observed import Reading
 
 if TYPE_CHECKING:
+    from .config import CoordinatorSettings, GateConfig
     from .scrape.signal_struct import Signals
 
-__all__ = ["GateController", "Observed", "Outcome", "PollView", "Reason", "State"]
+__all__ = [
+    "ControlParams",
+    "GateController",
+    "Observed",
+    "Outcome",
+    "PollView",
+    "Reason",
+    "State",
+]
+
+P = TypeVar("P", bound="ControlParams")
 
 
 class Reason(str, enum.Enum):
@@ -55,6 +67,50 @@ class Reason(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class ControlParams(msgspec.Struct, frozen=True):
+    """What every controller's parameters start with: the gate's bounds, whether it adapts,
+    the poll pace and when a target nobody can read has expired. Each controller's
+    parameters (:class:`.controller_types.ControllerParams`,
+    :class:`.gradient_types.GradientParams`) add its own constants after these."""
+
+    floor: int
+    ceiling: int
+    adaptive: bool = True
+    poll_interval: float = 2.0
+    #: polls without a usable reading after which the published target has expired: reset to
+    #: the floor
+    unknown_reset_polls: int = 3
+
+    def __post_init__(self) -> None:
+        if self.floor < 1 or self.ceiling < self.floor:
+            raise ConfigError(f"need 1 <= floor <= ceiling, got {self.floor}..{self.ceiling}")
+        if not (self.poll_interval > 0 and self.unknown_reset_polls >= 1):
+            raise ConfigError(f"controller constants out of range: {self!r}")
+
+    @classmethod
+    def adapts(cls, gate: GateConfig) -> bool:
+        """Whether this controller can adapt ``gate`` (it has the source the rule reads)."""
+        raise NotImplementedError
+
+    @classmethod
+    def for_gate(cls: type[P], gate: GateConfig, coordinator: CoordinatorSettings) -> P:
+        """Parameters of ``gate`` under ``coordinator``'s settings, the constants at their
+        defaults (adaptive when the coordinator adapts and :meth:`adapts` holds)."""
+        return cls(
+            floor=gate.floor,
+            ceiling=gate.ceiling,
+            adaptive=coordinator.adaptive and cls.adapts(gate),
+            poll_interval=coordinator.poll_interval,
+            unknown_reset_polls=coordinator.target_ttl_polls,
+        )
+
+    @classmethod
+    def from_params(cls: type[P], p: ControlParams) -> P:
+        """This controller's parameters for a gate another controller has as ``p``: the shared
+        fields taken over, this controller's constants at their defaults."""
+        return cls(**{name: getattr(p, name) for name in ControlParams.__struct_fields__})
 
 
 class State(Protocol):

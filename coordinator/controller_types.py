@@ -14,22 +14,18 @@ import msgspec
 
 from fleetgate.errors import ConfigError
 
-from .control import Reason
+from .control import ControlParams, Reason
 
 if TYPE_CHECKING:
-    from .config import CoordinatorSettings, GateConfig
+    from .config import GateConfig
     from .scrape.signal_struct import Signals
 
 __all__ = ["ControllerParams", "ControllerState", "Decision", "Observation"]
 
 
-class ControllerParams(msgspec.Struct, frozen=True):
+class ControllerParams(ControlParams, frozen=True):
     """Bounds and constants of one gate's controller. Defaults are the documented rule."""
 
-    floor: int
-    ceiling: int
-    adaptive: bool = True
-    poll_interval: float = 2.0
     #: near-full when load >= near_full * target
     near_full: float = 0.8
     #: additive-increase step as a fraction of the target (at least 1)
@@ -48,8 +44,6 @@ class ControllerParams(msgspec.Struct, frozen=True):
     min_decrease_polls: float = 0.5
     #: ... and, unless the excess drained, no sooner than this many
     drain_polls: float = 3.0
-    #: unknown polls after which the published target has expired: reset to floor
-    unknown_reset_polls: int = 3
     #: KV-cache usage below this is too coarse to extrapolate the capacity from
     kv_min: float = 0.05
     #: clean near-full polls at the capacity estimate before a probe above it
@@ -61,18 +55,15 @@ class ControllerParams(msgspec.Struct, frozen=True):
     fleet_share: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.floor < 1 or self.ceiling < self.floor:
-            raise ConfigError(f"need 1 <= floor <= ceiling, got {self.floor}..{self.ceiling}")
+        super().__post_init__()
         if not (
-            self.poll_interval > 0
-            and 0 < self.near_full <= 1
+            0 < self.near_full <= 1
             and self.increase > 0
             and self.slow_start_factor > 1
             and 0 < self.deepest_cut <= self.decrease < 1
             and self.saturation_threshold >= 0
             and self.recovery_polls >= 1
             and 0 <= self.min_decrease_polls <= self.drain_polls
-            and self.unknown_reset_polls >= 1
             and 0 < self.kv_min <= 1
             and self.probe_polls >= 1
             and 0 < self.probe <= self.increase
@@ -81,15 +72,9 @@ class ControllerParams(msgspec.Struct, frozen=True):
             raise ConfigError(f"controller constants out of range: {self!r}")
 
     @classmethod
-    def for_gate(cls, gate: GateConfig, coordinator: CoordinatorSettings) -> ControllerParams:
-        """Parameters of ``gate`` under ``coordinator``'s settings (adaptive needs a source)."""
-        return cls(
-            floor=gate.floor,
-            ceiling=gate.ceiling,
-            adaptive=coordinator.adaptive and gate.has_metrics,
-            poll_interval=coordinator.poll_interval,
-            unknown_reset_polls=coordinator.target_ttl_polls,
-        )
+    def adapts(cls, gate: GateConfig) -> bool:
+        """The AIMD rule reads the server's gauges: the gate needs a metrics source."""
+        return gate.has_metrics
 
 
 class ControllerState(msgspec.Struct, frozen=True):

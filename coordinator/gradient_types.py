@@ -14,22 +14,17 @@ import msgspec
 from fleetgate.errors import ConfigError
 from fleetgate.observed import Reading
 
-from .control import Reason
+from .control import ControlParams, Reason
 
 if TYPE_CHECKING:
-    from .config import CoordinatorSettings, GateConfig
-    from .controller_types import ControllerParams
+    from .config import GateConfig
 
 __all__ = ["GradientDecision", "GradientParams", "GradientState", "LatencyView"]
 
 
-class GradientParams(msgspec.Struct, frozen=True):
+class GradientParams(ControlParams, frozen=True):
     """Bounds and constants of one latency-driven gate (docs/aimd.md explains each)."""
 
-    floor: int
-    ceiling: int
-    adaptive: bool = True
-    poll_interval: float = 2.0
     #: queue allowed above the no-load latency before the gradient drops below 1 (Envoy's B)
     buffer: float = 0.1
     #: the deepest cut one latency reading can make (Gradient2's and Envoy's 0.5)
@@ -52,18 +47,14 @@ class GradientParams(msgspec.Struct, frozen=True):
     floor_polls: int = 5
     #: the target is multiplied by this while the no-load latency is measured
     measure_factor: float = 0.5
-    #: polls without a window (no reading to difference) before a reset to the floor
-    unknown_reset_polls: int = 3
     #: a window counts toward the no-load latency only if the target moved by no more than
     #: this fraction since a p50 before it began (see _settled)
     settle_change: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.floor < 1 or self.ceiling < self.floor:
-            raise ConfigError(f"need 1 <= floor <= ceiling, got {self.floor}..{self.ceiling}")
+        super().__post_init__()
         if not (
-            self.poll_interval > 0
-            and 0 <= self.buffer <= 1
+            0 <= self.buffer <= 1
             and 0 < self.min_gradient <= 1
             and self.headroom >= 0
             and self.slow_start_factor > 1
@@ -73,31 +64,13 @@ class GradientParams(msgspec.Struct, frozen=True):
             and self.remeasure_polls >= 1
             and self.floor_polls >= 1
             and 0 < self.measure_factor < 1
-            and self.unknown_reset_polls >= 1
         ):
             raise ConfigError(f"gradient controller constants out of range: {self!r}")
 
     @classmethod
-    def for_gate(cls, gate: GateConfig, coordinator: CoordinatorSettings) -> GradientParams:
-        """Parameters of a latency-driven ``gate`` under ``coordinator``'s settings."""
-        return cls(
-            floor=gate.floor,
-            ceiling=gate.ceiling,
-            adaptive=coordinator.adaptive and gate.latency_driven,
-            poll_interval=coordinator.poll_interval,
-            unknown_reset_polls=coordinator.target_ttl_polls,
-        )
-
-    @classmethod
-    def from_params(cls, p: ControllerParams) -> GradientParams:
-        """The latency controller of a gate whose metrics controller would have ``p``."""
-        return cls(
-            floor=p.floor,
-            ceiling=p.ceiling,
-            adaptive=p.adaptive,
-            poll_interval=p.poll_interval,
-            unknown_reset_polls=p.unknown_reset_polls,
-        )
+    def adapts(cls, gate: GateConfig) -> bool:
+        """The gradient rule reads what the callers report: the gate must be latency-driven."""
+        return gate.latency_driven
 
 
 class GradientState(msgspec.Struct, frozen=True, tag_field="kind", tag="latency"):

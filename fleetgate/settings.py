@@ -228,24 +228,38 @@ def _default_ceiling(floor: object, default: int) -> object:
     return default
 
 
-def bounds() -> dict[str, tuple[int, int]]:
-    """``{field: (lowest, highest)}`` of every field of :data:`FIELDS`, read from the
-    annotations."""
+def _int_bounds() -> dict[str, tuple[int, int]]:
+    """``{field: (lowest, highest)}`` of every int field of :class:`GateSettings` (None allowed
+    or not), read from its annotation: the one declaration of the bounds, which msgspec checks
+    when it decodes settings and :meth:`GateSettings.validated` when it is given them."""
     info = msgspec.inspect.type_info(GateSettings)
     assert isinstance(info, msgspec.inspect.StructType)
     out: dict[str, tuple[int, int]] = {}
     for f in info.fields:
-        if f.name not in FIELDS:
-            continue
         t = f.type
+        if isinstance(t, msgspec.inspect.UnionType):  # ``X | None``
+            t = next(u for u in t.types if not isinstance(u, msgspec.inspect.NoneType))
         if isinstance(t, msgspec.inspect.Metadata):  # a description wraps the constrained type
             t = t.type
-        assert isinstance(t, msgspec.inspect.IntType) and t.ge is not None and t.le is not None
-        out[f.name] = (t.ge, t.le)
+        if isinstance(t, msgspec.inspect.IntType):
+            assert t.ge is not None and t.le is not None, f.name
+            out[f.name] = (t.ge, t.le)
     return out
 
 
-_BOUNDS: Final = bounds()
+_BOUNDS: Final = _int_bounds()
+assert set(_BOUNDS) == {*FIELDS, "max_queued_per_tenant", "shed_below"}
+
+
+def bounds() -> dict[str, tuple[int, int]]:
+    """``{field: (lowest, highest)}`` of every field of :data:`FIELDS`, read from the
+    annotations."""
+    return {name: _BOUNDS[name] for name in FIELDS}
+
+
+def _in_bounds(name: str, value: object) -> bool:
+    low, high = _BOUNDS[name]
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def _field_problem(name: str, value: object) -> str | None:
@@ -273,20 +287,14 @@ def check_admission(
     ``shed_below`` an int in [-100, 100], ``tenant_weights`` a mapping tenant name -> int in
     [1, 1000] of at most 10,000 entries."""
     mqpt = max_queued_per_tenant
-    if mqpt is not None and (
-        isinstance(mqpt, bool) or not isinstance(mqpt, int) or not 0 <= mqpt <= MAX_QUEUED
-    ):
+    if mqpt is not None and not _in_bounds("max_queued_per_tenant", mqpt):
+        low, high = _BOUNDS["max_queued_per_tenant"]
         raise ConfigError(
-            f"max_queued_per_tenant: expected None or int in [0, {MAX_QUEUED}], got {mqpt!r}"
+            f"max_queued_per_tenant: expected None or int in [{low}, {high}], got {mqpt!r}"
         )
-    if (
-        isinstance(shed_below, bool)
-        or not isinstance(shed_below, int)
-        or not MIN_PRIORITY <= shed_below <= MAX_PRIORITY
-    ):
-        raise ConfigError(
-            f"shed_below: expected int in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {shed_below!r}"
-        )
+    if not _in_bounds("shed_below", shed_below):
+        low, high = _BOUNDS["shed_below"]
+        raise ConfigError(f"shed_below: expected int in [{low}, {high}], got {shed_below!r}")
     validate_tenant_weights(tenant_weights)
 
 
