@@ -9,17 +9,13 @@ waiters; and a ceiling lowered below a parked head refuses that head and lets it
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import redis
 
 from fleetgate.admission import lane_class
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import SCRIPT_NAMES, HeartbeatReply, script_source
-
-from ..conftest import RedisUnderTest
 
 LONG_MS = 600_000
 
@@ -51,13 +47,6 @@ class Gate:
             f"{f.split('}')[2]}}}{f.split('}')[0]}" for f in self.r.zrange(self.keys.fair, 0, -1)
         }
         return fair | set(self.r.zrange(self.keys.big, 0, -1))
-
-
-@pytest.fixture
-def r(rut: RedisUnderTest) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(rut.url, decode_responses=True)
-    yield client
-    client.close()
 
 
 def test_a_lane_parked_into_before_a_waiter_reap_in_the_same_acquire_is_scheduled(
