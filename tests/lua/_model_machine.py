@@ -10,13 +10,7 @@ from typing import Any
 
 import redis
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fleetgate.admission import lane_class, weighted_id
 from fleetgate.keys import GateKeys
