@@ -10,29 +10,15 @@ import asyncio
 import contextlib
 import shutil
 import ssl
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from fleetgate.coordinator.scrape.httpget import LeanHttp
 
-from ...core.test_tls import _make_certs
-from .test_signals import VLLM_TEXT, _Handler, _Server
-
-
-@pytest.fixture(scope="module")
-def server_url() -> Iterator[str]:
-    server = _Server(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+from ..._certs import make_certs
+from ._metrics_server import VLLM_TEXT
 
 
 @pytest.mark.parametrize(
@@ -204,7 +190,7 @@ async def test_protocol_errors_are_failures(raw: _Raw, response: bytes, needle: 
 async def test_https_verifies_the_server(tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI is needed to make test certificates")
-    certs = _make_certs(tmp_path)
+    certs = make_certs(tmp_path)
     served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     served.load_cert_chain(certs.server_crt, certs.server_key)
     state = _Raw()
