@@ -4,16 +4,11 @@ warm resume, static path."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
-from fleetgate.coordinator.config import Config
-from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import GateScripts
 from fleetgate.settings import GateSettings
@@ -21,69 +16,7 @@ from fleetgate.tools.sim import serve_in_thread
 
 from .._stub import StubValues, metrics_stub
 from ..conftest import RedisUnderTest
-
-POLL = 0.3
-
-
-def config_with(rut: RedisUnderTest, gates: str, *, adaptive: bool = True) -> Config:
-    """A test coordinator's config (polls every POLL s, no jitter, metrics on a free port) with
-    the ``[[gates]]`` tables ``gates``."""
-    return Config.from_toml_text(
-        f"""
-[redis]
-url = "{rut.url}"
-prefix = "{rut.prefix}"
-[coordinator]
-poll_interval = {POLL}
-poll_jitter = 0.0
-leader_ttl = 2.0
-metrics_listen = "127.0.0.1:0"
-scrape_timeout = 0.25
-adaptive = {"true" if adaptive else "false"}
-{gates}""",
-        env={},
-    )
-
-
-def config(rut: RedisUnderTest, metrics_url: str | None, *, adaptive: bool = True) -> Config:
-    source = f'metrics_url = "{metrics_url}"' if metrics_url else ""
-    gates = f"""
-[[gates]]
-name = "llm"
-floor = 4
-ceiling = 64
-max_queued = 1000
-{source}
-[[gates]]
-name = "rerank"
-floor = 3
-"""
-    return config_with(rut, gates, adaptive=adaptive)
-
-
-@asynccontextmanager
-async def running(cfg: Config) -> AsyncIterator[Coordinator]:
-    stop = asyncio.Event()
-    coord = Coordinator(cfg, registry=CollectorRegistry())
-    task = asyncio.create_task(coord.run(stop))
-    try:
-        yield coord
-    finally:
-        stop.set()
-        await task
-
-
-async def eventually(check: Callable[[], object], timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+from ._coordinator import POLL, config, eventually, running
 
 
 async def limit_of(r: aredis.Redis, keys: GateKeys) -> int:

@@ -7,10 +7,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import redis
 
 from fleetgate.keys import GateKeys
@@ -19,6 +17,7 @@ from fleetgate.tools.sim import serve_in_thread
 from .._stub import StubValues, metrics_stub
 from .._workers import wait_for
 from ..conftest import RedisUnderTest
+from ._coordinator import start
 
 POLL = 0.5
 TTL = 2.0
@@ -45,36 +44,6 @@ metrics_url = "{metrics_url}"
 """
     )
     return path
-
-
-def start(config: Path, cid: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "fleetgate.cli",
-            "coordinator",
-            "--config",
-            str(config),
-            "--id",
-            cid,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.wait(10)
-        if p.stderr:
-            p.stderr.close()
 
 
 def test_failover_and_fencing(

@@ -25,7 +25,7 @@ from fleetgate.tools.sim import serve_in_thread
 
 from .._stub import StubValues, metrics_stub
 from ..conftest import RedisUnderTest
-from .test_daemon import config_with, eventually, running
+from ._coordinator import config_with, eventually, running
 
 
 def _config(rut: RedisUnderTest, metrics_url: str) -> Config:

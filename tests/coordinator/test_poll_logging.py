@@ -15,7 +15,7 @@ from fleetgate.tools.sim import serve_in_thread
 
 from .._stub import StubValues, metrics_stub
 from ..conftest import RedisUnderTest
-from .test_daemon import POLL, config
+from ._coordinator import POLL, config
 
 
 @pytest.fixture

@@ -32,9 +32,7 @@ from fleetgate.settings import GateSettings
 
 from .._workers import wait_for
 from ..conftest import RedisUnderTest
-from .test_election import procs, start
-
-__all__ = ["procs"]  # the fixture, shared with the election tests
+from ._coordinator import start
 
 TTL_MS = 60_000
 

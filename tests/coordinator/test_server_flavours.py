@@ -30,7 +30,7 @@ from fleetgate.tools.sim.flavors import FLAVORS
 from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
 
 from ..conftest import RedisUnderTest
-from .test_daemon import config_with, eventually, running
+from ._coordinator import config_with, eventually, running
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
