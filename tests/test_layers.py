@@ -31,13 +31,12 @@ lives in another layer's folder, so the tree shows the layers):
 from __future__ import annotations
 
 import ast
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from ._tree import ROOT, discover, package_dirs
 
 # layer -> the layers it must never import
 FORBIDDEN: dict[str, set[str]] = {
@@ -68,35 +67,6 @@ def layer_of(module: str) -> str:
         if module == prefix or module.startswith(prefix + "."):
             return layer
     return "core"
-
-
-def package_dirs() -> dict[str, Path]:
-    """pyproject's ``[tool.setuptools] package-dir``: top package name -> directory."""
-    text = (ROOT / "pyproject.toml").read_text()
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        data = tomllib.loads(text)
-    else:
-        data = pytest.importorskip("tomli").loads(text)
-    mapping: dict[str, str] = data["tool"]["setuptools"]["package-dir"]
-    return {name: ROOT / path for name, path in mapping.items()}
-
-
-def discover() -> dict[str, tuple[Path, bool]]:
-    """Module name -> (file, is a package ``__init__``), over every mapped package."""
-    modules: dict[str, tuple[Path, bool]] = {}
-    dirs = package_dirs()
-    for name, top in dirs.items():
-        for path in sorted(top.rglob("*.py")):
-            rel = path.relative_to(top).with_suffix("").parts
-            if any(part.startswith(".") for part in rel):
-                continue
-            is_pkg = rel[-1] == "__init__"
-            parts = rel[:-1] if is_pkg else rel
-            module = ".".join((name, *parts))
-            modules[module] = (path, is_pkg)
-    return modules
 
 
 def imports_of(source: str, module: str, is_pkg: bool, known: Iterable[str]) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .test_layers import ROOT, package_dirs
+from ._tree import ROOT, package_dirs
 
 
 def packages_on_disk(dirs: dict[str, Path]) -> set[str]:

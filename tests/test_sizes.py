@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_layers import discover
+from ._tree import discover
 
 MODULE_LINES = 500
 FUNCTION_LINES = 80
