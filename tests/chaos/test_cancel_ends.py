@@ -11,7 +11,7 @@ permit meanwhile, or enters its permit after it was cancelled). Both ``gate.perm
 4 processes × 2,500 cancellations, a fleet-wide limit of 2 (parking, hand-offs across processes
 and grant races all the time), aimed at the acquire script's round trip (0-6 loop iterations or
 0-1 ms after it was issued), at parked waiters, at the hand-off (the grant/cancel race), at the
-acquire's reply, inside the permit, and at random times (``_worker.cancel_ends``).
+acquire's reply, inside the permit, and at random times (``_worker_cancel.cancel_ends``).
 
 Afterwards: every task ended, each within ``END_BOUND_S`` of its cancellation; in every process
 the gate holds no lease and no waiter; with 60 s TTLs (no leak can hide behind expiry) Redis

@@ -2,7 +2,7 @@
 
 Each worker cancels its tasks while the acquire is in flight, while parked, just after a
 hand-off resolved (before the task resumed: the grant/cancel race), inside the permit (during
-the simulator call), plus at random times (``_worker.cancel_storm``).
+the simulator call), plus at random times (``_worker_cancel.cancel_storm``).
 
 Leases and waiters live 60 s here, so TTL expiry cannot hide a leak: Redis is read right after
 the storm, while every worker process is still alive and heartbeating, and must hold no lease

@@ -25,15 +25,8 @@ import pytest
 
 from fleetgate.keys import GateKeys
 
-from ._harness import (
-    Control,
-    LimitSampler,
-    ReplicatedCluster,
-    Sim,
-    Workers,
-    figure,
-    poll,
-)
+from ._cluster import ReplicatedCluster
+from ._harness import Control, LimitSampler, Sim, Workers, figure, poll
 
 pytestmark = [pytest.mark.chaos, pytest.mark.cluster, pytest.mark.slow]
 
