@@ -214,7 +214,7 @@ def test_foreign_saturation_cuts_once_per_saturated_stretch() -> None:
 
 def test_a_fleet_holding_well_under_what_the_server_runs_is_not_the_cause() -> None:
     """Foreign: the fleet holds less than half of what the server runs (or nothing). At half or
-    more, the saturation is the fleet's (or it can relieve it): the old rule, C learned."""
+    more, the saturation is the fleet's (or it can relieve it): the fleet's own rule, C learned."""
     s = state(64, slow_start=False, capacity=64.0)
     d = step(s, foreign(64, in_flight=31), P, now=0)
     assert (d.target, d.state.capacity, d.state.slow_start) == (51, 64, False)
@@ -226,12 +226,14 @@ def test_a_fleet_holding_well_under_what_the_server_runs_is_not_the_cause() -> N
     assert (d.target, d.state.capacity, d.state.slow_start) == (51, None, True)
     tei = Observation(running=None, waiting_capacity=12, in_flight=20)
     assert step(state(64), tei, P, now=0).state.capacity == 32
-    # In-flight unknown (Redis did not answer): the old rule, as before.
+    # In-flight unknown (Redis did not answer): the fleet's own rule, its cut learned as C.
     unknown = Observation(running=64, waiting_capacity=12, in_flight=None)
     assert step(state(64), unknown, P, now=0).state.capacity == 51
 
 
 def test_the_fleet_joining_a_foreign_stretch_cuts_by_the_old_rule() -> None:
+    """Once the fleet holds most of what runs, a foreign stretch's saturation is cut by the
+    fleet's own rule (its cut learned as C), the 'old rule' of the name."""
     d = step(state(64, slow_start=False, capacity=64.0), foreign(64), P, now=0)
     assert d.target == 51
     # Our callers arrive while the foreign load stays: the fleet now holds most of what runs

@@ -182,7 +182,8 @@ def test_after_a_decrease_the_target_holds_at_the_remembered_capacity() -> None:
 
 
 def test_hysteresis_after_a_decrease_without_capacity_memory() -> None:
-    # A state stored by the previous version: recovering from a cut, no capacity remembered.
+    # A stored state recovering from a cut with no capacity remembered (as older coordinators
+    # stored it).
     s = state(80, slow_start=False, last_decrease=0.0, recovering=True)
     d = step(s, busy(80), P, now=12)
     assert (d.target, d.reason, d.publish) == (80, Reason.HOLD_HYSTERESIS, True)
