@@ -136,6 +136,17 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _logging_options(p)
 
 
+def _positive_int(text: str) -> int:
+    """``--workers``: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
 def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "proxy",
@@ -149,7 +160,13 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "forwarded. A full wait list answers 429 with Retry-After, a deadline spent queued 504,\n"
         "both with a JSON body naming the gate; upstream answers pass through unchanged.\n"
         "The proxy serves /metrics and /healthz itself. SIGTERM stops accepting and drains\n"
-        "the requests in flight. Gate settings come from Redis (the coordinator's config).",
+        "the requests in flight. Gate settings come from Redis (the coordinator's config).\n\n"
+        "--workers N runs N worker processes under one parent, for a machine's cores: each\n"
+        "has its own listening socket on the one port (SO_REUSEPORT: the kernel spreads\n"
+        "connections over them) and its own Fleet (its own Redis connections and heartbeat).\n"
+        "/metrics and /healthz, answered by any worker, cover all of them. SIGTERM to the\n"
+        "parent drains every worker; a worker that dies is logged and replaced (more than 5\n"
+        "deaths within 60 s: the proxy stops, exit 1).",
         epilog="examples:\n"
         "  fleetgate proxy --upstream http://reranker:8000 --gate rerank --listen 0.0.0.0:8080\n"
         "  fleetgate proxy --config proxy.toml   # routes by path and model; see\n"
@@ -165,6 +182,13 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--listen",
         metavar="HOST:PORT",
         help="address to listen on (default: the config's, else 127.0.0.1:8080; port 0 = any)",
+    )
+    p.add_argument(
+        "--workers",
+        metavar="N",
+        type=_positive_int,
+        help="worker processes sharing the listening port, one Fleet each (default: the "
+        "config's [proxy] workers, else 1: one process)",
     )
     p.add_argument("--upstream", metavar="URL", help="one route: forward every path to URL")
     p.add_argument("--gate", metavar="NAME", help="one route: the gate of every request")

@@ -42,6 +42,7 @@ from ._answers import CLIENT_CLOSED, ENCODER, Answers, send_plain
 from ._checks import content_length, refusal
 from ._exchange import Exchange, Permit, Receive, Scope, Send, log_access
 from ._inbound import BodyBudget, CallerStopped, Inbound
+from ._shared import WorkerContext, WorkerGauges
 from ._upstream import Relay
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
@@ -73,6 +74,8 @@ class ProxyApp:
         config: ProxyConfig,
         fleet: Fleet,
         registry: CollectorRegistry,
+        *,
+        worker: WorkerContext | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -82,13 +85,21 @@ class ProxyApp:
         self.draining = False
         #: the request body bytes buffered across all connections (``max_buffered_bytes``)
         self.budget = BodyBudget(config.proxy.max_buffered_bytes)
-        self.metrics.buffered_bytes.set_function(lambda: self.budget.used)
+        #: one worker of ``--workers N``: the metrics and health of all workers (``_shared``)
+        self.worker = worker
+        self.shared = None if worker is None else worker.shared()
+        self.worker_gauges = None if worker is None else WorkerGauges.create(registry)
+        if self.worker_gauges is None:
+            self.metrics.buffered_bytes.set_function(lambda: self.budget.used)
+        else:  # a function gauge is not written to the shared files: refresh() sets it
+            self.worker_gauges.workers.set(1)
         self._gates: dict[str, Gate] = {}
         self._gauges: dict[str, Gauge] = {}
         self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
         #: this proxy's name in Via (RFC 9110 7.6.3, a pseudonym): a request naming it has
         #: come back (508); another fleetgate proxy's is a chain, not a loop
-        self.via_name = f"fleetgate-{secrets.token_hex(4)}".encode("ascii")
+        via = f"fleetgate-{secrets.token_hex(4)}" if worker is None else worker.via_name
+        self.via_name = via.encode("ascii")
         self.via = (b"via", b"1.1 " + self.via_name)
         self.relay = Relay(config, self.metrics, self.answers, self.via)
         for route in config.routes:
@@ -101,6 +112,13 @@ class ProxyApp:
             found = self.fleet.gate(route.gate, **route.gate_defaults)
             self._gates[route.gate] = found
         return found
+
+    def refresh(self) -> None:
+        """With ``--workers``: write this worker's buffered bytes and fallback state to the
+        shared metric files (the server calls it 20 times a second); else nothing."""
+        if self.worker_gauges is not None:
+            self.metrics.buffered_bytes.set(self.budget.used)
+            self.worker_gauges.in_fallback.set(1 if self.fleet.fallback_active else 0)
 
     async def aclose(self) -> None:
         """Close the upstream connection pools."""
@@ -155,16 +173,24 @@ class ProxyApp:
 
     async def _health(self, send: Send) -> None:
         status = 503 if self.draining else 200
-        body = {
+        body: dict[str, object] = {
             "status": "draining" if self.draining else "ok",
             "fallback": self.fleet.fallback_active,
             "routes": [r.describe() for r in self.config.routes],
         }
+        if self.worker is not None and self.shared is not None:
+            # every worker drains at once (the parent signals all): this one's state is the
+            # proxy's; fallback and the count are all live workers'
+            live, in_fallback = self.shared.status()
+            body["fallback"] = self.fleet.fallback_active or in_fallback > 0
+            body["workers"] = {"configured": self.worker.workers, "live": live}
         await send_plain(send, status, ENCODER.encode(body), "application/json")
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
         if scope["method"] in ("GET", "HEAD"):
-            await send_plain(send, 200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
+            shared = self.shared
+            text = generate_latest(self.registry) if shared is None else shared.exposition()
+            await send_plain(send, 200, text, CONTENT_TYPE_LATEST)
         else:
             body = ENCODER.encode(
                 {"error": {"type": "method_not_allowed", "message": "GET or HEAD only"}}

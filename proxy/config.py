@@ -4,7 +4,7 @@ msgspec structs.
 Shape (``example.toml`` next to this module shows every key with its default)::
 
     [redis]      url, prefix
-    [proxy]      listen, max_request_bytes, max_buffered_bytes, max_response_bytes,
+    [proxy]      listen, workers, max_request_bytes, max_buffered_bytes, max_response_bytes,
                  max_header_bytes, head_timeout_s, body_timeout_s, trusted_proxies,
                  drain_seconds, access_log, metrics_path, health_path
     [[routes]]   path, strip_path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
@@ -47,6 +47,7 @@ from fleetgate.keys import validate_gate_name
 from fleetgate.settings import GateSettings
 
 __all__ = [
+    "MAX_WORKERS",
     "ProxyConfig",
     "ProxySettings",
     "RedisSettings",
@@ -60,6 +61,8 @@ Priority = Annotated[int, Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 Millis = Annotated[int, Meta(ge=1, le=86_400_000)]
 Seconds = Annotated[float, Meta(gt=0, le=86_400)]
 MiB = 1024 * 1024
+#: the most worker processes one proxy runs (``[proxy] workers``, ``--workers``)
+MAX_WORKERS = 256
 
 
 def validate_upstream(url: object) -> str:
@@ -88,6 +91,9 @@ class ProxySettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The listener and the limits every route shares."""
 
     listen: str = "127.0.0.1:8080"
+    #: worker processes behind the listening port, one Fleet each (1: the proxy is one
+    #: process; more: a parent supervises them, docs/proxy.md "Workers")
+    workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
     #: a larger request body gets 413 (before a permit is taken when Content-Length says so)
     max_request_bytes: Annotated[int, Meta(ge=1, le=1024 * MiB)] = 16 * MiB
     #: request body bytes buffered across all connections at once (a body is read whole
@@ -320,13 +326,20 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return cls.from_mapping(decode_toml(text, source), env)
 
     def with_overrides(
-        self, *, listen: str | None = None, redis: str | None = None, prefix: str | None = None
+        self,
+        *,
+        listen: str | None = None,
+        redis: str | None = None,
+        prefix: str | None = None,
+        workers: int | None = None,
     ) -> ProxyConfig:
-        """The CLI's ``--listen``, ``--redis`` and ``--prefix`` over the file's values."""
+        """The CLI's ``--listen``, ``--redis``, ``--prefix`` and ``--workers`` over the file's
+        values."""
         proxy, rs = self.proxy, self.redis
+        given = {k: v for k, v in (("listen", listen), ("workers", workers)) if v is not None}
         try:
-            if listen is not None:
-                proxy = ProxySettings(**{**msgspec.structs.asdict(proxy), "listen": listen})
+            if given:
+                proxy = convert(ProxySettings, {**msgspec.structs.asdict(proxy), **given})
         except ConfigError as exc:
             raise ConfigError(f"proxy.{exc}") from None
         try:
@@ -349,12 +362,14 @@ def one_route(
     listen: str | None = None,
     redis: str | None = None,
     prefix: str | None = None,
+    workers: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ProxyConfig:
     """The configuration of ``fleetgate proxy --upstream URL --gate NAME`` (every path)."""
     raw: dict[str, Any] = {"routes": [{"upstream": upstream, "gate": gate}]}
-    if listen is not None:
-        raw["proxy"] = {"listen": listen}
+    proxy_table = {k: v for k, v in (("listen", listen), ("workers", workers)) if v is not None}
+    if proxy_table:
+        raw["proxy"] = proxy_table
     redis_table = {k: v for k, v in (("url", redis), ("prefix", prefix)) if v is not None}
     if redis_table:
         raw["redis"] = redis_table

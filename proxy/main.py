@@ -13,13 +13,14 @@ from fleetgate.errors import ConfigError
 from .config import ProxyConfig, load_config, one_route
 from .server import serve
 
-__all__ = ["config_from_args", "run_proxy"]
+__all__ = ["config_from_args", "run", "run_proxy"]
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    """``--config FILE`` (with ``--listen``/``--redis``/``--prefix`` over its values), or the
-    one route of ``--upstream URL --gate NAME``."""
+    """``--config FILE`` (with ``--listen``/``--redis``/``--prefix``/``--workers`` over its
+    values), or the one route of ``--upstream URL --gate NAME``."""
     one = (args.upstream, args.gate)
+    workers = getattr(args, "workers", None)
     if args.config:
         if any(one):
             raise ConfigError(
@@ -27,7 +28,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
                 "[[routes]] instead"
             )
         return load_config(args.config).with_overrides(
-            listen=args.listen, redis=args.redis, prefix=args.prefix
+            listen=args.listen, redis=args.redis, prefix=args.prefix, workers=workers
         )
     if not all(one):
         raise ConfigError("give --config FILE, or both --upstream URL and --gate NAME")
@@ -38,6 +39,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             listen=args.listen,
             redis=args.redis,
             prefix=args.prefix,
+            workers=workers,
         )
     except ConfigError as exc:  # name the flag, not the TOML field
         text = str(exc).replace("routes[0].upstream", "--upstream")
@@ -46,7 +48,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         raise ConfigError(text) from None
 
 
-def _run(main: Coroutine[Any, Any, None]) -> None:
+def run(main: Coroutine[Any, Any, None]) -> None:
     """On uvloop's event loop when it is installed (the ``fast`` extra), else asyncio's."""
     try:
         import uvloop
@@ -57,14 +59,19 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
 
 
 def run_proxy(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean drain."""
+    """Serve until SIGTERM/SIGINT; 0 after a clean drain. With ``workers`` > 1, this process
+    supervises that many worker processes (:func:`~.workers.supervise`)."""
     config = config_from_args(args)
 
     def ready(url: str) -> None:
         print(f"fleetgate proxy: listening on {url}", flush=True)
 
     try:
-        _run(serve(config, on_ready=ready))
+        if config.proxy.workers > 1:
+            from .workers import supervise
+
+            return supervise(config, ready)
+        run(serve(config, on_ready=ready))
     except OSError as exc:  # the listen address is taken or not ours
         print(f"fleetgate proxy: cannot listen on {config.proxy.listen}: {exc}", file=sys.stderr)
         return 1

@@ -4,7 +4,8 @@ Both live in the registry the proxy is given, which ``/metrics`` serves. Labels:
 route's label (its ``name``, else its path; ``""`` for requests no route took), ``status`` the
 HTTP status the caller got -- both bounded: routes come from the configuration, statuses are
 three digits. ``fleetgate_proxy_buffered_body_bytes`` has no label: it is read from the proxy's
-:class:`~._inbound.BodyBudget` when scraped.
+:class:`~._inbound.BodyBudget` when scraped (with ``--workers``: set by each worker 20 times a
+second, summed over the live workers, as ``_in_flight`` is).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ProxyMetrics:
                 "Requests being handled (queued for a permit or forwarded), by route",
                 ("route",),
                 registry=registry,
+                multiprocess_mode="livesum",  # --workers: the live workers' sum
             ),
             disconnects=Counter(
                 "fleetgate_proxy_client_disconnects",
@@ -75,5 +77,6 @@ class ProxyMetrics:
                 "Request body bytes buffered across all connections (bodies being read, queued "
                 "for a permit or not yet sent upstream); at most max_buffered_bytes",
                 registry=registry,
+                multiprocess_mode="livesum",
             ),
         )

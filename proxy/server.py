@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate._redis import redact
 from fleetgate.client import Fleet
 
+from ._shared import WorkerContext
 from ._timeouts import with_head_timeout
 from .app import ProxyApp
 from .config import ProxyConfig
@@ -37,8 +38,10 @@ __all__ = ["bind", "serve", "serve_in_thread"]
 log = logging.getLogger("fleetgate.proxy")
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: any free port)."""
+def bind(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port). ``reuse_port``: with
+    SO_REUSEPORT, one of several on the port (``--workers``); ``listen=False``: bound only (the
+    port held, no connection ever queued on it)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto named: asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and
     # without it a response written as headers + body waits out the caller's delayed ACK
@@ -47,11 +50,14 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()
         raise
-    sock.listen(2048)
+    if listen:
+        sock.listen(2048)
     sock.setblocking(False)
     return sock
 
@@ -81,8 +87,11 @@ def _http_protocol() -> type[asyncio.Protocol] | str:
     return GuardedHttpTools
 
 
-def _handle_signals(server: uvicorn.Server) -> Callable[[], None]:
-    """SIGTERM/SIGINT start the drain (a second one stops at once); returns the undo."""
+def _handle_signals(
+    server: uvicorn.Server, sigs: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> Callable[[], None]:
+    """``sigs`` (SIGTERM/SIGINT) start the drain (a second one stops at once); returns the
+    undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     loop = asyncio.get_running_loop()
@@ -93,7 +102,6 @@ def _handle_signals(server: uvicorn.Server) -> Callable[[], None]:
         server.should_exit = True
         log.info("fleetgate proxy: %s", sig.name)
 
-    sigs = (signal.SIGTERM, signal.SIGINT)
     for sig in sigs:
         loop.add_signal_handler(sig, on_signal, sig)
 
@@ -136,10 +144,12 @@ async def serve(
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     fleet_options: dict[str, Any] | None = None,
+    worker: WorkerContext | None = None,
 ) -> None:
     """Serve ``config`` until SIGTERM/SIGINT (in the main thread) or ``stop`` is set, then drain.
 
     ``on_ready(url)`` is called once the listener accepts (``url`` is ``http://host:port``).
+    ``worker``: this process is one worker of ``--workers N`` (:mod:`._shared`).
     """
     registry = CollectorRegistry() if registry is None else registry
     # httpcore asks sniffio which event loop runs on every lock and connection close; its
@@ -150,7 +160,7 @@ async def serve(
     # no-op, and removing it would unmute a proxy still serving
     logging.getLogger("uvicorn.error").addFilter(_CUT_FILTER)
     try:
-        await _serve(config, registry, sock, on_ready, stop, fleet_options)
+        await _serve(config, registry, sock, on_ready, stop, fleet_options, worker)
     finally:
         sniffio.thread_local.name = before
 
@@ -174,6 +184,7 @@ async def _serve(
     on_ready: Callable[[str], None] | None,
     stop: asyncio.Event | None,
     fleet_options: dict[str, Any] | None,
+    worker: WorkerContext | None,
 ) -> None:
     host, port = config.proxy.address
     own_sock = sock is None
@@ -187,10 +198,10 @@ async def _serve(
             registry=registry,
             **(fleet_options or {}),
         ) as fleet:
-            app = ProxyApp(config, fleet, registry)
+            app = ProxyApp(config, fleet, registry, worker=worker)
             server = _Server(_uvicorn_config(app, config))
             watcher = asyncio.ensure_future(_watch(server, app, url, on_ready, stop))
-            undo = _handle_signals(server)
+            undo = _handle_signals(server, *(() if worker is None else (worker.signals,)))
             try:
                 await server.serve(sockets=[sock])
             finally:
@@ -228,6 +239,7 @@ async def _watch(
         if stop is not None and stop.is_set():
             server.should_exit = True
             break
+        app.refresh()
         await asyncio.sleep(0.05)
     app.draining = True
     log.info(
