@@ -41,6 +41,7 @@ BENCHMARKS = (
     "pod_cost",
     "fairness",
     "proxy",
+    "proxy_workers",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]

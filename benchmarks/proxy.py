@@ -58,22 +58,45 @@ class ProxyProcess:
     proc: subprocess.Popen[bytes]
     url: str
 
+    def pids(self) -> list[int]:
+        """The proxy's process and, with ``--workers``, its worker processes (Linux /proc)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                return [self.proc.pid, *(int(p) for p in f.read().split())]
+        except OSError:
+            return [self.proc.pid]
+
     def cpu(self) -> float:
-        return SimProcess(self.proc, self.url).cpu()
+        """CPU seconds the proxy has used: its process and its workers (user + system)."""
+        return sum(_cpu_of(pid) for pid in self.pids())
+
+
+def _cpu_of(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 @contextlib.contextmanager
-def proxy_process(redis_url: str, upstream: str, logdir: str) -> Iterator[ProxyProcess]:
-    """``fleetgate proxy --upstream UPSTREAM --gate GATE`` on a free port until the block ends."""
+def proxy_process(
+    redis_url: str, upstream: str, logdir: str, workers: int = 1
+) -> Iterator[ProxyProcess]:
+    """``fleetgate proxy --upstream UPSTREAM --gate GATE [--workers N]`` on a free port until
+    the block ends."""
     args = ["--upstream", upstream, "--gate", GATE, "--redis", redis_url, "--prefix", PREFIX]
+    if workers > 1:
+        args += ["--workers", str(workers)]
     with tempfile.NamedTemporaryFile(dir=logdir, suffix=".log", delete=False) as logfile:
         log_path = logfile.name
     proc, url = start_proxy_process(args, log_path)
     try:
-        log(f"proxy pid {proc.pid} on {url} -> {upstream}")
+        log(f"proxy pid {proc.pid} ({workers} worker(s)) on {url} -> {upstream}")
         yield ProxyProcess(proc, url)
     finally:
-        stop_process(proc)
+        stop_process(proc, timeout=30)
 
 
 # -- 1. added latency -------------------------------------------------------------------------
