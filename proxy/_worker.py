@@ -4,18 +4,19 @@
 The parent passes the listening socket as file descriptor ``FD`` (inherited) and writes one JSON
 object to the worker's stdin (the configuration: the Redis URL may hold a password, which the
 command line would show to every user of the machine): ``config``, ``via_name``, ``workers``,
-``metrics_dir``, ``log_level``, ``index``. ``PROMETHEUS_MULTIPROC_DIR`` is already in the
-environment (prometheus-client reads it when imported). The worker serves as a single proxy
-does, with :class:`~._shared.WorkerContext`; once it accepts it writes ``ready`` to stdout, then
-points its stdout at stderr (nobody reads the pipe after that line). SIGINT is ignored (a Ctrl-C
-reaches the whole process group: the parent turns it into one SIGTERM per worker); SIGTERM
-drains, a second stops at once; a worker whose parent is gone drains too.
+``metrics_dir``, ``log_level``, ``log_config``, ``index``. ``PROMETHEUS_MULTIPROC_DIR`` is
+already in the environment (prometheus-client reads it when imported). The worker serves as a
+single proxy does, with :class:`~._shared.WorkerContext`; once it accepts it writes ``ready`` to
+stdout, then points its stdout at stderr (nobody reads the pipe after that line). SIGINT is
+ignored (a Ctrl-C reaches the whole process group: the parent turns it into one SIGTERM per
+worker); SIGTERM drains, a second stops at once; a worker whose parent is gone drains too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import logging.config
 import os
 import signal
 import socket
@@ -62,12 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     brief: dict[str, Any] = msgspec.json.decode(sys.stdin.buffer.read())
-    logging.basicConfig(
-        level=int(brief["log_level"]),
-        format=f"%(asctime)s %(levelname)s %(name)s[worker {brief['index']}, pid %(process)d]: "
-        "%(message)s",
-        stream=sys.stderr,
-    )
+    if brief.get("log_config"):
+        logging.config.fileConfig(brief["log_config"], disable_existing_loggers=False)
+    else:
+        logging.basicConfig(
+            level=int(brief["log_level"]),
+            format=f"%(asctime)s %(levelname)s %(name)s[worker {brief['index']}, "
+            "pid %(process)d]: %(message)s",
+            stream=sys.stderr,
+        )
     config = ProxyConfig.from_mapping(brief["config"], env={})
     worker = WorkerContext(
         via_name=str(brief["via_name"]),

@@ -70,7 +70,7 @@ def run_proxy(args: argparse.Namespace) -> int:
         if config.proxy.workers > 1:
             from .workers import supervise
 
-            return supervise(config, ready)
+            return supervise(config, ready, log_config=getattr(args, "log_config", None))
         run(serve(config, on_ready=ready))
     except OSError as exc:  # the listen address is taken or not ours
         print(f"fleetgate proxy: cannot listen on {config.proxy.listen}: {exc}", file=sys.stderr)

@@ -88,7 +88,7 @@ class Supervisor:
     """The parent's state: the port, the metric directory, the workers (see the module's
     docstring)."""
 
-    def __init__(self, config: ProxyConfig, metrics_dir: str) -> None:
+    def __init__(self, config: ProxyConfig, metrics_dir: str, log_config: str | None) -> None:
         self.config = config
         self.n = config.proxy.workers
         self.metrics_dir = metrics_dir
@@ -109,6 +109,7 @@ class Supervisor:
             "workers": self.n,
             "metrics_dir": metrics_dir,
             "log_level": logging.getLogger().getEffectiveLevel(),
+            "log_config": log_config,
         }
 
     @property
@@ -257,12 +258,16 @@ def _stopping(sup: Supervisor) -> None:
         time.sleep(0.05)
 
 
-def supervise(config: ProxyConfig, on_ready: Callable[[str], None]) -> int:
+def supervise(
+    config: ProxyConfig, on_ready: Callable[[str], None], *, log_config: str | None = None
+) -> int:
     """Run ``config.proxy.workers`` workers until SIGTERM/SIGINT; 0 when all drained cleanly,
-    1 when the start failed, a crash loop stopped the proxy, or a worker exited badly."""
+    1 when the start failed, a crash loop stopped the proxy, or a worker exited badly.
+    ``log_config``: the ``--log-config`` file, which each worker applies too (else they log as
+    this process does, at its level, their pid in each line)."""
     metrics_dir = tempfile.mkdtemp(prefix="fleetgate-proxy-metrics-")
     try:
-        sup = Supervisor(config, metrics_dir)
+        sup = Supervisor(config, metrics_dir, log_config)
         try:
             with _signals(sup.on_signal):
                 if _starting(sup, on_ready):
