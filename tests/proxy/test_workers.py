@@ -240,3 +240,31 @@ def test_workers_in_the_toml_and_on_the_command_line(tmp_path: Path) -> None:
         capture_output=True, text=True, check=True, timeout=30,
     ).stdout  # fmt: skip
     assert "--workers N" in helptext and "SO_REUSEPORT" in helptext, helptext
+
+
+def test_each_worker_buffers_its_share_of_max_buffered_bytes(tmp_path: Path) -> None:
+    """The bound on buffered request bodies stays the proxy's: each of N workers gets 1/N of
+    ``max_buffered_bytes`` (at least ``max_request_bytes``); the workers are told their number
+    and share one Via name."""
+    from fleetgate.proxy.workers import Supervisor
+
+    mib = 1024 * 1024
+    raw = {
+        "proxy": {"listen": "127.0.0.1:0", "workers": 4, "max_buffered_bytes": 64 * mib,
+                  "max_request_bytes": 4 * mib},
+        "routes": [{"upstream": "http://u:1", "gate": "g"}],
+    }  # fmt: skip
+    sup = Supervisor(ProxyConfig.from_mapping(raw, env={}), str(tmp_path), None)
+    try:
+        brief = sup.brief
+        assert sup.port > 0 and sup.url == f"http://127.0.0.1:{sup.port}"
+        assert brief["config"]["proxy"]["max_buffered_bytes"] == 16 * mib
+        assert brief["workers"] == 4 and str(brief["via_name"]).startswith("fleetgate-")
+        worker_config = ProxyConfig.from_mapping(brief["config"], env={})  # round trip
+        assert worker_config.routes[0].upstream == "http://u:1"
+        raw["proxy"]["max_buffered_bytes"] = 8 * mib  # 2 MiB each: below max_request_bytes
+        small = Supervisor(ProxyConfig.from_mapping(raw, env={}), str(tmp_path), None)
+        small.close()
+        assert small.brief["config"]["proxy"]["max_buffered_bytes"] == 4 * mib
+    finally:
+        sup.close()
