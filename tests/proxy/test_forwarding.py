@@ -28,7 +28,7 @@ from ._proxy import (
     upstream_log,
     wait_idle,
 )
-from .test_serving import _raw, _status
+from ._wire import send_raw, status_of
 
 
 @pytest.fixture
@@ -48,10 +48,10 @@ def test_a_request_target_not_starting_with_a_slash_is_refused(
     with serve_proxy(rut, upstream) as url:
         for target in (f"@{hostport}/echo", "*", "echo"):
             data = f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
-            answer = _raw(url, data)
-            assert _status(answer) == 400, (target, answer[:300])
+            answer = send_raw(url, data)
+            assert status_of(answer) == 400, (target, answer[:300])
         # absolute-form: refused, or (an HTTP parser that takes its path) the upstream's path
-        _raw(url, f"GET http://{hostport}/echo HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        send_raw(url, f"GET http://{hostport}/echo HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert upstream_log(elsewhere).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
@@ -66,8 +66,8 @@ def test_content_length_with_transfer_encoding_is_refused(
             b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
         )
-        answer = _raw(url, data)
-        assert _status(answer) == 400, answer[:300]  # the proxy's (h11) or httptools' own
+        answer = send_raw(url, data)
+        assert status_of(answer) == 400, answer[:300]  # the proxy's (h11) or httptools' own
     assert upstream_log(upstream).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
@@ -104,12 +104,12 @@ def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
     """The upstream's Date passes through, and no second one is added (uvicorn adds one to
     every response by default)."""
     with serve_proxy(rut, upstream) as url:
-        answer = _raw(url, b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = send_raw(url, b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
         head = answer.partition(b"\r\n\r\n")[0].lower()
-        assert _status(answer) == 200 and head.count(b"\r\ndate:") == 1, head
-        answer = _raw(url, b"GET /nowhere/.. HTTP/1.1\r\nHost: x\r\n\r\n")  # the proxy's own
+        assert status_of(answer) == 200 and head.count(b"\r\ndate:") == 1, head
+        answer = send_raw(url, b"GET /nowhere/.. HTTP/1.1\r\nHost: x\r\n\r\n")  # the proxy's own
         head = answer.partition(b"\r\n\r\n")[0].lower()
-        assert _status(answer) == 400 and head.count(b"\r\ndate:") == 1, head
+        assert status_of(answer) == 400 and head.count(b"\r\ndate:") == 1, head
     wait_idle(rut.url, rut.prefix, "g")
 
 
@@ -220,19 +220,19 @@ def test_an_upgrade_request_is_forwarded_as_plain_http_body_and_all(
         monkeypatch.setattr("fleetgate.proxy.server._http_protocol", lambda: "h11")
     with serve_proxy(rut, upstream) as url:
         for _ in range(2):
-            answer = _raw(
+            answer = send_raw(
                 url,
                 b"POST /echo?x=1 HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
                 b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\nContent-Length: 5\r\n"
                 b"\r\nhello",
             )
-            assert _status(answer) == 200, answer[:300]
+            assert status_of(answer) == 200, answer[:300]
             seen = json.loads(answer.partition(b"\r\n\r\n")[2])
             assert seen["body"] == "hello" and seen["query"] == "x=1"
             assert "upgrade" not in seen["headers"] and "http2-settings" not in seen["headers"]
-        answer = _raw(
+        answer = send_raw(
             url,
             b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
         )
-        assert _status(answer) == 200, answer[:300]
+        assert status_of(answer) == 200, answer[:300]
     wait_idle(rut.url, rut.prefix, "g")

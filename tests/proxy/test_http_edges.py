@@ -24,7 +24,7 @@ from ._proxy import (
     wait_idle,
     wait_until,
 )
-from .test_serving import _raw, _status
+from ._wire import send_raw, status_of
 
 
 def test_a_pipelined_caller_that_leaves_frees_its_permit(
@@ -97,12 +97,12 @@ def test_request_trailers_are_not_forwarded_as_headers(
     """RFC 9110 6.5.1: trailer fields are not merged into the header section (httptools
     appends them to the request's headers; the proxy does not forward them)."""
     with serve_proxy(rut, upstream.url) as url:
-        answer = _raw(
+        answer = send_raw(
             url,
             b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"5\r\nhello\r\n0\r\nX-Trailer: yes\r\nAuthorization: Bearer from-trailer\r\n\r\n",
         )
-        assert _status(answer) == 200, answer[:300]
+        assert status_of(answer) == 200, answer[:300]
         seen = json.loads(answer.partition(b"\r\n\r\n")[2])
         assert seen["body"] == "hello"
         assert "x-trailer" not in seen["headers"] and "authorization" not in seen["headers"]

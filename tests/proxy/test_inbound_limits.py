@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,37 +27,13 @@ from ._proxy import (
     upstream_log,
     wait_idle,
 )
-from .test_serving import _status
+from ._wire import connect, status_of, until_closed
 
 pytestmark = pytest.mark.usefixtures("parser")  # every test on both request parsers (conftest)
 
 HEAD_S = 0.5
 BODY_S = 0.5
 TIMEOUTS = {"head_timeout_s": HEAD_S, "body_timeout_s": BODY_S}
-
-
-def _connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
-
-
-def _until_closed(s: socket.socket, within: float) -> tuple[bytes, float]:
-    """What the server sends until it closes the connection (at most ``within`` s), and when it
-    closed (seconds from now; ``within`` if it did not)."""
-    t0 = time.monotonic()
-    out = b""
-    while (left := within - (time.monotonic() - t0)) > 0:
-        s.settimeout(left)
-        try:
-            chunk = s.recv(65536)
-        except TimeoutError:
-            break
-        except ConnectionResetError:
-            return out, time.monotonic() - t0
-        if not chunk:
-            return out, time.monotonic() - t0
-        out += chunk
-    return out, within
 
 
 def test_timeouts_have_sane_defaults_and_bounds() -> None:
@@ -76,7 +51,7 @@ def test_a_head_trickled_byte_by_byte_gets_408(
     start (a head at 1 byte/s is not still open after 40 s)."""
     caplog.set_level(logging.INFO)
     head = b"GET /work HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
-    with serve_proxy(rut, upstream, proxy=TIMEOUTS) as url, _connect(url) as s:
+    with serve_proxy(rut, upstream, proxy=TIMEOUTS) as url, connect(url) as s:
         t0 = time.monotonic()
         answer = b""
         s.settimeout(0.05)  # the trickle's pace: a byte per 50 ms, read in between
@@ -89,10 +64,10 @@ def test_a_head_trickled_byte_by_byte_gets_408(
             except (BrokenPipeError, ConnectionResetError):
                 break
             break
-        rest, _ = _until_closed(s, 5)
+        rest, _ = until_closed(s, 5)
         took = time.monotonic() - t0
     answer += rest
-    assert _status(answer) == 408, answer[:200]
+    assert status_of(answer) == 408, answer[:200]
     assert b"connection: close" in answer.lower()
     assert HEAD_S * 0.9 < took < HEAD_S + 2, took
     assert upstream_log(upstream).arrivals == []
@@ -103,8 +78,8 @@ def test_a_head_trickled_byte_by_byte_gets_408(
 
 def test_a_connection_that_sends_nothing_is_closed(rut: RedisUnderTest, upstream: Served) -> None:
     """No request, so no answer: the connection is closed, not kept open for ever."""
-    with serve_proxy(rut, upstream, proxy=TIMEOUTS) as url, _connect(url) as s:
-        answer, closed_after = _until_closed(s, HEAD_S + 5)
+    with serve_proxy(rut, upstream, proxy=TIMEOUTS) as url, connect(url) as s:
+        answer, closed_after = until_closed(s, HEAD_S + 5)
     assert answer == b"" and closed_after < HEAD_S + 2, (answer, closed_after)
 
 
@@ -117,18 +92,18 @@ def test_a_kept_alive_connection_gets_the_head_time_from_its_last_answer(
     # the new bytes, 2 s after.
     head_s = 2.0
     timeouts = {**TIMEOUTS, "head_timeout_s": head_s}
-    with serve_proxy(rut, upstream, proxy=timeouts) as url, _connect(url) as s:
+    with serve_proxy(rut, upstream, proxy=timeouts) as url, connect(url) as s:
         s.sendall(b"GET /work HTTP/1.1\r\nHost: x\r\n\r\n")
         first = b""
         while not first.endswith(b'{"tag":""}'):
             first += s.recv(65536)
-        assert _status(first) == 200
+        assert status_of(first) == 200
         time.sleep(head_s * 0.6)  # most of the head's time used up idle
         s.sendall(b"GET /work HTTP/1.1\r\nHost: x\r\n")
         t0 = time.monotonic()
-        answer, _ = _until_closed(s, head_s + 5)
+        answer, _ = until_closed(s, head_s + 5)
     took = time.monotonic() - t0
-    assert _status(answer) == 408, answer[:200]
+    assert status_of(answer) == 408, answer[:200]
     assert took < head_s * 0.8, took  # counted from the end of the first answer, not the new bytes
 
 
@@ -159,12 +134,12 @@ async def test_a_stalled_body_gets_408(
     )
     with serve_proxy(rut, upstream, **route) as url:
         async with _held_if(fleet, phase == "queued"):
-            with _connect(url) as s:
+            with connect(url) as s:
                 s.sendall(head + b'{"model": "m"')
                 t0 = time.monotonic()
-                answer, _ = await asyncio.to_thread(_until_closed, s, BODY_S + 5)
+                answer, _ = await asyncio.to_thread(until_closed, s, BODY_S + 5)
                 took = time.monotonic() - t0
-        assert _status(answer) == 408, answer[:300]
+        assert status_of(answer) == 408, answer[:300]
         assert b"connection: close" in answer.lower()
         assert took < BODY_S + 2, took
         await fleet.flush()
@@ -202,12 +177,12 @@ async def test_an_over_limit_chunked_body_gets_413_at_once_while_queued(
     proxy = {"max_request_bytes": limit}
     with serve_proxy(rut, upstream, gate_defaults={"floor": 1}, proxy=proxy) as url:
         async with _held(fleet):
-            with _connect(url) as s:
+            with connect(url) as s:
                 t0 = time.monotonic()
                 s.sendall(_chunked_over(limit))
-                answer, _ = await asyncio.to_thread(_until_closed, s, 6)
+                answer, _ = await asyncio.to_thread(until_closed, s, 6)
                 took = time.monotonic() - t0
-            assert _status(answer) == 413, answer[:300]
+            assert status_of(answer) == 413, answer[:300]
             assert took < 1.5, took
             assert gate_counts(rut.url, rut.prefix, "g")[1] == 0  # left the queue
         assert upstream_log(upstream).headers == []
@@ -222,10 +197,10 @@ def test_an_over_limit_chunked_body_gets_413_before_the_upstream(rut: RedisUnder
     with (
         counting_upstream() as (up, counts),
         serve_proxy(rut, up, proxy={"max_request_bytes": limit}) as url,
-        _connect(url) as s,
+        connect(url) as s,
     ):
         s.sendall(_chunked_over(limit))
-        answer, _ = _until_closed(s, 6)
-        assert _status(answer) == 413, answer[:300]
+        answer, _ = until_closed(s, 6)
+        assert status_of(answer) == 413, answer[:300]
         assert counts == [0, 0]  # the upstream saw nothing
     wait_idle(rut.url, rut.prefix, "g")

@@ -23,8 +23,7 @@ from fleetgate.tools.sim._server import Served
 
 from ..conftest import RedisUnderTest
 from ._proxy import gate_counts, proxy_config, serve_proxy, upstream_log, wait_idle, wait_until
-from .test_inbound_limits import _connect, _until_closed
-from .test_serving import _status
+from ._wire import connect, status_of, until_closed
 
 pytestmark = pytest.mark.usefixtures("parser")  # every test on both request parsers (conftest)
 
@@ -45,7 +44,7 @@ def _trickler(
     """A caller that sends ``body``'s head and its ``first`` bytes at once, then one byte every
     0.5 s on a thread until the block ends or one byte is left (yields its socket and [bytes
     of the body sent]); the rest of the body is the block's to send."""
-    s = _connect(url)
+    s = connect(url)
     s.sendall(_head(len(body), deadline_ms) + body[:first])
     sent = [first]
     stop = threading.Event()
@@ -90,7 +89,7 @@ def test_a_trickled_body_holds_no_permit(rut: RedisUnderTest, upstream: Served) 
         assert good.status_code == 200, measured
         assert took < 2.0, took
         assert seen_before_the_end == 1  # the upstream had only the well-behaved request
-        assert _status(answer) == 200, answer[:300]
+        assert status_of(answer) == 200, answer[:300]
         assert json.loads(answer.partition(b"\r\n\r\n")[2])["body"] == body.decode()
     wait_idle(rut.url, rut.prefix, "g")
 
@@ -122,10 +121,10 @@ def test_the_deadline_covers_the_body_read(rut: RedisUnderTest, upstream: Served
     with serve_proxy(rut, upstream, gate_defaults=ONE) as url:
         with _trickler(url, b"x" * 40, deadline_ms=1000) as (slow, _):
             t0 = time.monotonic()
-            answer, _ = _until_closed(slow, 5)
+            answer, _ = until_closed(slow, 5)
             took = time.monotonic() - t0
             held = gate_counts(rut.url, rut.prefix, "g")
-        assert _status(answer) == 504, answer[:300]
+        assert status_of(answer) == 504, answer[:300]
         assert b"connection: close" in answer.lower()
         assert b"before the request body was complete" in answer
         assert 0.9 < took < 2.5, took
@@ -153,29 +152,29 @@ def test_bytes_buffered_across_connections_are_bounded(
     with serve_proxy(rut, upstream, gate_defaults=ONE, proxy=proxy) as url:
         with _trickler(url, body, first=3000) as (slow, sent):
             wait_until(lambda: _buffered(url) >= 3000, 5, "the trickler's 3000 bytes buffered")
-            with _connect(url) as s:  # declared: refused before a byte of it is read
+            with connect(url) as s:  # declared: refused before a byte of it is read
                 s.sendall(_head(2000))
-                declared, _ = _until_closed(s, 5)
-            with _connect(url) as s:  # chunked: refused as it passes the bound
+                declared, _ = until_closed(s, 5)
+            with connect(url) as s:  # chunked: refused as it passes the bound
                 s.sendall(
                     b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                     + b"600\r\n"
                     + b"y" * 1536
                     + b"\r\n0\r\n\r\n"
                 )
-                chunked, _ = _until_closed(s, 5)
+                chunked, _ = until_closed(s, 5)
             with httpx.Client(base_url=url, timeout=10) as http:
                 small = http.post("/echo", content=b"z" * 90)
             assert gate_counts(rut.url, rut.prefix, "g") == (0, 0)
             slow.sendall(body[sent[0] :])
             answer = _read_answer(slow)
         for refused in (declared, chunked):
-            assert _status(refused) == 503, refused[:300]
+            assert status_of(refused) == 503, refused[:300]
             head = refused.partition(b"\r\n\r\n")[0].lower()
             assert b"retry-after: 1" in head and b"x-should-retry: false" in head, head
             assert b"connection: close" in head and b'"buffers_full"' in refused
         assert small.status_code == 200 and small.json()["body"] == "z" * 90
-        assert _status(answer) == 200, answer[:300]
+        assert status_of(answer) == 200, answer[:300]
         wait_until(lambda: _buffered(url) == 0, 5, "every buffered byte given back")
     wait_idle(rut.url, rut.prefix, "g")
 
@@ -189,7 +188,7 @@ def test_a_streaming_route_takes_the_permit_first(rut: RedisUnderTest, upstream:
             wait_until(lambda: gate_counts(rut.url, rut.prefix, "g") == (1, 0), 5, "the permit")
             slow.sendall(body[sent[0] :])
             answer = _read_answer(slow)
-        assert _status(answer) == 200, answer[:300]
+        assert status_of(answer) == 200, answer[:300]
         assert json.loads(answer.partition(b"\r\n\r\n")[2])["body"] == body.decode()
     wait_idle(rut.url, rut.prefix, "g")
 
@@ -222,9 +221,9 @@ def test_a_trickled_body_on_a_model_route_holds_no_permit_and_its_deadline_count
         with _trickler(url, b'{"model": "m", "input": "........"}', deadline_ms=1500) as (s, _):
             time.sleep(0.8)
             held = gate_counts(rut.url, rut.prefix, "g")
-            answer, _ = _until_closed(s, 5)
+            answer, _ = until_closed(s, 5)
         assert held == (0, 0)
-        assert _status(answer) == 504, answer[:300]
+        assert status_of(answer) == 504, answer[:300]
         assert upstream_log(upstream).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 

@@ -14,7 +14,7 @@ from fleetgate.tools.sim._server import Served
 
 from ..conftest import RedisUnderTest
 from ._proxy import serve_proxy, upstream_log, wait_idle
-from .test_serving import _raw, _status
+from ._wire import send_raw, status_of
 
 FORGED = {
     "forwarded": "for=6.6.6.6;host=evil.example;proto=https",
@@ -60,14 +60,14 @@ def test_an_unknown_transfer_coding_is_refused(
     400), never forwarded as identity with the coding silently dropped."""
     with serve_proxy(rut, upstream) as url:
         for coding in (b"gzip, chunked", b"chunked, chunked", b"deflate"):
-            answer = _raw(
+            answer = send_raw(
                 url,
                 b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + coding + b"\r\n\r\n"
                 b"5\r\nhello\r\n0\r\n\r\n",
             )
             # the parsers refuse some themselves (400); what reaches the app is 501
             expected = (501,) if (parser, coding) == ("httptools", b"gzip, chunked") else (400, 501)
-            assert _status(answer) in expected, (coding, answer[:300])
+            assert status_of(answer) in expected, (coding, answer[:300])
     assert upstream_log(upstream).headers == []
     wait_idle(rut.url, rut.prefix, "g")
 
@@ -88,8 +88,8 @@ def test_dot_segments_with_path_parameters_are_refused(
     """A Java caller on Tomcat/Spring resolves ``/v1/chat/..;/admin`` to ``/v1/admin``: the
     proxy must not route it as ``/v1/chat``."""
     with serve_proxy(rut, upstream) as url:
-        answer = _raw(url, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _status(answer) == 400, (path, answer[:300])
+        answer = send_raw(url, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_of(answer) == 400, (path, answer[:300])
     assert upstream_log(upstream).headers == []
 
 
@@ -113,12 +113,12 @@ def test_the_trailer_header_is_not_forwarded(
 ) -> None:
     """The trailers themselves are dropped, and so is the header announcing them."""
     with serve_proxy(rut, upstream) as url:
-        answer = _raw(
+        answer = send_raw(
             url,
             b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
             b"Trailer: X-Checksum\r\n\r\n5\r\nhello\r\n0\r\nX-Checksum: 1\r\n\r\n",
         )
-    assert _status(answer) == 200, answer[:300]
+    assert status_of(answer) == 200, answer[:300]
     seen = json.loads(answer.partition(b"\r\n\r\n")[2])
     assert seen["body"] == "hello"
     assert "trailer" not in seen["headers"] and "x-checksum" not in seen["headers"]

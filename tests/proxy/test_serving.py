@@ -36,41 +36,7 @@ from ._proxy import (
     wait_idle,
     wait_until,
 )
-
-
-def _raw(url: str, data: bytes, read: bool = True) -> bytes:
-    """Send ``data`` on a fresh connection; the whole answer (the server closes or 2 s pass)."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        try:
-            s.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server answered and closed before reading it all: read the answer
-        if not read:
-            return b""
-        s.settimeout(2)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-                if b"\r\n\r\n" in out and _complete(out):
-                    break
-        except TimeoutError:
-            pass
-        return out
-
-
-def _complete(response: bytes) -> bool:
-    head, _, body = response.partition(b"\r\n\r\n")
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return len(body) >= int(line.split(b":")[1])
-    return False
-
-
-def _status(response: bytes) -> int:
-    return int(response.split(b" ", 2)[1])
-
+from ._wire import send_raw, status_of
 
 # -- answers ----------------------------------------------------------------------------------
 
@@ -400,9 +366,9 @@ def test_hostile_input_gets_a_clear_4xx_never_a_500_nor_a_leaked_permit(
             ),
             (b"GET /work HTTP/1.1\r\nHost: x\r\nX-Fleetgate-Tenant: \xff\xfe\r\n\r\n", 200),
         ]:
-            answer = _raw(url, data)
-            statuses.append(_status(answer))
-            assert _status(answer) == wanted, (data[:60], answer[:300])
+            answer = send_raw(url, data)
+            statuses.append(status_of(answer))
+            assert status_of(answer) == wanted, (data[:60], answer[:300])
         # a head that never ends: cut once it is past the limit (httptools: 431, h11: 400)
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as s:
@@ -411,10 +377,12 @@ def test_hostile_input_gets_a_clear_4xx_never_a_500_nor_a_leaked_permit(
                 for _ in range(100):
                     s.sendall(b"X-More: " + b"m" * 1000 + b"\r\n")
             answer = s.recv(65536)
-            assert _status(answer) in (400, 431), answer[:300]
-            statuses.append(_status(answer))
+            assert status_of(answer) in (400, 431), answer[:300]
+            statuses.append(status_of(answer))
         # a body announced and never sent: the caller gives up, the permit comes back
-        _raw(url, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc", read=False)
+        send_raw(
+            url, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc", read=False
+        )
     assert 500 not in statuses
     wait_idle(rut.url, rut.prefix, "g")
 
