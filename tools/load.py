@@ -54,7 +54,7 @@ __all__ = [
     "run",
 ]
 
-CLI_KINDS: dict[str, Kind] = {"vllm": "completions", "rerank": "rerank"}
+CLI_KINDS: dict[str, Kind] = {"vllm": "completions", "chat": "chat", "rerank": "rerank"}
 
 
 def _listen(value: str) -> tuple[str, int]:
@@ -70,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleetgate worker",
         description="Requests to model servers (or simulators) through fleet gates: --concurrency "
         "loops per gate share one schedule of --rate starts per second. A 'vllm' request is one "
-        "POST /v1/completions inside gate.permit(); a 'rerank' request is --passages passages "
-        "cut into --batch-size batches, sent as POST /v1/ranking calls through gate.map(). Give "
+        "POST /v1/completions inside gate.permit(), a 'chat' request one POST "
+        "/v1/chat/completions (both streamed with --stream); a 'rerank' request is --passages "
+        "passages cut into --batch-size batches, sent as POST /v1/ranking calls through "
+        "gate.map(). Give "
         "--gate, --target-url and --kind once per gate (one --kind applies to all). Stops on "
         "SIGTERM/SIGINT or after --duration, releasing its permits.",
     )
@@ -113,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"as the first option, alone: take the whole load as JSON from ${SPEC_ENV} (LABEL "
         "only names the process in ps); the demo's worker pods run so",
     )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="vllm, chat: ask for streamed replies (SSE) and read each to its [DONE] inside the "
+        "permit, as a chat UI would",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs")
     return p
 
@@ -140,6 +148,7 @@ def spec_from_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> L
             calls=math.ceil(ns.passages / ns.batch_size),
             fan=4,
             passages=min(ns.batch_size, ns.passages),
+            stream=ns.stream,
         )
         for name, url, kind in zip(ns.gate, ns.target_url, kinds, strict=True)
     ]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -98,3 +100,50 @@ def test_worker_rejects_bad_arguments(argv: list[str], capsys: pytest.CaptureFix
         load.main(argv)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+class _StreamFlags:
+    """ASGI middleware: records, per request to a ``/v1/...completions`` path, whether its JSON
+    body asked for a streamed reply."""
+
+    def __init__(self, app: Any, seen: list[bool]) -> None:
+        self.app, self.seen = app, seen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("completions"):
+            await self.app(scope, receive, send)
+            return
+        body = b""
+
+        async def recorded() -> Any:
+            nonlocal body
+            message = await receive()
+            if message["type"] != "http.request":
+                return message  # e.g. the server watching for a disconnect
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                self.seen.append(json.loads(body).get("stream") is True)
+            return message
+
+        await self.app(scope, recorded, send)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "chat"])
+def test_worker_streams_when_asked(rut: RedisUnderTest, kind: str) -> None:
+    """``--stream``: every completion or chat call asks for SSE and is read to its [DONE] inside
+    the permit (a reply cut short would count as an error, not ok)."""
+    app = vllm.build_app(vllm.VllmSimConfig(capacity=4, service_ms=5))
+    seen: list[bool] = []
+    app.add_middleware(_StreamFlags, seen=seen)
+    with serve_in_thread(app) as v:
+        code = load.main(
+            [
+                "--redis", rut.url, "--prefix", rut.prefix, "--gate", "s",
+                "--target-url", v.url, "--kind", kind, "--stream", "--rate", "0",
+                "--concurrency", "2", "--duration", "1.5", "--log-interval", "0",
+                "--metrics-listen", f"127.0.0.1:{free_port()}",
+            ]
+        )  # fmt: skip
+    assert code == 0
+    assert seen and all(seen), seen  # every call asked for a stream
+    assert 0 < v.state.sim.stats()["served"] <= len(seen)  # the last may be cut by the stop
