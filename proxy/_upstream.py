@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ._answers import Answers, http_date
+from ._coalesce import install
 from ._exchange import Exchange
 from ._inbound import CallerStopped
 from .config import ProxyConfig, RouteConfig
@@ -77,6 +78,9 @@ class Upstream:
         self.transports = [
             httpx.AsyncHTTPTransport(limits=limits, retries=0) for _ in range(POOLS_PER_ROUTE)
         ]
+        if not route.stream_uploads:  # bodies whole: each request in one write (_coalesce.py)
+            for transport in self.transports:
+                install(transport)
         self.busy = [0] * POOLS_PER_ROUTE
 
     def request(
