@@ -41,7 +41,7 @@ __all__ = [
     "State",
 ]
 
-P = TypeVar("P", bound="ControlParams")
+_P = TypeVar("_P", bound="ControlParams")
 
 
 class Reason(str, enum.Enum):
@@ -95,7 +95,7 @@ class ControlParams(msgspec.Struct, frozen=True):
         raise NotImplementedError
 
     @classmethod
-    def for_gate(cls: type[P], gate: GateConfig, coordinator: CoordinatorSettings) -> P:
+    def for_gate(cls: type[_P], gate: GateConfig, coordinator: CoordinatorSettings) -> _P:
         """Parameters of ``gate`` under ``coordinator``'s settings, the constants at their
         defaults (adaptive when the coordinator adapts and :meth:`adapts` holds)."""
         return cls(
@@ -107,7 +107,7 @@ class ControlParams(msgspec.Struct, frozen=True):
         )
 
     @classmethod
-    def from_params(cls: type[P], p: ControlParams) -> P:
+    def from_params(cls: type[_P], p: ControlParams) -> _P:
         """This controller's parameters for a gate another controller has as ``p``: the shared
         fields taken over, this controller's constants at their defaults."""
         return cls(**{name: getattr(p, name) for name in ControlParams.__struct_fields__})
