@@ -109,7 +109,9 @@ def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "inspect",
         help="one gate in detail",
         description="Show one gate: units held/limit, config, target, counters, its lanes "
-        "(priority, tenant) in the order they are served with their head waiters, and holders.",
+        "(priority, tenant) in the order they are served with their head waiters, and holders. "
+        "Exits 1 when Redis holds nothing of GATE and the registry does not list it (a typo, "
+        "or another --prefix): the message names the registered gates.",
     )
     p.add_argument("gate", help="gate name")
     _redis_options(p)

@@ -16,6 +16,7 @@ import msgspec
 
 from fleetgate._redis import connect, prepare, redact, scrub
 from fleetgate.keys import GateKeys
+from fleetgate.registry import read_registry
 from fleetgate.safety import find_bad_keys, redis_version, server_findings
 from fleetgate.scripts import GateScripts, Snapshot, Waiter
 from fleetgate.status import TENANTS_SHOWN, format_status, gather_status, tenant_shown
@@ -59,17 +60,35 @@ async def status(
 
 async def inspect(url: str, prefix: str, gate: str, n: int, *, as_json: bool) -> int:
     """Print one gate: limit, units, counts, config, target, counters, its lanes in service
-    order with their head waiters, and ``n`` holders."""
+    order with their head waiters, and ``n`` holders. Exit 1, naming the registered gates,
+    when Redis holds nothing of ``gate`` and the registry does not list it."""
     client = connect(url)
     try:
         snap = await GateScripts(client).snapshot(GateKeys.of(prefix, gate), n)
+        known = None if _has_state(snap) else await read_registry(client, prefix)
     finally:
         await client.aclose()
+    if known is not None and gate not in known.names:
+        # Nothing stored and not registered: a typo, or another prefix. Showing the defaults
+        # would read as a gate of limit 1 that exists.
+        names = ", ".join(known.names[:20]) + (" ..." if len(known.names) > 20 else "")
+        print(
+            f"fleetgate inspect: no gate {gate!r} under prefix {prefix!r} at {redact(url)} "
+            f"(registered: {names or 'none'}; `fleetgate status` lists them)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     if as_json:
         print(msgspec.json.encode(snap).decode())
         return EXIT_OK
     print(format_inspect(gate, snap))
     return EXIT_OK
+
+
+def _has_state(snap: Snapshot) -> bool:
+    """Whether Redis holds anything of the gate (a gate first used leaves its cfg)."""
+    stored = snap.cfg or snap.target or snap.stats or snap.util
+    return bool(stored or snap.holders or snap.queued)
 
 
 def format_inspect(gate: str, snap: Snapshot) -> str:

@@ -86,3 +86,25 @@ def test_help_explains(cmd: list[str]) -> None:
     out = fleetgate(*cmd, "--help")
     assert out.returncode == 0
     assert "usage: fleetgate" in out.stdout and len(out.stdout) > 200
+
+
+def test_inspect_names_a_gate_that_does_not_exist(rut: RedisUnderTest) -> None:
+    """A gate with no state and not in the registry is a typo, not a gate of limit 1."""
+
+    async def setup() -> None:
+        async with Fleet(
+            rut.url, prefix=rut.prefix, registry=CollectorRegistry(), heartbeat_interval=0.1
+        ) as fleet:
+            lease = await fleet.gate("bge-m3", floor=2).acquire()
+            await asyncio.sleep(0.3)  # the first heartbeat registers the gate
+            await lease.release()
+
+    asyncio.run(setup())
+    for extra in ([], ["--json"]):
+        typo = fleetgate("inspect", "bge-m4", *extra, "--redis", rut.url, "--prefix", rut.prefix)
+        assert typo.returncode == 1, typo.stdout
+        assert typo.stdout == ""
+        assert "no gate 'bge-m4'" in typo.stderr and "bge-m3" in typo.stderr  # names the known
+    known = fleetgate("inspect", "bge-m3", "--redis", rut.url, "--prefix", rut.prefix)
+    assert known.returncode == 0, known.stderr
+    assert "gate bge-m3: limit 2" in known.stdout
