@@ -162,7 +162,9 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "forwarded. A full wait list answers 429 with Retry-After, a deadline spent queued 504,\n"
         "both with a JSON body naming the gate; upstream answers pass through unchanged.\n"
         "The proxy serves /metrics and /healthz itself. SIGTERM stops accepting and drains\n"
-        "the requests in flight. Gate settings come from Redis (the coordinator's config).\n\n"
+        "the requests in flight. Gate settings come from Redis (the coordinator's config);\n"
+        "without a coordinator, --floor (the cap, default 1) and --max-queued set the one\n"
+        "route's gate where Redis holds no settings for it yet.\n\n"
         "--workers N runs N worker processes under one parent, for a machine's cores: each\n"
         "has its own listening socket on the one port (SO_REUSEPORT: the kernel spreads\n"
         "connections over them) and its own Fleet (its own Redis connections and heartbeat).\n"
@@ -194,6 +196,8 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--upstream", metavar="URL", help="one route: forward every path to URL")
     p.add_argument("--gate", metavar="NAME", help="one route: the gate of every request")
+    for flag, meaning in _ONE_ROUTE_GATE_FLAGS:
+        p.add_argument(flag, metavar="N", type=int, help=f"one route: the gate's {meaning}")
     p.add_argument(
         "--redis",
         metavar="URL",
@@ -206,6 +210,15 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="key prefix (default: the config's, else $FLEETGATE_PREFIX, else 'fg')",
     )
     _logging_options(p)
+
+
+#: ``fleetgate proxy``'s one-route gate settings: registered only if Redis has none, as a
+#: route's ``gate_defaults`` (a coordinator's config, when one runs, is what counts).
+_ONE_ROUTE_GATE_FLAGS = (
+    ("--floor", "cap without a coordinator's target (default 1: one call at a time)"),
+    ("--ceiling", "most a coordinator's target may set (default: the floor's default)"),
+    ("--max-queued", "fleet-wide wait list bound (default 1000; beyond it 429)"),
+)
 
 
 def _add_passthrough(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -363,10 +363,15 @@ def one_route(
     redis: str | None = None,
     prefix: str | None = None,
     workers: int | None = None,
+    gate_defaults: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> ProxyConfig:
-    """The configuration of ``fleetgate proxy --upstream URL --gate NAME`` (every path)."""
-    raw: dict[str, Any] = {"routes": [{"upstream": upstream, "gate": gate}]}
+    """The configuration of ``fleetgate proxy --upstream URL --gate NAME`` (every path);
+    ``gate_defaults`` as a route's (``--floor``, ``--ceiling``, ``--max-queued``)."""
+    route: dict[str, Any] = {"upstream": upstream, "gate": gate}
+    if gate_defaults:
+        route["gate_defaults"] = dict(gate_defaults)
+    raw: dict[str, Any] = {"routes": [route]}
     proxy_table = {k: v for k, v in (("listen", listen), ("workers", workers)) if v is not None}
     if proxy_table:
         raw["proxy"] = proxy_table

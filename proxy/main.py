@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from collections.abc import Coroutine
 from typing import Any
@@ -15,17 +16,29 @@ from .server import serve
 
 __all__ = ["config_from_args", "run", "run_proxy"]
 
+_GATE_FIELD = re.compile(r"routes\[0\]\.gate_defaults: gate '[^']*': (\w+): ")
+
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """``--config FILE`` (with ``--listen``/``--redis``/``--prefix``/``--workers`` over its
     values), or the one route of ``--upstream URL --gate NAME``."""
     one = (args.upstream, args.gate)
     workers = getattr(args, "workers", None)
+    defaults = {
+        name: value
+        for name in ("floor", "ceiling", "max_queued")
+        if (value := getattr(args, name, None)) is not None
+    }
     if args.config:
         if any(one):
             raise ConfigError(
                 "--upstream/--gate define a route of their own: put it in the --config file's "
                 "[[routes]] instead"
+            )
+        if defaults:
+            raise ConfigError(
+                "--floor/--ceiling/--max-queued belong to the one route of --upstream/--gate: "
+                "with --config, set them in the route's gate_defaults"
             )
         return load_config(args.config).with_overrides(
             listen=args.listen, redis=args.redis, prefix=args.prefix, workers=workers
@@ -40,9 +53,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             redis=args.redis,
             prefix=args.prefix,
             workers=workers,
+            gate_defaults=defaults,
         )
     except ConfigError as exc:  # name the flag, not the TOML field
-        text = str(exc).replace("routes[0].upstream", "--upstream")
+        text = _GATE_FIELD.sub(lambda m: "--" + m[1].replace("_", "-") + ": ", str(exc))
+        text = text.replace("routes[0].upstream", "--upstream")
         text = text.replace("routes[0].gate", "--gate").replace("proxy.listen", "--listen")
         text = text.replace("redis.url", "--redis").replace("redis.prefix", "--prefix")
         raise ConfigError(text) from None

@@ -153,6 +153,26 @@ def test_cli_one_route_and_config(tmp_path: Path) -> None:
     assert config_from_args(_args("--config", example, "--prefix", "zz")).redis.prefix == "zz"
 
 
+def test_cli_one_route_takes_the_gate_settings() -> None:
+    """Without a coordinator the gate's floor is its cap: the one-route flags set it (else the
+    default floor, 1, caps every caller of the proxy at one call at a time)."""
+    config = config_from_args(
+        _args(
+            "--upstream", "http://up:1", "--gate", "g",
+            "--floor", "8", "--ceiling", "32", "--max-queued", "50",
+        )
+    )  # fmt: skip
+    assert config.routes[0].gate_defaults == {"floor": 8, "ceiling": 32, "max_queued": 50}
+    assert config_from_args(_args("--upstream", "http://u", "--gate", "g")).routes[0].gate_defaults == {}
+    with pytest.raises(ConfigError, match="--floor: "):
+        config_from_args(_args("--upstream", "http://u", "--gate", "g", "--floor", "0"))
+    with pytest.raises(ConfigError, match="--ceiling"):
+        config_from_args(_args("--upstream", "http://u", "--gate", "g", "--floor", "8", "--ceiling", "4"))
+    example = str(ROOT / "proxy/example.toml")
+    with pytest.raises(ConfigError, match="gate_defaults"):
+        config_from_args(_args("--config", example, "--floor", "8"))
+
+
 def test_one_route_defaults() -> None:
     config = one_route(upstream="http://u", gate="g", env={})
     assert config.proxy.listen == "127.0.0.1:8080"
