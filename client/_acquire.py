@@ -66,9 +66,14 @@ class GateAcquirer(GateState):
     """A gate's fleet acquires and releases, on top of what the process knows of it."""
 
     def __init__(
-        self, name: str, defaults: GateSettings, runtime: Runtime, wakes: WakeListeners
+        self,
+        name: str,
+        defaults: GateSettings,
+        runtime: Runtime,
+        wakes: WakeListeners,
+        given: frozenset[str] = frozenset(),
     ) -> None:
-        super().__init__(name, defaults, runtime, wakes)
+        super().__init__(name, defaults, runtime, wakes, given)
         # This pod's wake and re-arm lists of the gate (named once: every park asks for them).
         self._wake_key = self.keys.wake(runtime.pod_key)
         self._rearm_key = self.keys.rearm(runtime.pod_key)
@@ -115,6 +120,9 @@ class GateAcquirer(GateState):
             raise
         self.last_limit = reply.limit
         self.note_ttls(reply.lease_ms, reply.waiter_ms)
+        if self.settings_unchecked:  # once: the gate is stored now
+            self.settings_unchecked = False
+            rt.spawn(self.check_settings())
         if reply.fence_ms > 0:
             self.beat_after(reply.fence_ms / 1000)
         if reply.status == GRANTED:

@@ -204,7 +204,8 @@ class Fleet:
             if found is not None:
                 return found
             defaults = GateSettings.for_gate(name, **settings)
-            gate = Gate(name, defaults, self.runtime, self._wakes)
+            given = frozenset(k for k, v in settings.items() if v is not None)
+            gate = Gate(name, defaults, self.runtime, self._wakes, given)
             self._gates[name] = gate
             self.runtime.poke_heartbeat()  # a live pod of the gate now, not a period later
             return gate

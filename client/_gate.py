@@ -19,9 +19,12 @@ import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
+
 from fleetgate.ask import DEFAULT_ASK, DEFAULT_DEADLINE, Ask
 from fleetgate.errors import ConfigError, FleetgateError, Overloaded
 from fleetgate.scripts import HeartbeatReply, Snapshot
+from fleetgate.settings import settings_differing
 
 from ._acquire import GateAcquirer, Requeue
 from ._deadline import Deadline
@@ -212,9 +215,12 @@ class Gate(GateAcquirer):
 
     async def snapshot(self) -> Snapshot:
         """A consistent view of the gate in Redis (holders, waiters, limit, config, stats),
-        after this process's own releases so far (:meth:`flush`)."""
+        after this process's own releases so far (:meth:`flush`); ``differing`` names the
+        settings this process gave that Redis holds otherwise (the stored ones apply)."""
         await self.flush()
-        return await self.runtime.scripts.snapshot(self.keys, defaults=self.defaults)
+        snap = await self.runtime.scripts.snapshot(self.keys, defaults=self.defaults)
+        differing = settings_differing(self.defaults, self.given, snap.cfg, snap.tenant_weights)
+        return msgspec.structs.replace(snap, differing=differing)
 
     def _total_deadline(self, seconds: float | None, where: str) -> Deadline:
         """A total deadline for this gate, counted in the deadline-exceeded metric."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fleetgate.ask import DEFAULT_ASK, Ask
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import HeartbeatReply
-from fleetgate.settings import GateSettings
+from fleetgate.settings import GateSettings, settings_differing
 
 from ._deadline import Deadline
 from ._lease import Lease
@@ -75,10 +75,19 @@ class GateState:
     """One gate as this process knows it: what it holds and what it last saw in Redis."""
 
     def __init__(
-        self, name: str, defaults: GateSettings, runtime: Runtime, wakes: WakeListeners
+        self,
+        name: str,
+        defaults: GateSettings,
+        runtime: Runtime,
+        wakes: WakeListeners,
+        given: frozenset[str] = frozenset(),
     ) -> None:
         self.name = name
         self.defaults = defaults
+        #: the settings the caller of Fleet.gate named (the rest are defaults): compared once
+        #: with what Redis holds (check_settings)
+        self.given = given
+        self.settings_unchecked = bool(given)
         self.runtime = runtime
         self.wakes = wakes
         self.keys = GateKeys.of(runtime.prefix, name)
@@ -202,3 +211,22 @@ class GateState:
     async def wake_local(self) -> None:
         """Let callers waiting for a local permit look again (the mode or the bound changed)."""
         self._local.notify()
+
+    async def check_settings(self) -> None:
+        """Warn once when Redis holds other settings than the ones this process gave (the
+        stored ones apply: the coordinator's config, or the first process to use the gate's).
+        Run in the background after the gate's first acquire reply, when the gate is stored."""
+        snap = await self.runtime.scripts.snapshot(self.keys, 0)
+        differing = settings_differing(self.defaults, self.given, snap.cfg, snap.tenant_weights)
+        if differing:
+            shown = ", ".join(
+                f"{k} {stored} (asked {asked})" for k, (stored, asked) in differing.items()
+            )
+            log.warning(
+                "gate %r: Redis holds other settings than this process gave, and they apply: %s "
+                "(set by the coordinator's config or the first process to use the gate; "
+                "gate.snapshot().differing, `fleetgate inspect %s`)",
+                self.name,
+                shown,
+                self.name,
+            )

@@ -48,6 +48,7 @@ __all__ = [
     "check_admission",
     "check_ceiling",
     "check_setting_names",
+    "settings_differing",
     "validate_gate_settings",
 ]
 
@@ -202,6 +203,34 @@ class GateSettingsKwargs(TypedDict, total=False):
 
 
 assert tuple(GateSettingsKwargs.__annotations__) == GateSettings.__struct_fields__
+
+
+def settings_differing(
+    asked: GateSettings,
+    given: Iterable[str],
+    cfg: Mapping[str, str],
+    tenant_weights: Mapping[str, str],
+) -> dict[str, tuple[str, str]]:
+    """The settings a caller ``given`` explicitly that the gate's stored configuration (``cfg``
+    and ``tenant_weights`` as Redis holds them) sets otherwise: name -> (stored, asked), as
+    text (``unset`` for a field Redis does not hold). The stored ones are what applies: they
+    came from the coordinator's config or the process that first used the gate. Nothing
+    differs while nothing is stored."""
+    if not any(name in cfg for name in FIELDS):
+        return {}
+    mine = asked.as_cfg()
+    out: dict[str, tuple[str, str]] = {}
+    for name in sorted(set(given)):
+        if name == "tenant_weights":
+            stored = ",".join(f"{t}={w}" for t, w in sorted(tenant_weights.items()))
+            wanted = ",".join(f"{t}={w}" for t, w in sorted(asked.tenant_weights.items()))
+        elif name in mine:
+            stored, wanted = cfg.get(name, ""), str(mine[name])
+        else:
+            continue
+        if stored != wanted:
+            out[name] = (stored or "unset", wanted or "unset")
+    return out
 
 
 def check_setting_names(names: Iterable[str], caller: str) -> None:

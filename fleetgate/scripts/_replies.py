@@ -174,6 +174,9 @@ class Snapshot(msgspec.Struct):
     util: dict[str, str] = {}
     head: list[Waiter] = []
     leases: list[Holder] = []
+    #: from :meth:`Gate.snapshot <fleetgate.client.Gate.snapshot>` only: the settings that
+    #: process gave which Redis holds otherwise, name -> (stored, asked); the stored ones apply
+    differing: dict[str, tuple[str, str]] = {}
 
     @property
     def live_target(self) -> int | None:

@@ -1,0 +1,85 @@
+"""A gate's settings stored in Redis win over a later caller's; the caller is told which differ."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fleetgate.client import Fleet
+from fleetgate.settings import GateSettings, settings_differing
+
+from ..conftest import RedisUnderTest
+
+FIRST = """
+import asyncio, sys
+from prometheus_client import CollectorRegistry
+from fleetgate.client import Fleet
+
+async def main() -> None:
+    async with Fleet(sys.argv[1], prefix=sys.argv[2], registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("llm", floor=4, max_queued=20, tenant_weights={"a": 2})
+        async with gate.permit(deadline=5):
+            pass
+
+asyncio.run(main())
+"""
+
+
+async def test_settings_another_process_stored_are_named_once(
+    rut: RedisUnderTest, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FIRST, rut.url, rut.prefix, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await asyncio.wait_for(first.communicate(), 60)
+    assert first.returncode == 0, err
+    caplog.set_level(logging.WARNING, logger="fleetgate.client")
+    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("llm", floor=512, max_queued=20, lease_ms=10_000, tenant_weights={"b": 3})
+        for _ in range(3):
+            async with gate.permit(deadline=5):
+                pass
+        snap = await gate.snapshot()
+        assert snap.limit == 4  # the stored floor is what holds
+        assert snap.differing == {"floor": ("4", "512"), "tenant_weights": ("a=2", "b=3")}
+        for _ in range(50):
+            lines = [r for r in caplog.records if "Redis holds other settings" in r.getMessage()]
+            if lines:
+                break
+            await asyncio.sleep(0.02)
+        [line] = lines  # once, however many calls
+        text = line.getMessage()
+        assert "'llm'" in text and "floor 4 (asked 512)" in text and "tenant_weights" in text
+        assert "max_queued" not in text and "lease_ms" not in text  # the same, or not given
+        assert line.levelno == logging.WARNING
+
+
+async def test_a_gate_this_process_registers_differs_in_nothing(
+    rut: RedisUnderTest, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="fleetgate.client")
+    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("fresh", floor=7, shed_below=-5)
+        async with gate.permit(deadline=5):
+            pass
+        assert (await gate.snapshot()).differing == {}
+        await asyncio.sleep(0.2)
+    assert not [r for r in caplog.records if "Redis holds other settings" in r.getMessage()]
+
+
+def test_only_given_settings_are_compared() -> None:
+    asked = GateSettings.for_gate("g", floor=8)
+    stored = {"floor": "8", "ceiling": "64", "max_queued": "5", "lease_ms": "10000"}
+    assert settings_differing(asked, ["floor"], stored, {}) == {}
+    assert settings_differing(asked, ["floor", "ceiling"], stored, {}) == {
+        "ceiling": ("64", str(asked.ceiling))
+    }
+    assert settings_differing(asked, ["floor"], {}, {}) == {}  # nothing stored: nothing differs
+    mqpt = GateSettings.for_gate("g", max_queued_per_tenant=3)
+    assert settings_differing(mqpt, ["max_queued_per_tenant"], stored, {}) == {
+        "max_queued_per_tenant": ("unset", "3")
+    }
