@@ -24,7 +24,7 @@ from ._deadline import Deadline
 from ._lease import Lease
 from ._local import LocalPermits
 from ._metrics import GateMetrics
-from ._runtime import Runtime
+from ._runtime import OUTAGE_ERRORS, Runtime
 from ._wakes import WakeListeners
 
 __all__ = ["NO_DEADLINE_WAIT_MS", "GateState", "Renewal", "Waiter"]
@@ -216,7 +216,14 @@ class GateState:
         """Warn once when Redis holds other settings than the ones this process gave (the
         stored ones apply: the coordinator's config, or the first process to use the gate's).
         Run in the background after the gate's first acquire reply, when the gate is stored."""
-        snap = await self.runtime.scripts.snapshot(self.keys, 0)
+        try:
+            snap = await self.runtime.scripts.snapshot(self.keys, 0)
+        except OUTAGE_ERRORS:
+            self.settings_unchecked = True  # again after the next reply
+            return
+        except Exception as exc:
+            self.runtime.background_error("settings check", exc, self.name)
+            return
         differing = settings_differing(self.defaults, self.given, snap.cfg, snap.tenant_weights)
         if differing:
             shown = ", ".join(
