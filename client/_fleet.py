@@ -31,6 +31,7 @@ from fleetgate.keys import GateKeys, validate_gate_name, validate_prefix
 from fleetgate.scripts import GateScripts
 from fleetgate.settings import GateSettings, GateSettingsKwargs, check_setting_names
 
+from ._contact import FirstContact
 from ._fallback import Fallback
 from ._gate import Gate
 from ._heartbeat import Heartbeat
@@ -130,6 +131,7 @@ class Fleet:
         self._gates_lock = threading.Lock()
         self._wakes = WakeListeners(self.runtime, block=wake_block)
         self._fallback = Fallback(self.runtime, self._gates)
+        self._contact = FirstContact(self.runtime)
         self.runtime.on_outage = self._fallback.enter
         self._heartbeat: asyncio.Task[None] | None = None
 
@@ -149,6 +151,7 @@ class Fleet:
         if self.runtime.started:
             return
         await self.runtime.connect()
+        await self._contact.start()
         self._heartbeat = asyncio.create_task(
             Heartbeat(self.runtime, self._gates).run(), name="fleetgate-heartbeat"
         )
@@ -157,7 +160,7 @@ class Fleet:
     async def close(self) -> None:
         """Stop background tasks, leave every wait list, release held leases, close connections."""
         self.runtime.closing = True
-        loops = [t for t in (self._heartbeat, self._fallback.task) if t]
+        loops = [t for t in (self._heartbeat, self._fallback.task, self._contact.task) if t]
         for t in loops:
             t.cancel()
         tasks = [*loops, *self._wakes.cancel_all()]
@@ -233,6 +236,13 @@ class Fleet:
     def fallback_active(self) -> bool:
         """Whether Redis is unreachable and gates serve under their local fair share."""
         return self.runtime.fallback_active
+
+    @property
+    def reached_redis(self) -> bool:
+        """Whether Redis has answered this fleet at least once since :meth:`start` (which
+        waits up to a second for it). False for a wrong URL, host or port (an ERROR is logged
+        every 30 s meanwhile) or a Redis not up yet; an outage later leaves it True."""
+        return self.runtime.reached_redis
 
     @property
     def scripts(self) -> GateScripts:

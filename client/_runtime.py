@@ -74,6 +74,8 @@ class Runtime:
         self.redis_options = redis_options
         #: set while Redis is unreachable and gates serve under their local fair share
         self.fallback_active = False
+        #: Redis has answered this process at least once (see _contact.FirstContact)
+        self.reached_redis = False
         #: Redis answers again after an outage: running work is being adopted, no new local
         #: permit starts until fleet mode resumes (see _fallback.Fallback)
         self.recovering = False

@@ -172,9 +172,12 @@ class ProxyApp:
                 return
 
     async def _health(self, send: Send) -> None:
-        status = 503 if self.draining else 200
+        # Never reached Redis: a wrong URL (or a Redis not up yet), not an outage: not ready.
+        # An outage after Redis answered once stays ready (the fallback serves; "fallback").
+        never = not self.fleet.reached_redis
+        status = 503 if self.draining or never else 200
         body: dict[str, object] = {
-            "status": "draining" if self.draining else "ok",
+            "status": "draining" if self.draining else "redis_never_reached" if never else "ok",
             "fallback": self.fleet.fallback_active,
             "routes": [r.describe() for r in self.config.routes],
         }

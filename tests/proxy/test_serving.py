@@ -398,10 +398,14 @@ def test_a_too_large_upstream_response_is_refused(rut: RedisUnderTest, upstream:
 
 def test_redis_down_serves_under_the_fair_share(upstream: Served) -> None:
     """No Redis at all: the client's fair-share fallback serves (1 permit per pod until it has
-    counted its peers), /healthz says so."""
+    counted its peers), and /healthz fails: a proxy that never reached Redis is not ready (a
+    wrong URL looks like this), while one in an outage after it did is (fallback true)."""
     config = proxy_config(f"redis://127.0.0.1:{free_port()}/0", "p", upstream.url)
     with serve_in_thread(config) as url, httpx.Client(base_url=url, timeout=15) as http:
         assert http.post("/work?tag=a", content=b"{}").status_code == 200
-        assert http.get("/healthz").json()["fallback"] is True
+        health = http.get("/healthz")
+        assert health.status_code == 503
+        assert health.json()["status"] == "redis_never_reached"
+        assert health.json()["fallback"] is True
         metrics = http.get("/metrics").text
     assert 'fleetgate_client_fallback{gate="g"} 1.0' in metrics
