@@ -28,6 +28,8 @@ log = logging.getLogger("fleetgate.client")
 FIRST_TRY_S = 1.0
 #: while Redis has never answered, the ERROR line is repeated this often (seconds)
 NEVER_REACHED_EVERY_S = 30.0
+#: what a PING that got no answer raises
+_NO_ANSWER: tuple[type[BaseException], ...] = (*OUTAGE_ERRORS, TimeoutError)
 
 
 class FirstContact:
@@ -46,7 +48,7 @@ class FirstContact:
         self._since = loop.time()
         try:
             await asyncio.wait_for(self.runtime.redis.ping(), FIRST_TRY_S)
-        except (*OUTAGE_ERRORS, TimeoutError) as exc:
+        except _NO_ANSWER as exc:
             self._say(exc)
             self.task = asyncio.create_task(self._until_reached(), name="fleetgate-first-contact")
         else:
@@ -55,7 +57,7 @@ class FirstContact:
     async def _until_reached(self) -> None:
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.25, max=5.0),
-            retry=retry_if_exception_type((*OUTAGE_ERRORS, TimeoutError)),
+            retry=retry_if_exception_type(_NO_ANSWER),
             before_sleep=self._failed,
             reraise=True,
         )

@@ -163,11 +163,12 @@ def test_cli_one_route_takes_the_gate_settings() -> None:
         )
     )  # fmt: skip
     assert config.routes[0].gate_defaults == {"floor": 8, "ceiling": 32, "max_queued": 50}
-    assert config_from_args(_args("--upstream", "http://u", "--gate", "g")).routes[0].gate_defaults == {}
+    one = ("--upstream", "http://u", "--gate", "g")
+    assert config_from_args(_args(*one)).routes[0].gate_defaults == {}
     with pytest.raises(ConfigError, match="--floor: "):
-        config_from_args(_args("--upstream", "http://u", "--gate", "g", "--floor", "0"))
+        config_from_args(_args(*one, "--floor", "0"))
     with pytest.raises(ConfigError, match="--ceiling"):
-        config_from_args(_args("--upstream", "http://u", "--gate", "g", "--floor", "8", "--ceiling", "4"))
+        config_from_args(_args(*one, "--floor", "8", "--ceiling", "4"))
     example = str(ROOT / "proxy/example.toml")
     with pytest.raises(ConfigError, match="gate_defaults"):
         config_from_args(_args("--config", example, "--floor", "8"))
