@@ -120,6 +120,7 @@ class GateAcquirer(GateState):
             raise
         self.last_limit = reply.limit
         self.note_ttls(reply.lease_ms, reply.waiter_ms)
+        self.used = True
         if self.settings_unchecked:  # once: the gate is stored now
             self.settings_unchecked = False
             rt.spawn(self.check_settings())

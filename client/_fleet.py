@@ -14,6 +14,7 @@ the wake listeners are modules of their own that drive gates from outside.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -132,6 +133,7 @@ class Fleet:
         self._wakes = WakeListeners(self.runtime, block=wake_block)
         self._fallback = Fallback(self.runtime, self._gates)
         self._contact = FirstContact(self.runtime)
+        self._beats = Heartbeat(self.runtime, self._gates)
         self.runtime.on_outage = self._fallback.enter
         self._heartbeat: asyncio.Task[None] | None = None
 
@@ -152,9 +154,7 @@ class Fleet:
             return
         await self.runtime.connect()
         await self._contact.start()
-        self._heartbeat = asyncio.create_task(
-            Heartbeat(self.runtime, self._gates).run(), name="fleetgate-heartbeat"
-        )
+        self._heartbeat = asyncio.create_task(self._beats.run(), name="fleetgate-heartbeat")
         log.debug("fleet %s started against %s", self.pod_id, redact(self.url))
 
     async def close(self) -> None:
@@ -175,6 +175,12 @@ class Fleet:
         # Releases and cancels still in flight (possibly spawning more) finish before the
         # connections close; bounded, since Redis may be gone.
         await self.runtime.drain(timeout=2.0)
+        # A gate used but not listed yet (a process that lived less than a heartbeat) is
+        # listed now, so `fleetgate status` shows it; the leader prunes it once idle.
+        unlisted = [g for g in self._gates.values() if g.used and not g.in_registry]
+        if unlisted and not self.runtime.fallback_active:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beats.list_in_registry(unlisted), 1.0)
         await self.runtime.disconnect()
 
     # -- gates -------------------------------------------------------------------------------

@@ -88,6 +88,8 @@ class GateState:
         #: with what Redis holds (check_settings)
         self.given = given
         self.settings_unchecked = bool(given)
+        #: Redis has replied to an acquire of this gate (it is stored there)
+        self.used = False
         self.runtime = runtime
         self.wakes = wakes
         self.keys = GateKeys.of(runtime.prefix, name)

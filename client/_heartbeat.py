@@ -129,9 +129,10 @@ class Heartbeat:
         # the registry while in use (its pod_new taken for the first registration).
         unlisted = [g for g in gates if not g.in_registry]
         if unlisted:
-            await self._list_in_registry(unlisted)
+            await self.list_in_registry(unlisted)
 
-    async def _list_in_registry(self, gates: list[Gate]) -> None:
+    async def list_in_registry(self, gates: list[Gate]) -> None:
+        """List ``gates`` in the fleet's registry (``fleetgate status``); never raises."""
         # The registry lives outside the gates' slots: a separate command (one for all), once
         # per gate. A broken registry (say a key of the wrong type) must never stop the lease
         # renewal.

@@ -108,3 +108,27 @@ def test_inspect_names_a_gate_that_does_not_exist(rut: RedisUnderTest) -> None:
     known = fleetgate("inspect", "bge-m3", "--redis", rut.url, "--prefix", rut.prefix)
     assert known.returncode == 0, known.stderr
     assert "gate bge-m3: limit 2" in known.stdout
+
+
+SHORT_LIVED = """
+import asyncio, sys
+from prometheus_client import CollectorRegistry
+from fleetgate.client import Fleet
+
+async def main() -> None:
+    async with Fleet(sys.argv[1], prefix=sys.argv[2], registry=CollectorRegistry()) as fleet:
+        async with fleet.gate("short").permit(deadline=5):
+            pass
+
+asyncio.run(main())
+"""
+
+
+def test_status_lists_the_gate_of_a_process_that_already_left(rut: RedisUnderTest) -> None:
+    """A process that used a gate for a moment and exited (a cron job, a test) is listed."""
+    ran = subprocess.run(
+        [sys.executable, "-c", SHORT_LIVED, rut.url, rut.prefix], capture_output=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr
+    out = fleetgate("status", "--json", "--redis", rut.url, "--prefix", rut.prefix)
+    assert [g["name"] for g in json.loads(out.stdout)["gates"]] == ["short"]
