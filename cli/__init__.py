@@ -24,13 +24,13 @@ import argparse
 import asyncio
 import logging
 import logging.config
-import os
 import sys
 from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
 from fleetgate import __version__
+from fleetgate.configfile import redis_from_env
 from fleetgate.errors import ConfigError, FleetgateError
 
 __all__ = ["build_parser", "main", "resolve_redis"]
@@ -286,9 +286,7 @@ def resolve_redis(args: argparse.Namespace) -> tuple[str, str]:
         cfg = load_config(args.config)
         url = url or cfg.redis.url
         prefix = prefix or cfg.redis.prefix
-    url = url or os.environ.get("FLEETGATE_REDIS_URL") or "redis://127.0.0.1:6379/0"
-    prefix = prefix or os.environ.get("FLEETGATE_PREFIX") or "fg"
-    return url, prefix
+    return redis_from_env(url, prefix)
 
 
 def _coordinator(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
 from fleetgate._redis import redact
+from fleetgate.configfile import redis_from_env
 from fleetgate.errors import ConfigError, FleetgateError
 from fleetgate.keys import GateKeys, validate_gate_name, validate_prefix
 from fleetgate.scripts import GateScripts
@@ -60,6 +61,8 @@ class Fleet:
     """Owns the Redis connections and background tasks of one process; hands out gates.
 
     ``async with Fleet("redis://redis:6379/0") as fleet:`` then ``fleet.gate("bge-m3")``.
+    url and prefix left out (None): ``$FLEETGATE_REDIS_URL`` and ``$FLEETGATE_PREFIX``, else
+    ``redis://127.0.0.1:6379/0`` and ``fg``.
 
     on_redis_error: ``"fair_share"`` (default) keeps serving while Redis is unreachable, each pod
     bounded by ``ceil(last limit / last live pods)`` of the gate (1 while it has not counted its
@@ -81,9 +84,9 @@ class Fleet:
 
     def __init__(
         self,
-        url: str = "redis://127.0.0.1:6379/0",
+        url: str | None = None,
         *,
-        prefix: str = "fg",
+        prefix: str | None = None,
         pod_id: str | None = None,
         on_redis_error: OnRedisError = "fair_share",
         heartbeat_interval: float = 1.0,
@@ -102,6 +105,7 @@ class Fleet:
             raise ConfigError(
                 f"recovery_fence: expected None or 0 to 3600 seconds, got {recovery_fence}"
             )
+        url, prefix = redis_from_env(url, prefix)
         self.url = url
         self.prefix = validate_prefix(prefix)
         self.pod_id = pod_id or _default_pod_id()

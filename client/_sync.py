@@ -287,7 +287,7 @@ class SyncGate:
 class SyncFleet:
     """Blocking twin of :class:`Fleet` (same arguments): ``with SyncFleet(url) as fleet:``."""
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", **kwargs: Any) -> None:
+    def __init__(self, url: str | None = None, **kwargs: Any) -> None:
         self._url = url
         self._kwargs = kwargs
         self._portal: _Portal | None = None

@@ -76,9 +76,7 @@ def _default_fleet() -> SyncFleet:
     global _fleet
     with _lock:
         if _fleet is None:
-            fleet = SyncFleet(
-                os.environ.get("FLEETGATE_REDIS_URL", "redis://127.0.0.1:6379/0"),
-                prefix=os.environ.get("FLEETGATE_PREFIX", "fg"),
+            fleet = SyncFleet(  # url and prefix: $FLEETGATE_REDIS_URL, $FLEETGATE_PREFIX
                 on_redis_error=os.environ.get("FLEETGATE_ON_REDIS_ERROR", "fair_share"),
             )
             fleet.start()

@@ -31,6 +31,8 @@ from fleetgate.errors import ConfigError
 from fleetgate.keys import validate_prefix
 
 __all__ = [
+    "DEFAULT_PREFIX",
+    "DEFAULT_REDIS_URL",
     "REDIS_ENV",
     "RedisSettings",
     "checked",
@@ -40,6 +42,7 @@ __all__ = [
     "one_line",
     "parse_listen",
     "read_toml",
+    "redis_from_env",
 ]
 
 _T = TypeVar("_T")
@@ -48,6 +51,20 @@ _S = TypeVar("_S", bound=msgspec.Struct)
 
 #: The environment variables of the ``[redis]`` table: (variable, key).
 REDIS_ENV: Final = (("FLEETGATE_REDIS_URL", "url"), ("FLEETGATE_PREFIX", "prefix"))
+DEFAULT_REDIS_URL: Final = "redis://127.0.0.1:6379/0"
+DEFAULT_PREFIX: Final = "fg"
+
+
+def redis_from_env(
+    url: str | None = None, prefix: str | None = None, env: Mapping[str, str] | None = None
+) -> tuple[str, str]:
+    """The Redis URL and key prefix: as given, else ``$FLEETGATE_REDIS_URL`` and
+    ``$FLEETGATE_PREFIX``, else :data:`DEFAULT_REDIS_URL` and :data:`DEFAULT_PREFIX`."""
+    env = os.environ if env is None else env
+    return (
+        url or env.get("FLEETGATE_REDIS_URL") or DEFAULT_REDIS_URL,
+        prefix or env.get("FLEETGATE_PREFIX") or DEFAULT_PREFIX,
+    )
 
 
 def checked(field: str, validate: Callable[[_T], _R], value: _T) -> _R:
@@ -79,8 +96,8 @@ def parse_listen(value: str, *, empty_host: bool = False) -> tuple[str, int]:
 class RedisSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where the gates live: the Redis URL and the key prefix."""
 
-    url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = "fg"
+    url: str = DEFAULT_REDIS_URL
+    prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
         # Scheme, port and query parameters (a TLS option misspelt is caught here, not at the
