@@ -68,7 +68,9 @@ def test_the_commands_are_found() -> None:
     assert {"coordinator", "check", "proxy"} <= subcommands
 
 
-@pytest.mark.parametrize(("where", "container", "argv"), commands(), ids=lambda x: str(x)[:60])
+@pytest.mark.parametrize(
+    ("where", "container", "argv"), [pytest.param(*c, id=c[0]) for c in commands()]
+)
 def test_every_fleetgate_command_parses(where: str, container: Any, argv: list[str]) -> None:
     assert argv, f"{where}: runs the image without a command (prints --help and exits)"
     error = parse_error(argv)
