@@ -31,7 +31,7 @@ ALERT_TESTS = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
 GRAFANA_VARIABLES = {"$__rate_interval": "10s", "$gate": ".*"}
 _SET_OPS = ("and", "or", "unless")
 _COMPARISONS = ("==", "!=", "<=", ">=", "<", ">")
-_METRIC = re.compile(r"\b(fleetgate_[a-z_]+|up)\b(?=\s*[{\[)\s]|$)")
+_METRIC = re.compile(r"\b(fleetgate_[a-z_]+|up)\b(?!\s*\()")  # a name, not a function
 _OPEN, _CLOSE = "([{", ")]}"
 _MATCHING = re.compile(r"^\s*(?:(?:on|ignoring|group_left|group_right)\s*\([^)]*\)\s*)+")
 
@@ -51,6 +51,12 @@ def dashboard_queries() -> list[tuple[str, str]]:
                 expr = expr.replace(var, value)
             out.append((f"{panel['title']} / {target['refId']}", expr))
     return out
+
+
+def variable_metrics() -> set[str]:
+    """The metrics the dashboard's query variables read (``label_values(<metric>, <label>)``)."""
+    variables = dashboard()["templating"]["list"]  # type: ignore[index]
+    return set().union(*(metric_names(v.get("definition", "")) for v in variables))
 
 
 def alert_rules() -> list[dict[str, object]]:

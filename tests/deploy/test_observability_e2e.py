@@ -33,7 +33,14 @@ from fleetgate.tools.sim import serve_in_thread, vllm
 
 from ..conftest import RedisUnderTest
 from ._procs import process, query, tail, wait_for
-from ._promql import ALERTS, alert_rules, dashboard_queries, metric_names, without_threshold
+from ._promql import (
+    ALERTS,
+    alert_rules,
+    dashboard_queries,
+    metric_names,
+    variable_metrics,
+    without_threshold,
+)
 
 PROMETHEUS = shutil.which("prometheus")
 
@@ -132,7 +139,7 @@ def empty_answers(api: httpx.Client) -> list[str]:
     for rule in alert_rules():
         for i, part in enumerate(without_threshold(str(rule["expr"]))):
             exprs[f"alert {rule['alert']} part {i}"] = part
-    names = set().union(*(metric_names(e) for e in exprs.values()))
+    names = set().union(variable_metrics(), *(metric_names(e) for e in exprs.values()))
     exprs.update({f"metric {n}": f'count by (__name__) ({{__name__="{n}"}})' for n in names})
     return [f"{where}: {expr}" for where, expr in sorted(exprs.items()) if not query(api, expr)]
 
