@@ -3,13 +3,13 @@ asked of a real Prometheus that scrapes a real running fleet, returns series; th
 and evaluate without error.
 
 The fleet: a private redis-server (the suite's), two coordinators (``fleetgate coordinator``,
-one leads), two vLLM simulators, three workers (``fleetgate worker``) and Debian's
+one leads), three vLLM simulators, four workers (``fleetgate worker``) and Debian's
 ``prometheus`` binary on loopback (1 s scrapes and rule evaluations, alerts.yml loaded). What
 "returns series" means for an alert, which matches only when something is wrong, is the rule of
 ``_promql.py``; for it the fleet runs one of each failure the alerts watch, next to healthy
 gates: a gate whose server does not answer (scrape errors), a full wait list (overloaded), short
-deadlines, leases removed from Redis (lease lost), and a worker whose own Redis is stopped
-(fallback). Skips where ``prometheus`` is absent.
+deadlines, a worker frozen past its leases' TTL while another takes their slots (lease lost),
+and a worker whose own Redis is stopped (fallback). Skips where ``prometheus`` is absent.
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from fleetgate.keys import GateKeys
 from fleetgate.tools.redisproc import RedisProcess, free_port
 from fleetgate.tools.sim import serve_in_thread, vllm
 
@@ -56,7 +54,7 @@ pytestmark = [
 EMBED, SLOW, LOST, BLIND, FALLBACK = "embed", "slow", "lost", "blind", "fb"
 
 
-def coordinator_toml(rut: RedisUnderTest, fast_url: str, slow_url: str) -> str:
+def coordinator_toml(rut: RedisUnderTest, fast_url: str) -> str:
     dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: every scrape fails
     return f"""
 [redis]
@@ -80,7 +78,8 @@ max_queued = 2
 [[gates]]
 name = "{LOST}"
 signal = "fixed"
-floor = 1
+floor = 2
+lease_ms = 1000
 [[gates]]
 name = "{BLIND}"
 base_url = "{dead}"
@@ -113,24 +112,14 @@ def worker_argv(redis_url: str, prefix: str, port: int, *args: str) -> list[str]
     ]  # fmt: skip
 
 
-@contextlib.contextmanager
-def removing_leases(url: str, holders: str) -> Iterator[None]:
-    """Delete the gate's holder entries every 20 ms: the next heartbeat of a lease granted by
-    hand-off finds it gone (LeaseLost), as after a Redis failover that lost recent writes."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        with redis.Redis.from_url(url) as client:
-            while not stop.wait(0.02):
-                client.delete(holders)
-
-    thread = threading.Thread(target=loop, name="remove-leases", daemon=True)
-    thread.start()
+def pause(proc: Any, seconds: float) -> None:
+    """SIGSTOP ``proc`` for ``seconds``, then SIGCONT: a pod frozen past its leases' TTL (a GC
+    pause, a throttled or suspended VM); its heartbeat then finds them expired (LeaseLost)."""
+    proc.send_signal(signal.SIGSTOP)
     try:
-        yield
+        time.sleep(seconds)
     finally:
-        stop.set()
-        thread.join(5)
+        proc.send_signal(signal.SIGCONT)
 
 
 def empty_answers(api: httpx.Client) -> list[str]:
@@ -159,9 +148,10 @@ def test_every_dashboard_and_alert_expression_returns_series(
     assert PROMETHEUS is not None
     fast = vllm.VllmSimConfig(capacity=8, service_ms=20, model="e2e-model")
     slow = vllm.VllmSimConfig(capacity=4, service_ms=300, model="e2e-model")
+    long = vllm.VllmSimConfig(capacity=16, service_ms=4000, model="e2e-model")  # outlasts a pause
     coord_ports, worker_ports, prom_port = (
         [free_port(), free_port()],
-        [free_port() for _ in "abc"],
+        [free_port() for _ in "abcd"],
         free_port(),
     )
     logs: dict[str, Path] = {}
@@ -176,9 +166,10 @@ def test_every_dashboard_and_alert_expression_returns_series(
     with contextlib.ExitStack() as stack:
         fast_sim = stack.enter_context(serve_in_thread(vllm.build_app(fast)))
         slow_sim = stack.enter_context(serve_in_thread(vllm.build_app(slow)))
+        long_sim = stack.enter_context(serve_in_thread(vllm.build_app(long)))
         own_redis = stack.enter_context(RedisProcess())  # the fallback worker's, stopped below
         config = tmp_path / "coordinator.toml"
-        config.write_text(coordinator_toml(rut, fast_sim.url, slow_sim.url))
+        config.write_text(coordinator_toml(rut, fast_sim.url))
         procs = {}
         for i, port in enumerate(coord_ports):
             env = {**os.environ, "FLEETGATE_METRICS_LISTEN": f"127.0.0.1:{port}"}
@@ -189,12 +180,18 @@ def test_every_dashboard_and_alert_expression_returns_series(
         workers = {
             "worker-embed": worker_argv(
                 rut.url, rut.prefix, worker_ports[0],
-                "--gate", EMBED, "--target-url", fast_sim.url, "--rate", "40", "--concurrency", "4",
+                "--gate", EMBED, "--target-url", fast_sim.url,
+                "--gate", LOST, "--target-url", long_sim.url,  # frozen below
+                "--rate", "40", "--concurrency", "4",
             ),
             "worker-slow": worker_argv(
                 rut.url, rut.prefix, worker_ports[1],
-                "--gate", SLOW, "--target-url", slow_sim.url, "--gate", LOST, "--target-url",
-                slow_sim.url, "--rate", "15", "--concurrency", "6", "--deadline", "0.5",
+                "--gate", SLOW, "--target-url", slow_sim.url,
+                "--rate", "15", "--concurrency", "6", "--deadline", "0.5",
+            ),
+            "worker-rival": worker_argv(  # takes the slots of the frozen worker's leases
+                rut.url, rut.prefix, worker_ports[3],
+                "--gate", LOST, "--target-url", long_sim.url, "--rate", "10", "--concurrency", "4",
             ),
             "worker-fallback": worker_argv(
                 own_redis.url, "fb", worker_ports[2], "--gate", FALLBACK,
@@ -215,7 +212,6 @@ def test_every_dashboard_and_alert_expression_returns_series(
                 log("prometheus"),
             )
         )  # fmt: skip
-        stack.enter_context(removing_leases(rut.url, GateKeys(rut.prefix, LOST).holders))
         api = stack.enter_context(
             httpx.Client(base_url=f"http://127.0.0.1:{prom_port}", timeout=5.0)
         )
@@ -243,10 +239,15 @@ def test_every_dashboard_and_alert_expression_returns_series(
         own_redis.stop()
 
         missing: list[str] = []
+        paused = [0.0]
 
         def answered() -> bool:
             alive()
             missing[:] = empty_answers(api)
+            lost = any("fleetgate_client_lease_lost_total" in m for m in missing)
+            if lost and time.monotonic() - paused[0] > 8:  # once, and again if none was lost
+                pause(procs["worker-embed"], 2.5)  # > the lost gate's lease_ms
+                paused[0] = time.monotonic()
             return not missing
 
         try:
@@ -260,4 +261,3 @@ def test_every_dashboard_and_alert_expression_returns_series(
         assert not bad, f"rules that failed to evaluate: {bad}"
         leaders = query(api, "fleetgate_coordinator_leader == 1")
         assert len(leaders) == 1, leaders
-        time.sleep(0)  # the fleet stops with the stack, workers first
