@@ -98,6 +98,8 @@ class Gates:
         m, name = self.metrics, pub.gate.name
         m.decisions.labels(name, decision.reason.value).inc()
         m.target.labels(name).set(decision.target)
+        m.floor.labels(name).set(pub.gate.floor)
+        m.ceiling.labels(name).set(pub.gate.ceiling)
         if in_flight is not None:
             m.in_flight.labels(name).set(in_flight)
         if signals is not None:

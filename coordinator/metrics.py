@@ -13,6 +13,8 @@ __all__ = ["CoordinatorMetrics"]
 @dataclass(frozen=True)
 class CoordinatorMetrics:
     target: Gauge
+    floor: Gauge
+    ceiling: Gauge
     running: Gauge
     waiting_capacity: Gauge
     saturated: Gauge
@@ -41,6 +43,8 @@ def _per_gate(registry: CollectorRegistry) -> dict[str, Any]:
 
     return {
         "target": gauge("target", "Target published"),
+        "floor": gauge("floor", "The gate's configured floor (the target never goes below it)"),
+        "ceiling": gauge("ceiling", "The gate's configured ceiling"),
         "running": gauge("running", "Requests running on the engine (all clients)"),
         "waiting_capacity": gauge("waiting_capacity", "Requests waiting for engine capacity"),
         "saturated": gauge("saturated", "1 when capacity-waiting > 0"),

@@ -140,6 +140,9 @@ def test_compose_prometheus_mounts_its_config(rendered: dict[str, Any]) -> None:
     prom = rendered["services"]["prometheus"]
     assert prom["image"].startswith("prom/prometheus")
     assert _mounts(prom)["/etc/prometheus/prometheus.yml"] == str(ROOT / "deploy/prometheus.yml")
+    # rule_files is relative to the config: the rules sit beside it as in deploy/
+    rules = _mounts(prom)["/etc/prometheus/prometheus/alerts.yml"]
+    assert rules == str(ROOT / "deploy/prometheus/alerts.yml")
 
 
 @needs_compose
