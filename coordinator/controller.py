@@ -19,8 +19,8 @@ estimate alone, else unknown.
    usable estimate to ``0.8*T``. At most once per drain period, else ``hold_cooldown``. Ends
    slow start; the new target is remembered as ``C``. A cut inside the drain period is
    allowed when the engine runs fewer than the target while queueing (its capacity is lower).
-   A **foreign** saturation -- the fleet holds nothing, or less than ``fleet_share`` (1/2) of
-   what the server runs -- cuts to ``0.8*T`` once per saturated stretch and changes nothing
+   A **foreign** saturation -- the fleet holds nothing, less than ``fleet_share`` (1/2) of
+   what the server runs, or less than the queue (it cannot relieve it) -- cuts to ``0.8*T`` once per saturated stretch and changes nothing
    learned (``C``, the KV estimate at saturation, slow start): load the fleet did not cause and
    cannot relieve says nothing of what the engine sustains for it.
 3. signals unknown / scrape failed        -> ``hold_unknown`` (not re-published, so the published
@@ -73,12 +73,17 @@ def _clamp(value: int, params: ControllerParams) -> int:
 
 
 def _foreign(obs: Observation, p: ControllerParams) -> bool:
-    """The queue is not the fleet's doing: it holds nothing, or less than ``fleet_share`` of
-    what the server runs. False when the fleet's in-flight is unknown (the old rule applies)."""
+    """The queue is not the fleet's doing, or not the fleet's to relieve: it holds nothing, less
+    than ``fleet_share`` of what the server runs, or less than the queue itself (dropping every
+    permit it holds would leave the server queueing). False when the fleet's in-flight is
+    unknown (the fleet's own rule applies)."""
     held = obs.in_flight
     if held is None or not math.isfinite(held):
         return False
     if held <= 0:
+        return True
+    queue = obs.waiting_capacity
+    if queue is not None and math.isfinite(queue) and held < queue:
         return True
     running = obs.running
     return running is not None and math.isfinite(running) and held < p.fleet_share * running
