@@ -38,6 +38,14 @@ class Signals(msgspec.Struct, frozen=True):
     server: str | None = None
     preemptions: float | None = None
     admission_rejections: float | None = None
+    #: the requests the server admits at once, as it states them (None: it does not)
+    max_requests: float | None = None
+    #: the KV cache's size in tokens, as the server states it (reported; None: it does not)
+    kv_tokens: float | None = None
+    #: preemptions and rejections since the last poll (counters' increase, gauges' value)
+    preempted: float | None = None
+    #: the kind does not count requests it has not dispatched yet (llama.cpp)
+    hidden_queue: bool = False
 
     @classmethod
     def failure(cls, error: str) -> Signals:

@@ -97,7 +97,7 @@ def test_a_permit_between_requests_is_no_hidden_queue() -> None:
     gap = Observation(running=3, waiting_capacity=0, in_flight=4, hidden_queue=True,
                       max_requests=4)
     d = step(state(4, slow_start=False, capacity=4.0), gap, P, now=0)
-    assert not d.saturated and d.reason is Reason.HOLD_CAPACITY
+    assert (d.target, d.saturated, d.reason) == (4, False, Reason.HOLD_IDLE)
     vllm = Observation(running=4, waiting_capacity=0, in_flight=5)
     d = step(state(5, slow_start=False, capacity=4.0, probes=1), vllm, P, now=0)
     assert not d.saturated
