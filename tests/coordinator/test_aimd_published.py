@@ -59,8 +59,12 @@ def test_a_learned_capacity_below_the_published_one_wins() -> None:
     s = state(16, slow_start=False, capacity=40.0)
     d = step(s, Observation(running=16, waiting_capacity=0, in_flight=16, max_requests=64), P, 0)
     assert (d.target, d.reason) == (32, Reason.SLOW_START)
-    d = step(d.state, Observation(running=32, waiting_capacity=0, in_flight=32, max_requests=64),
-             P, now=12)
+    d = step(
+        d.state,
+        Observation(running=32, waiting_capacity=0, in_flight=32, max_requests=64),
+        P,
+        now=12,
+    )
     assert (d.target, d.reason) == (40, Reason.INCREASE)
     # At C the probes may still find room up to what the server admits, never above it.
     s = state(60, slow_start=False, capacity=60.0)
@@ -84,8 +88,9 @@ def test_hidden_dispatch_queue_is_saturation_when_every_slot_is_busy() -> None:
     d = step(s, hidden, P, now=0)
     assert (d.target, d.reason, d.saturated) == (4, Reason.DECREASE, True)
     # With the slots stated the same, at any learned capacity.
-    stated = Observation(running=4, waiting_capacity=0, in_flight=5, hidden_queue=True,
-                         max_requests=4)
+    stated = Observation(
+        running=4, waiting_capacity=0, in_flight=5, hidden_queue=True, max_requests=4
+    )
     d = step(state(5, slow_start=False), stated, P, now=0)
     assert (d.target, d.saturated) == (4, True)
 
@@ -94,8 +99,7 @@ def test_a_permit_between_requests_is_no_hidden_queue() -> None:
     """The fleet holds a permit a round trip longer than the server runs its request: with a
     slot free, in_flight > running is that gap, not a queue. Servers that count their queue
     (vLLM) are never inferred."""
-    gap = Observation(running=3, waiting_capacity=0, in_flight=4, hidden_queue=True,
-                      max_requests=4)
+    gap = Observation(running=3, waiting_capacity=0, in_flight=4, hidden_queue=True, max_requests=4)
     d = step(state(4, slow_start=False, capacity=4.0), gap, P, now=0)
     assert (d.target, d.saturated, d.reason) == (4, False, Reason.HOLD_IDLE)
     vllm = Observation(running=4, waiting_capacity=0, in_flight=5)
@@ -103,8 +107,12 @@ def test_a_permit_between_requests_is_no_hidden_queue() -> None:
     assert not d.saturated
     # A cold start knows no capacity: nothing to infer from (the deferred gauge shows the
     # slow start's overshoot).
-    d = step(state(8), Observation(running=4, waiting_capacity=0, in_flight=5,
-                                   hidden_queue=True), P, now=0)
+    d = step(
+        state(8),
+        Observation(running=4, waiting_capacity=0, in_flight=5, hidden_queue=True),
+        P,
+        now=0,
+    )
     assert not d.saturated
 
 
@@ -115,8 +123,12 @@ def test_preemptions_since_the_last_poll_are_saturation() -> None:
     s = state(64, slow_start=True)
     obs = Observation(running=64, waiting_capacity=0, in_flight=64, preempted=3)
     d = step(s, obs, P, now=0)
-    assert (d.target, d.reason, d.saturated, d.state.slow_start) == (51, Reason.DECREASE, True,
-                                                                     False)
+    assert (d.target, d.reason, d.saturated, d.state.slow_start) == (
+        51,
+        Reason.DECREASE,
+        True,
+        False,
+    )
     for preempted in (0.0, None):
         obs = Observation(running=64, waiting_capacity=0, in_flight=64, preempted=preempted)
         assert step(s, obs, P, now=0).reason is Reason.SLOW_START
