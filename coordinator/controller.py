@@ -11,18 +11,23 @@ Redis server time (``TIME``) or wall time, never ``time.monotonic()``.
 The rule, per poll (constants in :class:`ControllerParams`; ``docs/aimd.md`` explains each).
 ``C`` is the capacity estimate: the level remembered where saturation was last seen (scaled by
 the KV-cache estimate ``running / kv_cache_usage`` when both are known), else the KV-cache
-estimate alone, else unknown.
+estimate alone, else unknown; never above the request capacity the server states
+(``max_requests``: llama.cpp's slots, NIM's ``num_request_max``, TensorRT-LLM's
+``max_num_active_requests``), which alone stands in when nothing else is known.
 
 1. adaptation off (or no metrics source)  -> ``static``: target = floor, never published.
-2. saturated (capacity-waiting > 0)       -> ``decrease`` toward the level the engine sustains
-   for us, ``min(running, in_flight - capacity_waiting)``, cutting by at most half; without a
-   usable estimate to ``0.8*T``. At most once per drain period, else ``hold_cooldown``. Ends
-   slow start; the new target is remembered as ``C``. A cut inside the drain period is
-   allowed when the engine runs fewer than the target while queueing (its capacity is lower).
-   A **foreign** saturation -- the fleet holds nothing, less than ``fleet_share`` (1/2) of
-   what the server runs, or less than the queue (it cannot relieve it) -- cuts to ``0.8*T`` once per saturated stretch and changes nothing
-   learned (``C``, the KV estimate at saturation, slow start): load the fleet did not cause and
-   cannot relieve says nothing of what the engine sustains for it.
+2. saturated (capacity-waiting > 0, or preemptions since the last poll) -> ``decrease`` toward
+   the level the engine sustains for us, ``min(running, in_flight - capacity_waiting)``,
+   cutting by at most half; without a usable estimate to ``0.8*T``. At most once per drain
+   period, else ``hold_cooldown``. Ends slow start; the new target is remembered as ``C``. A
+   cut inside the drain period is allowed when the engine runs fewer than the target while
+   queueing (its capacity is lower). A server that does not count undispatched requests
+   (llama.cpp) queues what the fleet holds beyond what runs and waits, once every slot is busy.
+   A **foreign** saturation -- the fleet holds nothing, less than ``fleet_share`` (1/2) of what
+   the server runs, or less than the queue (it cannot relieve it) -- cuts to ``0.8*T`` once per
+   saturated stretch and changes nothing learned (``C``, the KV estimate at saturation, slow
+   start): load the fleet did not cause and cannot relieve says nothing of what the engine
+   sustains for it.
 3. signals unknown / scrape failed        -> ``hold_unknown`` (not re-published, so the published
    lease decays); after ``unknown_reset_polls`` such polls -> ``reset`` to floor and slow start
    (``C`` is kept, so the next ramp stops at it), the floor published once (the last target
@@ -33,7 +38,8 @@ estimate alone, else unknown.
      the estimate stops it): multiplicative far below ``C``, straight to it near it;
    * ``C`` known and T at or above it -> ``hold_capacity``; without a KV estimate, a ``probe``
      above it after ``probe_polls`` clean polls (+5 %, doubling per probe the engine used
-     without queueing, up to +25 %), so a capacity grown without a KV signal is found;
+     without queueing, up to +25 %), so a capacity grown without a KV signal is found -- never
+     at or above a stated capacity, which also caps the probe;
    * ``C`` unknown -> ``slow_start`` (x2) before the first saturation, ``increase`` (+25 %) for a
      state stored by an older version; the first increase after a decrease needs
      ``recovery_polls`` near-full polls (``hold_hysteresis``).
@@ -172,7 +178,9 @@ def _capacity(
     return published if learned is None else min(learned, published)
 
 
-def _with_hidden_queue(obs: Observation, state: ControllerState, p: ControllerParams) -> Observation:
+def _with_hidden_queue(
+    obs: Observation, state: ControllerState, p: ControllerParams
+) -> Observation:
     """A server that does not count requests not yet dispatched (llama.cpp answers ``/metrics``
     ahead of its queued tasks): when every slot is busy -- ``running`` at the stated slots, else
     at the capacity estimate -- what the fleet holds beyond what runs and waits is queued there.
