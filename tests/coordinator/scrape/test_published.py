@@ -231,3 +231,22 @@ def test_signals_default_to_unknown(field: str) -> None:
         None,
         False,
     )
+
+
+# SGLang with --enable-priority-scheduling: the total under priority="", one series per priority
+# beside it (observability/metrics_collector.py, _log_gauge_queue_count).
+SGLANG_PRIORITY = "".join(
+    f'sglang:{name}{{engine_type="unified",model_name="s",moe_ep_rank="0",pp_rank="0",'
+    f'priority="{prio}",tp_rank="0"}} {value}\n'
+    for name, series in (
+        ("num_running_reqs", (("", 6.0), ("0", 4.0), ("1", 2.0))),
+        ("num_queue_reqs", (("", 3.0), ("0", 1.0), ("1", 2.0))),
+    )
+    for prio, value in series
+)
+
+
+def test_sglang_priority_breakdown_is_not_added_to_its_total() -> None:
+    """The per-priority series repeat the total's requests: summing them counted each twice."""
+    sig = get_adapter("sglang").parse(SGLANG_PRIORITY, None)
+    assert (sig.running, sig.waiting_capacity) == (6.0, 3.0)
