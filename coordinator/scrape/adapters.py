@@ -84,7 +84,9 @@ class GaugeAdapter:
     states it; ``kv_tokens`` a gauge of its KV cache in tokens, or ``kv_info`` an info gauge
     ``(metric, blocks label, block size label)`` whose labels give it (vLLM). ``props_path``:
     the server states its slots at that path instead (llama.cpp's ``/props``). ``hidden_queue``:
-    the kind does not count requests it has not dispatched yet.
+    the kind does not count requests it has not dispatched yet. ``total_label``: series with
+    this label carry the total under the value ``""`` and a breakdown under the others (SGLang's
+    ``priority``); only the total is read.
     """
 
     server: str
@@ -103,6 +105,7 @@ class GaugeAdapter:
     kv_info: tuple[str, str, str] | None = None
     props_path: str | None = None
     hidden_queue: bool = False
+    total_label: str | None = None
     _wanted: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,10 +165,13 @@ class GaugeAdapter:
         # count once (their maximum); different series are summed.
         cells: dict[tuple[str, tuple[tuple[str, str], ...] | int], float] = {}
         shard = self.shard_labels
+        total = self.total_label
         for i, s in enumerate(samples):
             key = self._key(s)
             if key is None or (self.kv_info is not None and key == self.kv_info[0]):
                 continue
+            if total is not None and s.labels.get(total, "") != "":
+                continue  # a breakdown of the total beside it
             acc = accs.get(key)
             if acc is None:
                 acc = accs[key] = _Acc(use_max=key in self.kv_usage)
@@ -257,6 +263,7 @@ SGLANG = GaugeAdapter(
     shard_labels=frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"}),
     preemptions="sglang:num_retracted_reqs",
     kv_tokens="sglang:max_total_num_tokens",
+    total_label="priority",
 )
 TGI = GaugeAdapter(
     server="tgi", running="tgi_batch_current_size", waiting="tgi_queue_size", model_label=None
