@@ -5,6 +5,7 @@ llama.cpp's uncounted dispatch queue."""
 
 from __future__ import annotations
 
+import httpx
 import msgspec
 import pytest
 
@@ -13,6 +14,8 @@ from fleetgate.coordinator.scrape.adapters import get_adapter
 from fleetgate.coordinator.scrape.published import counter_increase, props_url, stated_slots
 from fleetgate.coordinator.scrape.signals import ScrapeResult
 from fleetgate.coordinator.scrape.sources import PROPS_EVERY, MetricsSource
+from fleetgate.tools.sim import serve_in_thread
+from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
 
 # NIM for LLMs at /v1/metrics (docs: "Observability for NVIDIA NIM for LLMs").
 NIM = """\
@@ -250,3 +253,16 @@ def test_sglang_priority_breakdown_is_not_added_to_its_total() -> None:
     """The per-priority series repeat the total's requests: summing them counted each twice."""
     sig = get_adapter("sglang").parse(SGLANG_PRIORITY, None)
     assert (sig.running, sig.waiting_capacity) == (6.0, 3.0)
+
+
+async def test_llamacpp_simulator_states_its_slots_in_props() -> None:
+    """The llama.cpp flavour of the simulator answers /props as llama-server does, so the
+    coordinator against it reads the capacity as stated."""
+    config = VllmSimConfig(flavor="llamacpp", capacity=6)
+    with serve_in_thread(build_app(config)) as served:
+        gate = Config.from_toml_text(
+            f'[[gates]]\nname = "g"\nfloor = 1\nmetrics_url = "{served.url}/metrics"\n', env={}
+        ).gates[0]
+        async with httpx.AsyncClient() as client:
+            sig = await MetricsSource(gate, client).read(timeout=2, max_bytes=1 << 20)
+    assert (sig.server, sig.max_requests, sig.hidden_queue) == ("llamacpp", 6.0, True)
