@@ -116,6 +116,7 @@ async def test_saturated_flavour_backs_off(rut: RedisUnderTest, async_redis: are
                 lambda: _util_is(async_redis, keys, current_target="4"), 10, "the stated 4 slots"
             )
             assert await async_redis.hget(keys.util, "saturated") == "0"
+            assert await async_redis.hget(keys.util, "max_requests") == "4.0"  # from /props
             async with httpx.AsyncClient(base_url=served.url) as admin:
                 (await admin.post("/admin/capacity", json={"capacity": 2})).raise_for_status()
             await eventually(
