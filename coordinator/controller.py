@@ -11,18 +11,23 @@ Redis server time (``TIME``) or wall time, never ``time.monotonic()``.
 The rule, per poll (constants in :class:`ControllerParams`; ``docs/aimd.md`` explains each).
 ``C`` is the capacity estimate: the level remembered where saturation was last seen (scaled by
 the KV-cache estimate ``running / kv_cache_usage`` when both are known), else the KV-cache
-estimate alone, else unknown.
+estimate alone, else unknown; never above the request capacity the server states
+(``max_requests``: llama.cpp's slots, NIM's ``num_request_max``, TensorRT-LLM's
+``max_num_active_requests``), which alone stands in when nothing else is known.
 
 1. adaptation off (or no metrics source)  -> ``static``: target = floor, never published.
-2. saturated (capacity-waiting > 0)       -> ``decrease`` toward the level the engine sustains
-   for us, ``min(running, in_flight - capacity_waiting)``, cutting by at most half; without a
-   usable estimate to ``0.8*T``. At most once per drain period, else ``hold_cooldown``. Ends
-   slow start; the new target is remembered as ``C``. A cut inside the drain period is
-   allowed when the engine runs fewer than the target while queueing (its capacity is lower).
-   A **foreign** saturation -- the fleet holds nothing, or less than ``fleet_share`` (1/2) of
-   what the server runs -- cuts to ``0.8*T`` once per saturated stretch and changes nothing
-   learned (``C``, the KV estimate at saturation, slow start): load the fleet did not cause and
-   cannot relieve says nothing of what the engine sustains for it.
+2. saturated (capacity-waiting > 0, or preemptions since the last poll) -> ``decrease`` toward
+   the level the engine sustains for us, ``min(running, in_flight - capacity_waiting)``,
+   cutting by at most half; without a usable estimate to ``0.8*T``. At most once per drain
+   period, else ``hold_cooldown``. Ends slow start; the new target is remembered as ``C``. A
+   cut inside the drain period is allowed when the engine runs fewer than the target while
+   queueing (its capacity is lower). A server that does not count undispatched requests
+   (llama.cpp) queues what the fleet holds beyond what runs and waits, once every slot is busy.
+   A **foreign** saturation -- the fleet holds nothing, less than ``fleet_share`` (1/2) of what
+   the server runs, or less than the queue (it cannot relieve it) -- cuts to ``0.8*T`` once per
+   saturated stretch and changes nothing learned (``C``, the KV estimate at saturation, slow
+   start): load the fleet did not cause and cannot relieve says nothing of what the engine
+   sustains for it.
 3. signals unknown / scrape failed        -> ``hold_unknown`` (not re-published, so the published
    lease decays); after ``unknown_reset_polls`` such polls -> ``reset`` to floor and slow start
    (``C`` is kept, so the next ramp stops at it), the floor published once (the last target
@@ -33,7 +38,8 @@ estimate alone, else unknown.
      the estimate stops it): multiplicative far below ``C``, straight to it near it;
    * ``C`` known and T at or above it -> ``hold_capacity``; without a KV estimate, a ``probe``
      above it after ``probe_polls`` clean polls (+5 %, doubling per probe the engine used
-     without queueing, up to +25 %), so a capacity grown without a KV signal is found;
+     without queueing, up to +25 %), so a capacity grown without a KV signal is found -- never
+     at or above a stated capacity, which also caps the probe;
    * ``C`` unknown -> ``slow_start`` (x2) before the first saturation, ``increase`` (+25 %) for a
      state stored by an older version; the first increase after a decrease needs
      ``recovery_polls`` near-full polls (``hold_hysteresis``).
@@ -73,12 +79,17 @@ def _clamp(value: int, params: ControllerParams) -> int:
 
 
 def _foreign(obs: Observation, p: ControllerParams) -> bool:
-    """The queue is not the fleet's doing: it holds nothing, or less than ``fleet_share`` of
-    what the server runs. False when the fleet's in-flight is unknown (the old rule applies)."""
+    """The queue is not the fleet's doing, or not the fleet's to relieve: it holds nothing, less
+    than ``fleet_share`` of what the server runs, or less than the queue itself (dropping every
+    permit it holds would leave the server queueing). False when the fleet's in-flight is
+    unknown (the fleet's own rule applies)."""
     held = obs.in_flight
     if held is None or not math.isfinite(held):
         return False
     if held <= 0:
+        return True
+    queue = obs.waiting_capacity
+    if queue is not None and math.isfinite(queue) and held < queue:
         return True
     running = obs.running
     return running is not None and math.isfinite(running) and held < p.fleet_share * running
@@ -141,14 +152,62 @@ def _kv_estimate(obs: Observation, p: ControllerParams) -> float | None:
     return estimate if math.isfinite(estimate) else None  # an absurd gauge is no estimate
 
 
-def _capacity(state: ControllerState, kv_estimate: float | None) -> float | None:
+def _published(obs: Observation) -> float | None:
+    """The request capacity the server states (at least 1), else None."""
+    stated = obs.max_requests
+    if stated is None or not math.isfinite(stated) or stated < 1:
+        return None
+    return stated
+
+
+def _capacity(
+    state: ControllerState, kv_estimate: float | None, published: float | None = None
+) -> float | None:
     """The capacity estimate ``C``: the remembered saturation level, scaled by how the KV-cache
-    estimate moved since (replicas added or removed), else the KV-cache estimate alone."""
+    estimate moved since (replicas added or removed), else the KV-cache estimate alone; never
+    above the request capacity the server states, which alone stands in when nothing else is
+    known."""
     if state.capacity is None:
-        return kv_estimate
-    if kv_estimate is not None and state.kv_capacity:
-        return state.capacity * kv_estimate / state.kv_capacity
-    return state.capacity
+        learned = kv_estimate
+    elif kv_estimate is not None and state.kv_capacity:
+        learned = state.capacity * kv_estimate / state.kv_capacity
+    else:
+        learned = state.capacity
+    if published is None:
+        return learned
+    return published if learned is None else min(learned, published)
+
+
+def _with_hidden_queue(
+    obs: Observation, state: ControllerState, p: ControllerParams
+) -> Observation:
+    """A server that does not count requests not yet dispatched (llama.cpp answers ``/metrics``
+    ahead of its queued tasks): when every slot is busy -- ``running`` at the stated slots, else
+    at the capacity estimate -- what the fleet holds beyond what runs and waits is queued there.
+    With a slot free the excess is a permit between two requests (a round trip), not a queue;
+    with no capacity known (a cold start) nothing is inferred."""
+    held, running = obs.in_flight, obs.running
+    if not obs.hidden_queue or held is None or running is None:
+        return obs
+    waiting = obs.waiting_capacity or 0.0
+    extra = held - running - waiting
+    if not (math.isfinite(extra) and extra >= 1):
+        return obs
+    level = _published(obs) or _capacity(state, _kv_estimate(obs, p))
+    if level is None or running < math.floor(level + _EPS):
+        return obs
+    return msgspec.structs.replace(obs, waiting_capacity=waiting + extra)
+
+
+def _is_saturated(obs: Observation, p: ControllerParams) -> bool | None:
+    """Capacity-waiting above the threshold, or preemptions since the last poll (the engine
+    admitted more than it holds, whatever waits at the scrape's instant). None when the queue
+    is unknown and nothing was preempted."""
+    if obs.preempted is not None and math.isfinite(obs.preempted) and obs.preempted > 0:
+        return True
+    if obs.waiting_capacity is None:
+        return None
+    return obs.waiting_capacity > p.saturation_threshold
 
 
 def _near_full(obs: Observation, target: int, p: ControllerParams) -> bool:
@@ -179,8 +238,9 @@ def step(
     clamped = target != state.target
     state = msgspec.structs.replace(state, target=target)
     sat: bool | None = None
-    if obs is not None and obs.waiting_capacity is not None:
-        sat = obs.waiting_capacity > p.saturation_threshold
+    if obs is not None:
+        obs = _with_hidden_queue(obs, state, p)
+        sat = _is_saturated(obs, p)
 
     if obs is not None and sat:
         # Saturation acts even on a partial (not ok) view: it is proven, and a cut is safe.
@@ -274,7 +334,8 @@ def _grow(
     target = state.target
     streak = state.near_full_streak + 1
     kv_estimate = _kv_estimate(obs, p)
-    capacity = _capacity(state, kv_estimate)
+    published = _published(obs)
+    capacity = _capacity(state, kv_estimate, published)
     probes = 0
     if capacity is not None and math.floor(capacity + _EPS) > target:
         # Below the estimate: double while far below it, then straight to it.
@@ -282,8 +343,10 @@ def _grow(
         reason = Reason.SLOW_START if grown < capacity else Reason.INCREASE
     elif capacity is not None:
         # A KV estimate follows the capacity by itself (it is measured whatever the load), so
-        # with one there is nothing to probe for; without one, wait probe_polls clean polls.
-        if kv_estimate is not None or (state.probes == 0 and streak < p.probe_polls):
+        # with one there is nothing to probe for, nor above what the server states it admits;
+        # otherwise wait probe_polls clean polls.
+        stated = published is not None and target >= math.floor(published + _EPS)
+        if kv_estimate is not None or stated or (state.probes == 0 and streak < p.probe_polls):
             new = msgspec.structs.replace(state, near_full_streak=streak, probes=0)
             return _out(new, Reason.HOLD_CAPACITY, True, sat, clamped)
         if state.probes > 0 and obs.running is not None and obs.running <= capacity:
@@ -295,6 +358,8 @@ def _grow(
         # saturation ends it.
         fraction = min(p.increase, p.probe * 2**state.probes)
         grown = target + max(1, math.floor(target * fraction + _EPS))
+        if published is not None:
+            grown = min(grown, math.floor(published + _EPS))
         reason = Reason.PROBE
         probes = state.probes + 1
     else:

@@ -118,12 +118,28 @@ class Observation(msgspec.Struct, frozen=True):
     ok: bool = True
     #: KV-cache usage, a fraction (1 = full); None when the server does not report it
     kv_cache_usage: float | None = None
+    #: the requests the server admits at once, as it states them (llama.cpp's slots, NIM's
+    #: ``num_request_max``, TensorRT-LLM's ``max_num_active_requests``); None when unstated
+    max_requests: float | None = None
+    #: requests preempted, retracted, paused or refused admission since the last poll (None:
+    #: unknown); any is saturation
+    preempted: float | None = None
+    #: the server does not count requests it has not dispatched yet (llama.cpp): they are
+    #: inferred from the fleet's in-flight when every slot is busy
+    hidden_queue: bool = False
 
     @classmethod
     def from_signals(cls, signals: Signals, in_flight: float | None = None) -> Observation:
         """Combine parsed signals with the fleet in-flight count."""
         return cls(
-            signals.running, signals.waiting_capacity, in_flight, signals.ok, signals.kv_cache_usage
+            signals.running,
+            signals.waiting_capacity,
+            in_flight,
+            signals.ok,
+            signals.kv_cache_usage,
+            max_requests=signals.max_requests,
+            preempted=signals.preempted,
+            hidden_queue=signals.hidden_queue,
         )
 
 

@@ -57,6 +57,7 @@ class Publication(msgspec.Struct, frozen=True):
             kv_cache_usage=s.kv_cache_usage if s else None,
             preemptions=s.preemptions if s else None,
             admission_rejections=s.admission_rejections if s else None,
+            max_requests=s.max_requests if s else None,
             metrics_ok=s is not None and s.ok,
             metrics_url=",".join(self.metrics_urls or self.gate.metrics_urls) or None,
             server=s.server if s else None,

@@ -44,6 +44,8 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_usage: float | None = None
     preemptions: float | None = None
     admission_rejections: float | None = None
+    #: the requests the server admits at once, as it states them (slots, max requests)
+    max_requests: float | None = None
     #: the last scrape was usable; the URLs it read (comma-joined), the kind that read them,
     #: and what went wrong
     metrics_ok: bool = False
@@ -80,6 +82,7 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
             "kv_cache_usage": _float_text(self.kv_cache_usage),
             "preemptions": _float_text(self.preemptions),
             "admission_rejections": _float_text(self.admission_rejections),
+            "max_requests": _float_text(self.max_requests),
             "current_target": _text(self.current_target),
             "floor": _text(self.floor),
             "ceiling": _text(self.ceiling),
@@ -112,6 +115,7 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
             kv_cache_usage=_float(raw.get("kv_cache_usage")),
             preemptions=_float(raw.get("preemptions")),
             admission_rejections=_float(raw.get("admission_rejections")),
+            max_requests=_float(raw.get("max_requests")),
             metrics_ok=raw.get("metrics_ok") == "1",
             metrics_url=raw.get("metrics_url") or None,
             server=raw.get("server") or None,

@@ -78,7 +78,15 @@ class GaugeAdapter:
     ``waiting`` stands in for it (errs towards "saturated"). ``kv_usage`` lists fraction gauges
     (1 = full) in order of preference. ``metrics_path`` is where the server serves the text.
     ``preemptions`` / ``rejections`` name the preemption (retraction, pause) and admission
-    rejection metric, reported only (None: the kind exports none).
+    rejection metric (None: the kind exports none); ``preemptions_counter`` says the first is a
+    counter (its increase between polls is the signal, see :mod:`.sources`), else a gauge whose
+    value is. ``max_requests`` is the gauge of the requests the server admits at once, as it
+    states it; ``kv_tokens`` a gauge of its KV cache in tokens, or ``kv_info`` an info gauge
+    ``(metric, blocks label, block size label)`` whose labels give it (vLLM). ``props_path``:
+    the server states its slots at that path instead (llama.cpp's ``/props``). ``hidden_queue``:
+    the kind does not count requests it has not dispatched yet. ``total_label``: series with
+    this label carry the total under the value ``""`` and a breakdown under the others (SGLang's
+    ``priority``); only the total is read.
     """
 
     server: str
@@ -91,13 +99,23 @@ class GaugeAdapter:
     metrics_path: str = "/metrics"
     preemptions: str | None = None
     rejections: str | None = None
+    preemptions_counter: bool = False
+    max_requests: str | None = None
+    kv_tokens: str | None = None
+    kv_info: tuple[str, str, str] | None = None
+    props_path: str | None = None
+    hidden_queue: bool = False
+    total_label: str | None = None
     _wanted: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = {self.waiting, *self.kv_usage}
-        names.update(n for n in (self.running, self.preemptions, self.rejections) if n)
+        optional = (self.running, self.preemptions, self.rejections, self.max_requests)
+        names.update(n for n in (*optional, self.kv_tokens) if n)
         if self.capacity is not None:
             names.add(self.capacity[0])
+        if self.kv_info is not None:
+            names.add(self.kv_info[0])
         object.__setattr__(self, "_wanted", frozenset(names))
 
     @property
@@ -128,8 +146,10 @@ class GaugeAdapter:
         if model is None and prefer is not None and label is not None:
             if any(s.labels.get(label) == prefer for s in samples):
                 model = prefer
+        info = self.kv_info[0] if self.kv_info is not None else None
         if model is not None and label is not None:
-            samples = [s for s in samples if s.labels.get(label) == model]
+            # An info gauge describes the engine, not a model: it carries no model label.
+            samples = [s for s in samples if s.labels.get(label) == model or s.name == info]
         return self._signals(samples), model
 
     def _key(self, s: Sample) -> str | None:
@@ -145,10 +165,13 @@ class GaugeAdapter:
         # count once (their maximum); different series are summed.
         cells: dict[tuple[str, tuple[tuple[str, str], ...] | int], float] = {}
         shard = self.shard_labels
+        total = self.total_label
         for i, s in enumerate(samples):
             key = self._key(s)
-            if key is None:
+            if key is None or (self.kv_info is not None and key == self.kv_info[0]):
                 continue
+            if total is not None and s.labels.get(total, "") != "":
+                continue  # a breakdown of the total beside it
             acc = accs.get(key)
             if acc is None:
                 acc = accs[key] = _Acc(use_max=key in self.kv_usage)
@@ -177,7 +200,11 @@ class GaugeAdapter:
         kv = next((accs[n] for n in self.kv_usage if n in accs), _Acc())
         running = get(self.running)
         preemptions, rejections = get(self.preemptions), get(self.rejections)
-        errors = [a.bad for a in (running, cap, waiting, kv, preemptions, rejections) if a.bad]
+        stated, tokens = get(self.max_requests), get(self.kv_tokens)
+        if self.kv_info is not None:
+            tokens = _info_tokens(samples, *self.kv_info)
+        reported = (kv, preemptions, rejections, stated, tokens)
+        errors = [a.bad for a in (running, cap, waiting, *reported) if a.bad]
         return Signals(
             running=running.value(),
             waiting=waiting.value(),
@@ -189,7 +216,31 @@ class GaugeAdapter:
             error="; ".join(dict.fromkeys(errors)) or None,
             preemptions=preemptions.value(),
             admission_rejections=rejections.value(),
+            max_requests=stated.value(),
+            kv_tokens=tokens.value(),
+            # A gauge's value is this poll's signal; a counter's needs the last poll (sources).
+            preempted=None if self.preemptions_counter else preemptions.value(),
+            hidden_queue=self.hidden_queue,
         )
+
+
+def _info_tokens(samples: list[Sample], metric: str, blocks: str, size: str) -> _Acc:
+    """KV tokens from an info gauge's labels (``num_gpu_blocks`` x ``block_size``), summed over
+    its series (engines); unknown while any series lacks them (vLLM writes ``"None"`` until it
+    has profiled its memory)."""
+    acc = _Acc()
+    for s in samples:
+        if s.name != metric:
+            continue
+        try:
+            value = float(s.labels.get(blocks, "")) * float(s.labels.get(size, ""))
+        except ValueError:
+            return _Acc()
+        if not _valid(value):
+            acc.refuse(f"{metric} {blocks} x {size}", value)
+            continue
+        acc.add(metric, value)
+    return acc
 
 
 VLLM = GaugeAdapter(
@@ -200,8 +251,9 @@ VLLM = GaugeAdapter(
     # gpu_cache_usage_perc: the name before vLLM renamed it; read only when the current is absent
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     preemptions="vllm:num_preemptions_total",
-    # the name is assumed (not read in vLLM's source): docs/servers.md
-    rejections="vllm:num_admission_rejections_total",
+    preemptions_counter=True,
+    rejections="vllm:admission_rejections_total",
+    kv_info=("vllm:cache_config_info", "num_gpu_blocks", "block_size"),
 )
 SGLANG = GaugeAdapter(
     server="sglang",
@@ -210,6 +262,8 @@ SGLANG = GaugeAdapter(
     kv_usage=("sglang:token_usage",),
     shard_labels=frozenset({"tp_rank", "pp_rank", "moe_ep_rank", "pid"}),
     preemptions="sglang:num_retracted_reqs",
+    kv_tokens="sglang:max_total_num_tokens",
+    total_label="priority",
 )
 TGI = GaugeAdapter(
     server="tgi", running="tgi_batch_current_size", waiting="tgi_queue_size", model_label=None
@@ -220,6 +274,8 @@ LLAMACPP = GaugeAdapter(
     running="llamacpp:requests_processing",
     waiting="llamacpp:requests_deferred",
     model_label=None,
+    props_path="/props",
+    hidden_queue=True,
 )
 TRTLLM = GaugeAdapter(
     server="trtllm",
@@ -228,6 +284,7 @@ TRTLLM = GaugeAdapter(
     kv_usage=("trtllm_kv_cache_utilization",),
     shard_labels=frozenset({"pid"}),
     preemptions="trtllm_num_paused_requests",
+    max_requests="trtllm_max_num_active_requests",
     metrics_path="/prometheus/metrics",
 )
 NIM = GaugeAdapter(
@@ -235,6 +292,7 @@ NIM = GaugeAdapter(
     running="num_requests_running",
     waiting="num_requests_waiting",
     kv_usage=("gpu_cache_usage_perc",),
+    max_requests="num_request_max",
     metrics_path="/v1/metrics",
 )
 

@@ -21,12 +21,15 @@ class Signals(msgspec.Struct, frozen=True):
     by the coordinator's metrics source (None when unknown, e.g. nothing was recognised yet).
     A kind without an in-flight gauge (TEI) always reports ``running`` None.
 
-    ``preemptions`` and ``admission_rejections`` are reported, not acted on: requests the
-    engine preempted, retracted or paused (vLLM's cumulative counter ``num_preemptions_total``;
+    ``preemptions`` and ``admission_rejections`` are the raw readings: requests the engine
+    preempted, retracted or paused (vLLM's cumulative counter ``num_preemptions_total``;
     SGLang's ``num_retracted_reqs`` and TensorRT-LLM's ``num_paused_requests`` gauges) and
-    requests it refused admission (vLLM), summed over engines and replicas. None when the server
-    exports no such metric (most kinds), never 0. For a counter, its increase between polls is
-    the signal, not its value.
+    requests it refused admission (vLLM's counter ``admission_rejections_total``), summed over
+    engines and replicas. None when the server exports no such metric (most kinds), never 0.
+    ``preempted`` is what the controller acts on (any is saturation): the gauges' value plus the
+    counters' increase since the last poll (the metrics source keeps the last reading).
+    ``max_requests`` is the request capacity the server states (NIM, TensorRT-LLM, llama.cpp's
+    ``/props``), ``kv_tokens`` its KV cache in tokens (vLLM, SGLang; reported only).
     """
 
     running: float | None = None
@@ -38,6 +41,14 @@ class Signals(msgspec.Struct, frozen=True):
     server: str | None = None
     preemptions: float | None = None
     admission_rejections: float | None = None
+    #: the requests the server admits at once, as it states them (None: it does not)
+    max_requests: float | None = None
+    #: the KV cache's size in tokens, as the server states it (reported; None: it does not)
+    kv_tokens: float | None = None
+    #: preemptions and rejections since the last poll (counters' increase, gauges' value)
+    preempted: float | None = None
+    #: the kind does not count requests it has not dispatched yet (llama.cpp)
+    hidden_queue: bool = False
 
     @classmethod
     def failure(cls, error: str) -> Signals:

@@ -234,6 +234,9 @@ def combine(parts: Sequence[Signals]) -> Signals:
     caps = [p.waiting_capacity for p in parts]
     known_cap = _sum(c for c in caps if c is not None)
     proven_cap = known_cap if known_cap else None  # > 0 (parts are never negative)
+    preempted = [p.preempted for p in parts if p.preempted is not None]
+    # Like capacity-waiting, preemptions on the replicas that answered prove saturation.
+    known_preempted = math.fsum(preempted) if preempted else None
     failed = [p for p in parts if not p.ok]
     if failed:
         reasons = "; ".join(p.error or "failed" for p in failed)
@@ -241,6 +244,8 @@ def combine(parts: Sequence[Signals]) -> Signals:
             waiting_capacity=proven_cap,
             ok=False,
             error=f"{len(failed)}/{len(parts)} endpoints failed: {reasons}",
+            preempted=known_preempted or None,
+            hidden_queue=any(p.hidden_queue for p in parts),
         )
     kvs = [p.kv_cache_usage for p in parts]
     return Signals(
@@ -251,6 +256,10 @@ def combine(parts: Sequence[Signals]) -> Signals:
         preemptions=_sum(p.preemptions for p in parts),
         admission_rejections=_sum(p.admission_rejections for p in parts),
         error="; ".join(p.error for p in parts if p.error) or None,
+        max_requests=_sum(p.max_requests for p in parts),
+        kv_tokens=_sum(p.kv_tokens for p in parts),
+        preempted=known_preempted,
+        hidden_queue=any(p.hidden_queue for p in parts),
     )
 
 

@@ -31,10 +31,12 @@ import httpx
 import msgspec
 
 from .adapters import ADAPTERS, AUTO, DETECTION_ORDER, GaugeAdapter, detect_kind
+from .published import counter_increase, props_url, stated_slots
 from .signal_struct import Signals
 from .signals import ScrapeResult, combine, derive_metrics_url, read_result, scrape
 
 __all__ = [
+    "PROPS_EVERY",
     "Fetcher",
     "HttpxFetcher",
     "MetricsSource",
@@ -44,6 +46,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("fleetgate.coordinator")
+
+#: a server that states its slots only at its ``props_path`` (llama.cpp) is asked once, then
+#: every this many polls (a restart with other slots is followed within a minute at 2 s) and
+#: after a failed scrape of it: one extra GET per 30 polls, not one per poll
+PROPS_EVERY = 30
 
 
 def candidate_urls(base_url: str) -> tuple[str, ...]:
@@ -121,6 +128,11 @@ class MetricsSource:
         if gate.metrics_url is not None or self.kind is not None:
             self.urls = gate.metrics_urls
         self._model_choice: tuple[str | None] | None = None  # last logged filter
+        self._polls = 0
+        # per URL: (preemptions, rejections) of its last good scrape, for the counters' increase
+        self._counters: dict[str, tuple[float | None, float | None]] = {}
+        # per URL: (slots its props_path stated, the poll that read them)
+        self._slots: dict[str, tuple[float | None, int]] = {}
 
     @property
     def adapter(self) -> GaugeAdapter | None:
@@ -144,10 +156,15 @@ class MetricsSource:
                 return failure
         adapter = self.adapter
         assert adapter is not None
+        self._polls += 1
         parts: list[Signals] = []
         models: set[str | None] = set()
         for result in results:
             signals, model = read_result(result, adapter, self.gate.model_name, self.gate.name)
+            signals = self._since_last(result, signals, adapter)
+            if adapter.props_path is not None:
+                slots = await self._stated_slots(result, adapter.props_path, timeout, max_bytes)
+                signals = msgspec.structs.replace(signals, max_requests=slots)
             parts.append(signals)
             if signals.ok:
                 models.add(model)
@@ -155,6 +172,39 @@ class MetricsSource:
         if combined.ok:
             self._note_model(adapter, models)
         return msgspec.structs.replace(combined, server=adapter.server)
+
+    def _since_last(self, result: ScrapeResult, part: Signals, adapter: GaugeAdapter) -> Signals:
+        """``preempted`` of one replica: its gauges' value (set by the adapter) plus its
+        counters' increase since its last good scrape (unknown for the first one)."""
+        if not result.ok or not (adapter.preemptions_counter or adapter.rejections):
+            return part
+        now = (part.preemptions, part.admission_rejections)
+        before = self._counters.get(result.url, (None, None))
+        self._counters[result.url] = now
+        increases = [counter_increase(before[1], now[1]), part.preempted]
+        if adapter.preemptions_counter:
+            increases.append(counter_increase(before[0], now[0]))
+        known = [v for v in increases if v is not None]
+        return msgspec.structs.replace(part, preempted=sum(known) if known else None)
+
+    async def _stated_slots(
+        self, result: ScrapeResult, path: str, timeout: float, max_bytes: int
+    ) -> float | None:
+        """The slots the server at ``result``'s URL states at ``path``: read with its first good
+        scrape, again every :data:`PROPS_EVERY` polls and after a failed scrape (a restart may
+        change them). A failed read leaves them unknown until the next one is due."""
+        if not result.ok:
+            self._slots.pop(result.url, None)
+            return None
+        known = self._slots.get(result.url)
+        if known is not None and self._polls - known[1] < PROPS_EVERY:
+            return known[0]
+        answer = await self.fetcher.get(
+            props_url(result.url, path), timeout=timeout, max_bytes=max_bytes
+        )
+        slots = stated_slots(answer.text) if answer.ok else None
+        self._slots[result.url] = (slots, self._polls)
+        return slots
 
     async def _probe(self, timeout: float, max_bytes: int) -> list[ScrapeResult]:
         """``auto`` with ``base_url``: each kind's path in turn, until one is recognised.

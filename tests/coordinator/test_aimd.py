@@ -131,30 +131,30 @@ def test_target_always_within_bounds(
 # ---------------------------------------------------- foreign load does not teach the capacity
 
 
-def foreign(capacity: int, in_flight: float = 0, kv: bool = False) -> Observation:
-    """Callers that bypass the gate fill the engine and queue 12 more; the fleet holds
+def foreign(capacity: int, in_flight: float = 0, kv: bool = False, queue: int = 12) -> Observation:
+    """Callers that bypass the gate fill the engine and queue ``queue`` more; the fleet holds
     ``in_flight`` (none by default), as measured against a llama.cpp server."""
     return Observation(
         running=capacity,
-        waiting_capacity=12,
+        waiting_capacity=queue,
         in_flight=in_flight,
         kv_cache_usage=1.0 if kv else None,
     )
 
 
 def after_foreign(
-    capacity: int, floor: int, polls: int, kv: bool, warm: bool
+    capacity: int, floor: int, polls: int, kv: bool, warm: bool, held: float = 0, queue: int = 12
 ) -> tuple[list[Decision], list[Decision], ControllerState]:
-    """The fleet's own ramp (40 polls when ``warm``), ``polls`` of foreign saturation, then the
-    foreign callers leave and the fleet fills every permit again: (foreign decisions, the
-    decisions after, the state before the foreign load)."""
+    """The fleet's own ramp (40 polls when ``warm``), ``polls`` of foreign saturation (the fleet
+    holding ``held``), then the foreign callers leave and the fleet fills every permit again:
+    (foreign decisions, the decisions after, the state before the foreign load)."""
     p = ControllerParams(floor=floor, ceiling=512, poll_interval=2.0)
     engine = Engine(capacity, kv=kv)
     s = run(engine, p, polls=40)[-1].state if warm else ControllerState.initial(p)
     before = s
     out = []
     for n in range(polls):
-        d = step(s, foreign(capacity, kv=kv), p, now=1000.0 + 2.0 * n)
+        d = step(s, foreign(capacity, held, kv, queue), p, now=1000.0 + 2.0 * n)
         out.append(d)
         s = d.state
     back = []
@@ -240,3 +240,26 @@ def test_the_fleet_joining_a_foreign_stretch_cuts_by_the_old_rule() -> None:
     # and still queues; its in-flight is at the cut, so the drain period is over.
     d = step(d.state, Observation(running=64, waiting_capacity=30, in_flight=50), P, now=12)
     assert (d.target, d.reason, d.state.capacity) == (25, Reason.DECREASE, 25)
+
+
+@pytest.mark.parametrize("kv", [False, True])
+@pytest.mark.parametrize(("capacity", "floor"), [(4, 1), (64, 4), (256, 8)])
+def test_a_fleet_holding_less_than_the_queue_cannot_relieve_it(
+    capacity: int, floor: int, kv: bool
+) -> None:
+    """The fleet holds half of what runs (not 'under half': the old test passes it as ours) but
+    less than the queue: even dropping every permit it holds would leave the server queueing,
+    so the queue is not the fleet's to relieve and teaches nothing. Against llama.cpp with
+    ``-np 4`` and 12 callers outside the gate, the fleet's 2 of 4 running were read as ours and
+    the cut stored as C (4 -> 2, then 2 -> 1: 13-25 polls back to 0.8 N). The queue: 12 at
+    N = 4 (the measured case), N otherwise."""
+    queue = 12 if capacity == 4 else capacity
+    held = capacity / 2
+    during, back, before = after_foreign(capacity, floor, 10, kv, True, held, queue)
+    assert {d.state.capacity for d in during} == {before.capacity}
+    assert {d.state.kv_capacity for d in during} == {before.kv_capacity}
+    assert polls_to_reach(back, 0.8 * capacity) <= 3
+    cold = run(Engine(capacity, kv=kv), ControllerParams(floor, 512, poll_interval=2.0), 60)
+    during, back, _ = after_foreign(capacity, floor, 10, kv, False, held, queue)
+    assert all(d.state.slow_start and d.state.capacity is None for d in during)
+    assert polls_to_reach(back, 0.8 * capacity) == polls_to_reach(cold, 0.8 * capacity)

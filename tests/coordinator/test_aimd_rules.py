@@ -86,7 +86,7 @@ def test_decrease_sees_other_traffic_through_fleet_in_flight() -> None:
 def test_decrease_cuts_at_most_half() -> None:
     s = state(200, slow_start=False)
     assert step(s, saturated(running=30, in_flight=200, waiting=170), P, now=0).target == 100
-    assert step(s, saturated(running=0, in_flight=5, waiting=400), P, now=0).target == 100
+    assert step(s, saturated(running=0, in_flight=200, waiting=150), P, now=0).target == 100
 
 
 def test_decrease_without_estimate_is_twenty_percent() -> None:
@@ -117,7 +117,7 @@ def test_first_saturation_ends_slow_start() -> None:
     d = step(state(64), saturated(running=50, in_flight=64), P, now=0)
     assert not d.state.slow_start and d.target == 50
     # At the floor a saturation cannot cut, but it still ends slow start.
-    d = step(s, saturated(running=4, in_flight=4), P, now=0)
+    d = step(s, saturated(running=4, in_flight=4, waiting=2), P, now=0)
     assert d.reason is Reason.CLAMP and not d.state.slow_start and d.state.capacity == 4
     # The floor is remembered as the capacity: hold there, then probe (+max(1, 5 %)).
     for n in range(1, P.probe_polls):

@@ -105,11 +105,20 @@ async def test_coordinator_publishes_from_each_flavour(
 
 
 async def test_saturated_flavour_backs_off(rut: RedisUnderTest, async_redis: aredis.Redis) -> None:
-    """llama.cpp with 2 slots and 16 callers: requests are deferred, so the target comes down."""
+    """llama.cpp with 4 slots and 16 callers: the ramp stops at the 4 slots /props states (no
+    overshoot to find them); with 2 slots left, requests are deferred and the target comes
+    down."""
     keys = GateKeys.of(rut.prefix, MODEL)
-    sim = VllmSimConfig(flavor="llamacpp", model=MODEL, capacity=2, service_ms=80)
+    sim = VllmSimConfig(flavor="llamacpp", model=MODEL, capacity=4, service_ms=80)
     with serve_in_thread(build_app(sim)) as served:
         async with running(_config(rut, served.url, server="llamacpp")), _load(rut, served.url, 16):
+            await eventually(
+                lambda: _util_is(async_redis, keys, current_target="4"), 10, "the stated 4 slots"
+            )
+            assert await async_redis.hget(keys.util, "saturated") == "0"
+            assert await async_redis.hget(keys.util, "max_requests") == "4.0"  # from /props
+            async with httpx.AsyncClient(base_url=served.url) as admin:
+                (await admin.post("/admin/capacity", json={"capacity": 2})).raise_for_status()
             await eventually(
                 lambda: _util_is(async_redis, keys, reason="decrease", saturated="1"),
                 10,

@@ -14,6 +14,7 @@ FULL = UtilHash(
     kv_cache_usage=0.5,
     preemptions=2.0,
     admission_rejections=None,
+    max_requests=64.0,
     metrics_ok=True,
     metrics_url="http://a/metrics,http://b/metrics",
     server="vllm",
@@ -39,6 +40,7 @@ def test_what_is_written_reads_back() -> None:
     text = FULL.encode()
     assert text["running"] == "3.0" and text["latency_p50"] == "0.125000"
     assert text["metrics_ok"] == "1" and text["admission_rejections"] == ""
+    assert text["max_requests"] == "64.0"  # the request capacity the server states
     assert UtilHash.decode(text) == FULL
     assert UtilHash.decode(UtilHash().encode()) == UtilHash()
 

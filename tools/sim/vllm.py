@@ -30,7 +30,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleetgate.tools.sim._openai import BadRequest, openai_body, parse_request, stream_mode
@@ -157,8 +157,16 @@ def _models(sim: VllmSim) -> Callable[[Request], Awaitable[Response]]:
 
 
 def _flavor_routes(sim: VllmSim) -> list[Route]:
-    """Routes of the flavour's own: trtllm-serve's ``/metrics`` is JSON iteration stats."""
+    """Routes of the flavour's own: trtllm-serve's ``/metrics`` is JSON iteration stats;
+    llama-server states its slots in ``/props`` (``total_slots``, here the capacity)."""
     metrics = sim.metrics
+    if sim.config.flavor == "llamacpp":
+
+        async def props(request: Request) -> Response:
+            body = {"total_slots": sim.limiter.capacity, "model_path": sim.config.model}
+            return JSONResponse(body)
+
+        return [Route("/props", props, methods=["GET"])]
     if not isinstance(metrics, TrtllmExposition):
         return []
 

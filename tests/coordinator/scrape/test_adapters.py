@@ -275,9 +275,9 @@ vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
 vllm:num_preemptions_total{engine="0",model_name="m"} 17.0
 vllm:num_preemptions_total{engine="1",model_name="m"} 5.0
 vllm:num_preemptions_created{engine="0",model_name="m"} 1.7712e+09
-# TYPE vllm:num_admission_rejections_total counter
-vllm:num_admission_rejections_total{engine="0",model_name="m"} 2.0
-vllm:num_admission_rejections_total{engine="1",model_name="m"} 1.0
+# TYPE vllm:admission_rejections_total counter
+vllm:admission_rejections_total{engine="0",model_name="m"} 2.0
+vllm:admission_rejections_total{engine="1",model_name="m"} 1.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.4
 # TYPE vllm:gpu_cache_usage_perc gauge
