@@ -174,7 +174,9 @@ async def test_slow_servers_cannot_hold_the_scrape(
 ) -> None:
     error, took = await _scrape(hostile, path, client_kind)
     assert "timed out" in error
-    assert TIMEOUT * 0.9 <= took < TIMEOUT + 0.5, took
+    # The servers never finish: any bound shows the timeout ended the scrape. 1.5 s of slack
+    # for a loaded 2-core machine (0.5 s failed three of these at load 8-9).
+    assert TIMEOUT * 0.9 <= took < TIMEOUT + 1.5, took
 
 
 @pytest.mark.parametrize("path", ["/huge", "/huge-chunked"])
