@@ -55,7 +55,11 @@ def park_and_hold_each(
         logging.getLogger("fleetgate.client").addHandler(lines)
         # A blocking pool, large enough that counting is never what the permits wait for (at
         # first the listeners' topology loads take the loop for seconds).
-        probe_client = connect(probe_url, max_connections=32, timeout=60)
+        # Its connects wait too: the default 1 s timed out on a loaded machine (load 8-9), a
+        # failure of the test's counter, not of the gate.
+        probe_client = connect(
+            probe_url, max_connections=32, timeout=60, socket_connect_timeout=10, socket_timeout=10
+        )
         peak = granted = 0
         fallback_seen = False
         async with Fleet(
