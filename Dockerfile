@@ -23,7 +23,7 @@ COPY tools ./tools
 COPY demo ./demo
 COPY testing ./testing
 COPY cli ./cli
-RUN pip install ".[sim,proxy]" \
+RUN pip install ".[sim,proxy,fast]" \
     && rm -rf /src \
     && useradd --system --create-home --uid 10001 fleetgate
 

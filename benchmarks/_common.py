@@ -42,6 +42,7 @@ BENCHMARKS = (
     "fairness",
     "proxy",
     "proxy_workers",
+    "redis_memory",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]

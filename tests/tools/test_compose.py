@@ -8,6 +8,7 @@ docker-compose``); the prometheus.yml check uses ``promtool`` (Debian: ``prometh
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,6 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 
 from fleetgate.coordinator.config import Config
+
+from .._tree import package_dirs
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = shutil.which("docker-compose")
@@ -223,3 +226,14 @@ def test_deploy_prometheus_yml() -> None:
     assert {f"coordinator-a:{port}", f"coordinator-b:{port}"} <= static
     dns = [sd for job in jobs.values() for sd in job.get("dns_sd_configs", [])]
     assert any(sd["names"] == ["worker"] and sd["port"] == 9100 for sd in dns), dns
+
+
+def test_the_image_installs_every_package_and_the_fast_extra() -> None:
+    """The image runs the proxy and the workers on their fast paths (hiredis, uvloop,
+    httptools) and holds every root folder the package is built from."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    [install] = re.findall(r'pip install "\.\[([a-z,]+)\]"', dockerfile)
+    assert {"sim", "proxy", "fast"} <= set(install.split(","))
+    roots = {path.relative_to(ROOT).parts[0] for path in package_dirs().values()}
+    copied = set(re.findall(r"^COPY (\w+) \./\w+$", dockerfile, re.M))
+    assert roots <= copied, roots - copied
