@@ -129,7 +129,7 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "check",
         help="health check (exit code 0 if Redis is usable)",
-        description="Connect to Redis and check: version >= 6.2, maxmemory-policy noeviction "
+        description="Connect to Redis and check: version >= 7.0, maxmemory-policy noeviction "
         "(evicted semaphore keys would reset the cap), connected to a primary, and fleetgate's "
         "keys under the prefix hold the right types and numbers. Replicas are reported (a "
         "failover can lose recent grants). Exit 0 when healthy, 1 on any error.",

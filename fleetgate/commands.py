@@ -141,7 +141,7 @@ def format_inspect(gate: str, snap: Snapshot) -> str:
 
 
 async def check(url: str, prefix: str) -> int:
-    """Redis reachable, version >= 6.2, noeviction, a primary, fleetgate's keys intact.
+    """Redis reachable, version >= 7.0, noeviction, a primary, fleetgate's keys intact.
 
     Exit 1 on any error-level finding (see :mod:`fleetgate.safety`); warnings (replicas
     attached, a setting that could not be read) are printed but keep exit code 0.

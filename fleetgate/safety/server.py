@@ -19,7 +19,7 @@ from fleetgate.safety.findings import Finding, denied
 
 __all__ = ["MIN_VERSION", "check_redis", "redis_version", "server_findings"]
 
-MIN_VERSION = (6, 2)
+MIN_VERSION = (7, 0)  # the scripts are a Functions library (FUNCTION LOAD, FCALL)
 
 _WAIT_NOTE = (
     "a grant is acknowledged by the primary before it reaches the replicas; after a failover "

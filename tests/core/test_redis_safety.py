@@ -216,3 +216,22 @@ async def test_check_knows_the_schema_2_keys(
     }
     [mixed] = await find_bad_keys(async_redis, rut.prefix, ["mixed"])
     assert "HDEL" in mixed.message and keys("mixed").queue in mixed.message
+
+
+async def test_a_redis_without_functions_is_too_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripts are a Functions library (FUNCTION LOAD, FCALL): Redis 7.0 at least, so a 6.2
+    server is refused by `fleetgate check`, as the README says, not accepted."""
+    from fleetgate.safety import server
+
+    async def version(_client: object) -> str:
+        return "6.2.14"
+
+    monkeypatch.setattr(server, "redis_version", version)
+    [finding] = await server._version_findings(object())
+    assert finding.level == "error" and ">= 7.0" in finding.message
+    monkeypatch.setattr(server, "redis_version", lambda _c: _seven())
+    assert await server._version_findings(object()) == []
+
+
+async def _seven() -> str:
+    return "7.0.15"
