@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("--deadline", float, 30.0, "S", "total deadline of one request, queue wait included"),
         ("--passages", int, 64, "N", "rerank: passages per request"),
         ("--batch-size", int, 16, "N", "rerank: passages per call"),
-        ("--metrics-listen", _listen, "0.0.0.0:9100", "HOST:PORT", "where to serve /metrics"),
+        ("--metrics-listen", _listen, "127.0.0.1:9100", "HOST:PORT", "where to serve /metrics"),
         ("--log-interval", float, 5.0, "S", "seconds between progress lines"),
     ):
         p.add_argument(

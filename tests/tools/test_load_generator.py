@@ -147,3 +147,12 @@ def test_worker_streams_when_asked(rut: RedisUnderTest, kind: str) -> None:
     assert code == 0
     assert seen and all(seen), seen  # every call asked for a stream
     assert 0 < v.state.sim.stats()["served"] <= len(seen)  # the last may be cut by the stop
+
+
+def test_the_worker_serves_its_metrics_on_loopback_by_default() -> None:
+    """As every other listener of fleetgate (proxy, coordinator, simulators): 0.0.0.0 only
+    when asked, as docker-compose and the manifests do."""
+    from fleetgate.tools.load import build_parser
+
+    ns = build_parser().parse_args(["--gate", "g", "--target-url", "http://a"])
+    assert ns.metrics_listen == ("127.0.0.1", 9100)
