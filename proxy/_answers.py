@@ -104,6 +104,7 @@ class Answers:
         ex.status = status
         ex.note = ex.note or kind
         await send_plain(ex.send, status, body, "application/json", extra)
+        ex.sent = len(body)
 
     async def caller_failed(self, ex: Exchange, exc: Exception, phase: str) -> None:
         """The caller's side stopped the exchange (:meth:`Inbound.failure`) in ``phase`` (body,
@@ -165,7 +166,10 @@ class Answers:
                 retry=False,
             )
         elif isinstance(exc, DeadlineExceeded):
-            msg = f"{exc} (expired while queued for a permit)"
+            msg = (
+                f"gate {route.gate!r}: the deadline of {exc.deadline_ms} ms passed while the "
+                "request was queued for a permit; it was not forwarded"
+            )
             await cls.error(ex, 504, "deadline_exceeded", msg, gate=route.gate, retry=False)
         elif isinstance(exc, ConfigError):
             await cls.error(ex, 400, "bad_header", str(exc), gate=route.gate)

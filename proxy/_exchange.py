@@ -69,7 +69,7 @@ class Exchange:
     label: str = ""  # the route's label, once routed
     gate: str = ""  # the route's gate, once routed
     status: int = 0  # the status sent; 0 while none is
-    sent: int = 0  # body bytes of the upstream's answer handed to the caller
+    sent: int = 0  # body bytes handed to the caller: the upstream's answer, or the proxy's own
     wait_ms: float | None = None  # the wait for the permit, once granted
     ask: Ask | None = None  # the permit asked for, once the headers are parsed
     note: str = ""

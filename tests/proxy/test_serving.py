@@ -106,8 +106,9 @@ def test_429_when_the_wait_list_is_full(rut: RedisUnderTest, upstream: Served) -
 
 
 async def test_504_when_the_deadline_expires_while_queued(
-    rut: RedisUnderTest, upstream: Served, fleet: Fleet
+    rut: RedisUnderTest, upstream: Served, fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="fleetgate.proxy.access")
     gate = fleet.gate("g", floor=1)
     with serve_proxy(rut, upstream, gate_defaults={"floor": 1}) as url:
         async with gate.permit(deadline=30), httpx.AsyncClient(base_url=url) as http:
@@ -118,6 +119,9 @@ async def test_504_when_the_deadline_expires_while_queued(
         error = r.json()["error"]
         assert error["type"] == "deadline_exceeded" and error["gate"] == "g"
         assert "300 ms" in error["message"] and "queued" in error["message"]
+        assert "retr" not in error["message"]  # the proxy retries nothing
+        [line] = [m.getMessage() for m in caplog.records if '"POST /work" 504' in m.getMessage()]
+        assert f" 504 {len(r.content)}B " in line  # its own body counted, not 0B
         assert upstream_log(upstream).arrivals == []  # the work was never started
     await fleet.flush()
     wait_idle(rut.url, rut.prefix, "g")
