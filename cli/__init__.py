@@ -38,19 +38,24 @@ __all__ = ["build_parser", "main", "resolve_redis"]
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2  # as in fleetgate.commands
 
 
-def _redis_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("redis")
-    g.add_argument(
+def _redis_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--redis and --prefix, in one order for every command: flag, environment, file, default."""
+    p.add_argument(
         "--redis",
         metavar="URL",
-        help="Redis URL (default: $FLEETGATE_REDIS_URL, else the --config file's [redis] url, "
+        help="Redis URL (default: $FLEETGATE_REDIS_URL, else the config file's [redis] url, "
         "else redis://127.0.0.1:6379/0)",
     )
-    g.add_argument(
+    p.add_argument(
         "--prefix",
         metavar="P",
         help="key prefix (default: $FLEETGATE_PREFIX, else the config file's, else 'fg')",
     )
+
+
+def _redis_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("redis")
+    _redis_flags(g)
     g.add_argument("--config", metavar="FILE", help="coordinator TOML config to take them from")
 
 
@@ -71,6 +76,7 @@ def _add_coordinator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument("--config", required=True, metavar="FILE", help="TOML config file")
     p.add_argument("--id", metavar="ID", help="coordinator id (default: host-pid-random)")
+    _redis_flags(p)
     _logging_options(p)
 
 
@@ -198,17 +204,7 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--gate", metavar="NAME", help="one route: the gate of every request")
     for flag, meaning in _ONE_ROUTE_GATE_FLAGS:
         p.add_argument(flag, metavar="N", type=int, help=f"one route: the gate's {meaning}")
-    p.add_argument(
-        "--redis",
-        metavar="URL",
-        help="Redis URL (default: the config's [redis] url, else $FLEETGATE_REDIS_URL, else "
-        "redis://127.0.0.1:6379/0)",
-    )
-    p.add_argument(
-        "--prefix",
-        metavar="P",
-        help="key prefix (default: the config's, else $FLEETGATE_PREFIX, else 'fg')",
-    )
+    _redis_flags(p)
     _logging_options(p)
 
 
@@ -292,7 +288,9 @@ def resolve_redis(args: argparse.Namespace) -> tuple[str, str]:
 def _coordinator(args: argparse.Namespace) -> int:
     from fleetgate.coordinator.daemon import run_coordinator
 
-    return int(run_coordinator(args.config, coordinator_id=args.id))
+    return int(
+        run_coordinator(args.config, coordinator_id=args.id, redis=args.redis, prefix=args.prefix)
+    )
 
 
 def _status(args: argparse.Namespace) -> int:

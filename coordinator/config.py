@@ -290,9 +290,27 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return convert(cls, data, injected=injected)
 
 
-def load_config(path: str | os.PathLike[str], env: Mapping[str, str] = os.environ) -> Config:
-    """Read and validate the TOML file at ``path``; see the module docstring for ``env``."""
-    return Config.from_mapping(read_toml(path), env=env)
+def load_config(
+    path: str | os.PathLike[str],
+    env: Mapping[str, str] = os.environ,
+    *,
+    redis: str | None = None,
+    prefix: str | None = None,
+) -> Config:
+    """Read and validate the TOML file at ``path``; see the module docstring for ``env``.
+    ``redis`` and ``prefix`` (``fleetgate coordinator --redis/--prefix``) win over both; a bad
+    one is a :class:`ConfigError` naming the flag."""
+    config = Config.from_mapping(read_toml(path), env=env)
+    if redis is None and prefix is None:
+        return config
+    try:
+        settings = RedisSettings(
+            url=redis or config.redis.url, prefix=prefix or config.redis.prefix
+        )
+    except ConfigError as exc:
+        text = str(exc).replace("url:", "--redis:", 1).replace("prefix:", "--prefix:", 1)
+        raise ConfigError(text) from None
+    return msgspec.structs.replace(config, redis=settings)
 
 
 # ---------------------------------------------------------------------------------- environment

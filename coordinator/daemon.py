@@ -313,9 +313,16 @@ class Coordinator:
         return self.gates.decide(gate, signals, in_flight, now, reading, self._poll.urls_of(gate))
 
 
-def run_coordinator(config_path: str, *, coordinator_id: str | None = None) -> int:
-    """Entry point of ``fleetgate coordinator``: run until SIGTERM/SIGINT, exit 0."""
-    config = load_config(config_path)
+def run_coordinator(
+    config_path: str,
+    *,
+    coordinator_id: str | None = None,
+    redis: str | None = None,
+    prefix: str | None = None,
+) -> int:
+    """Entry point of ``fleetgate coordinator``: run until SIGTERM/SIGINT, exit 0. ``redis``
+    and ``prefix`` override the config file's and the environment's."""
+    config = load_config(config_path, redis=redis, prefix=prefix)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -16,8 +16,8 @@ A request goes to the first route whose ``path`` is a prefix of its path (on a `
 and, when the route lists ``models``, whose JSON body names one of them in ``model``. Every
 problem is a :class:`~fleetgate.errors.ConfigError` naming the field, e.g.
 ``routes[1].upstream: expected an http:// or https:// URL without credentials, got 'ftp://x'``.
-Environment: ``FLEETGATE_REDIS_URL`` and ``FLEETGATE_PREFIX`` fill ``[redis]`` when the file does
-not set them (the CLI's ``--redis``/``--prefix`` win over both).
+Environment: ``FLEETGATE_REDIS_URL`` and ``FLEETGATE_PREFIX`` override ``[redis]`` (the CLI's
+``--redis``/``--prefix`` win over both): flags, environment, file, defaults, as for every command.
 """
 
 from __future__ import annotations
@@ -306,14 +306,14 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cls, raw: Mapping[str, Any], env: Mapping[str, str] | None = None
     ) -> ProxyConfig:
         """Validate a decoded mapping; ``FLEETGATE_REDIS_URL``/``FLEETGATE_PREFIX`` from ``env``
-        fill ``[redis]`` keys the mapping leaves out."""
+        override its ``[redis]`` keys."""
         data = dict(raw)
         env = os.environ if env is None else env
         redis = data.get("redis", {})
         if isinstance(redis, dict):
             redis = dict(redis)
             for var, key in REDIS_ENV:
-                if env.get(var) and key not in redis:
+                if env.get(var):
                     redis[key] = env[var]
             data["redis"] = redis
         return convert(cls, data)

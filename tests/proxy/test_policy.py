@@ -133,6 +133,16 @@ def test_environment_fills_redis_and_flags_win() -> None:
         config.with_overrides(listen="x")
 
 
+def test_the_environment_wins_over_the_file_as_for_every_command() -> None:
+    """flags > environment > file > defaults, as the coordinator and `fleetgate status` do (a
+    Secret's URL in the environment over a ConfigMap's file)."""
+    env = {"FLEETGATE_REDIS_URL": "redis://envhost:1/0"}
+    raw = {"routes": [{"upstream": "http://u", "gate": "g"}], "redis": {"url": "redis://file:2/0"}}
+    config = ProxyConfig.from_mapping(raw, env)
+    assert (config.redis.url, config.redis.prefix) == ("redis://envhost:1/0", "fg")
+    assert ProxyConfig.from_mapping(raw, {}).redis.url == "redis://file:2/0"
+
+
 def _args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["proxy", *argv])
 
