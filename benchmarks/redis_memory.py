@@ -1,8 +1,8 @@
 """redis_memory: what a gate, a lease and a parked waiter cost in Redis memory, for sizing.
 
 A private redis-server; one fleet (this process) makes the state as an application would, and
-``INFO memory`` ``used_memory_dataset`` is read before and after each step (after the gate library is
-loaded, so its code is not counted):
+``INFO memory`` ``used_memory_dataset`` is read before and after each step (after the gate
+library is loaded, so its code is not counted):
 
 * ``gates``: G gates, each with one lease held (its configuration, holder, live-pod entry,
   registry member, counters): bytes per gate in use;

@@ -1,4 +1,4 @@
-"""`fleetgate coordinator --redis/--prefix`: over the file and the environment, as for every command."""
+"""`fleetgate coordinator --redis/--prefix` win over the file and the environment."""
 
 from __future__ import annotations
 
