@@ -58,12 +58,17 @@ class FirstContact:
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.25, max=5.0),
             retry=retry_if_exception_type(_NO_ANSWER),
+            # redis-py may turn a cancellation into a connection error: closing ends the loop
+            stop=lambda _state: self.runtime.closing,
             before_sleep=self._failed,
             reraise=True,
         )
-        async for attempt in retrying:
-            with attempt:
-                await asyncio.wait_for(self.runtime.redis.ping(), 5.0)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await asyncio.wait_for(self.runtime.redis.ping(), 5.0)
+        except _NO_ANSWER:
+            return  # the fleet is closing
         self.runtime.reached_redis = True
         log.info("Redis at %s answered: reached for the first time", redact(self.runtime.url))
 
