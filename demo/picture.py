@@ -10,6 +10,7 @@ extra), always with the Agg canvas, never pyplot.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,8 @@ _NEVER_REVOKES = "lowering a limit never revokes a lease;\nthe calls admitted be
 
 @dataclass(frozen=True)
 class CapacityMark:
-    """A change of a gate's server capacity: when (the event's time) and from what to what (the
-    capacity the samples saw before and after it; None when no sample saw it)."""
+    """A change of a gate's server capacity: when (the event's time) and from what to what (as the
+    samples saw it change; None when they did not)."""
 
     t: float
     before: int | None
@@ -70,23 +71,23 @@ def kept_waits(waits: Iterable[Sequence[float]]) -> list[tuple[float, float]]:
 
 
 def capacity_marks(rec: DemoRecord, gate: str) -> list[CapacityMark]:
-    """The capacity changes of ``gate``'s server (the demo's ``capacity`` events), at their time."""
+    """The capacity changes of ``gate``'s server (the demo's ``capacity`` events), at their time,
+    from and to the capacities of the samples' change nearest to it (the sample of the tick that
+    made the change is stamped with the tick's start, just before the event, yet already shows
+    the new capacity)."""
+    seen = [
+        (s.t, g.server_capacity)
+        for s in rec.samples
+        if (g := s.gates.get(gate)) is not None and g.server_capacity is not None
+    ]
+    changes = [(t, old, new) for (_, old), (t, new) in itertools.pairwise(seen) if old != new]
     marks = []
     for e in rec.events:
         if e.kind != "capacity" or e.gate != gate:
             continue
-        seen = [
-            (s.t, g.server_capacity)
-            for s in rec.samples
-            if (g := s.gates.get(gate)) is not None and g.server_capacity is not None
-        ]
-        before = [c for t, c in seen if t < e.t]
-        after = [c for t, c in seen if t >= e.t]
-        marks.append(
-            CapacityMark(
-                t=e.t, before=before[-1] if before else None, after=after[0] if after else None
-            )
-        )
+        near = min(changes, key=lambda c: abs(c[0] - e.t), default=None)
+        before, after = (near[1], near[2]) if near is not None else (None, None)
+        marks.append(CapacityMark(t=e.t, before=before, after=after))
     return marks
 
 

@@ -18,6 +18,7 @@ from fleetgate.coordinator.config import Config, CoordinatorSettings
 from fleetgate.demo.picture import (
     BATCH_QUEUE_COLOUR,
     SERVER_QUEUE_COLOUR,
+    CapacityMark,
     capacity_marks,
     figure,
     kept_samples,
@@ -187,6 +188,14 @@ def test_the_capacity_marker_sits_at_the_change_time_on_its_gate_only() -> None:
     assert mark.t == 4.5  # the event's time, not the next sample's
     assert (mark.before, mark.after) == (48, 24)
     assert capacity_marks(rec, RERANK) == []  # a failed change moved nothing
+
+
+def test_the_capacity_marker_reads_the_change_from_the_samples_around_it() -> None:
+    """The sample of the tick that changed the capacity carries the tick's start time, a few ms
+    before the change's event, yet already the new capacity (a live run drew '24 → 24')."""
+    rec = _record()
+    rec.events[1] = Event(t=5.01, kind="capacity", text="chat 48 -> 24", gate=CHAT)
+    assert capacity_marks(rec, CHAT) == [CapacityMark(t=5.01, before=48, after=24)]
 
 
 def test_in_flight_above_a_lowered_limit_is_found_where_it_is() -> None:
