@@ -73,9 +73,9 @@ class LiveRun:
         self.interrupted = True
         self._stop.set()
 
-    def event(self, kind: str, text: str) -> None:
+    def event(self, kind: str, text: str, gate: str | None = None) -> None:
         """Record an event; print it at once unless the live view shows it."""
-        e = Event(t=round(self.now(), 2), kind=kind, text=text)
+        e = Event(t=round(self.now(), 2), kind=kind, text=text, gate=gate)
         self.rec.events.append(e)
         if not self.tty and not self.quiet:
             print(f"[{e.t:5.1f}s] {text}", flush=True)
@@ -285,10 +285,12 @@ class LiveRun:
             resp = await self._http.post(f"{info.url}/admin/capacity", json={"capacity": new})
             resp.raise_for_status()
         except httpx.HTTPError as exc:
-            self.event("capacity_failed", f"could not change {info.name}'s capacity: {exc}")
+            text = f"could not change {info.name}'s capacity: {exc}"
+            self.event("capacity_failed", text, gate=info.name)
             return
         self.event(
             "capacity",
             f"{info.name} server capacity {info.capacity} -> {new} (replica lost): "
             "the target follows",
+            gate=info.name,
         )

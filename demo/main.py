@@ -16,10 +16,11 @@ import msgspec
 
 from fleetgate.demo.children import Children, DemoError
 from fleetgate.demo.live import LiveRun
+from fleetgate.demo.picture import plot
 from fleetgate.demo.plan import Setup
 from fleetgate.demo.pods import read_gateway_totals, read_worker_totals
 from fleetgate.demo.processes import prepare
-from fleetgate.demo.report import DemoRecord, Event, GateInfo, format_summary, plot, summarize
+from fleetgate.demo.report import DemoRecord, Event, GateInfo, format_summary, summarize
 
 __all__ = ["build_parser", "main", "run"]
 

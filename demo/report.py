@@ -1,7 +1,7 @@
-"""What ``fleetgate demo`` records and shows: samples, the live view, demo.json, demo.png, summary.
+"""What ``fleetgate demo`` records and shows: samples, the live view, demo.json, the summary.
 
-Kept apart from the process orchestration in :mod:`fleetgate.demo`. matplotlib is imported only
-when the plot is drawn (the ``bench`` extra), always with the Agg canvas, never pyplot.
+Kept apart from the process orchestration in :mod:`fleetgate.demo`; the picture (``demo.png``)
+is drawn from this record by :mod:`fleetgate.demo.picture`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ __all__ = [
     "GateSample",
     "Sample",
     "format_summary",
-    "plot",
     "progress_line",
     "render_view",
     "summarize",
@@ -74,6 +73,8 @@ class Event(msgspec.Struct, kw_only=True):
     t: float
     kind: str
     text: str
+    #: the gate it concerns, if one (a capacity change: the gate whose server changed)
+    gate: str | None = None
 
 
 class Failover(msgspec.Struct, kw_only=True):
@@ -282,97 +283,3 @@ def format_summary(rec: DemoRecord, out: Path) -> str:
         )
     lines.append(f"  wrote {out / 'demo.png'} and {out / 'demo.json'}")
     return "\n".join(lines)
-
-
-def _series(rec: DemoRecord, gate: str, field: str) -> list[float]:
-    """One field of one gate over the samples (NaN where it is unknown)."""
-    out: list[float] = []
-    for x in rec.samples:
-        g = x.gates.get(gate)
-        v = getattr(g, field) if g is not None else None
-        out.append(float("nan") if v is None else float(v))
-    return out
-
-
-def _plot_gate(ax: Any, rec: DemoRecord, info: GateInfo) -> None:
-    """One gate's panel: server queue, capacity and running; fleet in-flight, limit, floor."""
-    t = [x.t for x in rec.samples]
-    waiting = [0.0 if w != w else w for w in _series(rec, info.name, "server_waiting")]
-    ax.fill_between(
-        t, 0, waiting, step="post", color="tab:red", alpha=0.25, label="server queue (saturation)"
-    )
-    capacity = _series(rec, info.name, "server_capacity")
-    ax.step(t, capacity, where="post", color="grey", ls="--", lw=1.2, label="server capacity")
-    running = _series(rec, info.name, "server_running")
-    ax.plot(t, running, color="tab:green", lw=1, alpha=0.8, label="server running")
-    in_flight = _series(rec, info.name, "in_flight")
-    ax.plot(t, in_flight, color="tab:orange", lw=1.4, label="fleet in-flight")
-    limit = _series(rec, info.name, "limit")
-    ax.step(t, limit, where="post", color="tab:blue", lw=2.2, label="limit (target, else floor)")
-    ax.axhline(info.floor, color="tab:blue", ls=":", lw=1, label="floor")
-    fo = rec.failover
-    if fo is not None:
-        ax.axvline(fo.kill_t, color="black", ls="--", lw=1.2, label="leader SIGKILLed")
-        if fo.published_after is not None:
-            end = fo.kill_t + fo.published_after
-            ax.axvspan(fo.kill_t, end, color="gold", alpha=0.25, label="no live leader")
-    kind = "adaptive (AIMD on vLLM metrics)" if info.adaptive else "fixed"
-    ax.set_title(f"gate {info.name} — {kind}, floor {info.floor}", loc="left", fontsize=10)
-    ax.set_ylabel("requests")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-
-
-def _plot_priority(ax: Any, rec: DemoRecord) -> None:
-    """The search pod's panel: each interactive call's wait (priority 10) and the rerank gate's
-    queue, which the batch backlog (priority 0) keeps growing."""
-    it = rec.interactive
-    gate = it.get("gate", "")
-    t = [x.t for x in rec.samples]
-    queued = [float(x.gates[gate].queued) if gate in x.gates else float("nan") for x in rec.samples]
-    right = ax.twinx()
-    right.fill_between(t, 0, queued, step="post", color="tab:red", alpha=0.2)
-    right.step(t, queued, where="post", color="tab:red", lw=1.2, label="batch queue (waiters)")
-    right.set_ylabel("waiters in the gate", color="tab:red")
-    right.set_ylim(bottom=0)
-    waits = it.get("waits", [])
-    ax.scatter([w[0] for w in waits], [w[1] for w in waits], s=6, color="tab:blue",
-               label="interactive call wait (priority 10)", zorder=3)  # fmt: skip
-    ax.set_ylabel("interactive wait (ms)", color="tab:blue")
-    ax.set_ylim(bottom=0, top=max([w[1] for w in waits] + [50.0]) * 1.2)
-    ax.set_zorder(right.get_zorder() + 1)
-    ax.patch.set_visible(False)
-    ax.set_title(
-        f"gate {gate} — interactive calls (priority 10) vs a growing batch backlog (priority 0)",
-        loc="left",
-        fontsize=10,
-    )
-    ax.grid(alpha=0.3)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = right.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
-
-
-def plot(rec: DemoRecord, path: Path) -> None:
-    """Draw limit, fleet in-flight and server load per gate over time into ``path`` (PNG)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    n = len(rec.gates)
-    extra = 1 if rec.interactive.get("waits") else 0
-    fig = Figure(figsize=(11, 2.9 * (n + extra)), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(n + extra, 1, sharex=True, squeeze=False)[:, 0]
-    for ax, info in zip(axes[:n], rec.gates, strict=True):
-        _plot_gate(ax, rec, info)
-    if extra:
-        _plot_priority(axes[-1], rec)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
-    axes[-1].set_xlabel("seconds since the load started")
-    title = "fleetgate demo: fleet-wide limits follow the servers; failover keeps them"
-    fo = rec.failover
-    if fo is not None and fo.published_after is not None:
-        title += f" (failover {fo.published_after:.1f} s)"
-    fig.suptitle(title, fontsize=11)
-    fig.savefig(str(path), dpi=100)

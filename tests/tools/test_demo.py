@@ -15,8 +15,19 @@ import pytest
 import redis
 
 from fleetgate.coordinator.config import Config, CoordinatorSettings
+from fleetgate.demo.picture import (
+    BATCH_QUEUE_COLOUR,
+    SERVER_QUEUE_COLOUR,
+    CapacityMark,
+    capacity_marks,
+    figure,
+    kept_samples,
+    kept_waits,
+    over_lowered_limit,
+)
 from fleetgate.demo.plan import GATES
 from fleetgate.demo.processes import _config_toml
+from fleetgate.demo.report import DemoRecord, Event, GateInfo, GateSample, Sample
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess
 
 from ..conftest import RedisUnderTest
@@ -125,3 +136,99 @@ def test_demo_external_redis_uses_own_prefix(tmp_path: Path, shared_redis: Redis
             assert r.get(sentinel) == b"1"
         finally:
             r.delete(sentinel)
+
+
+# -- the picture's decisions (pure functions) and what the plot draws from them ----------------
+
+CHAT, RERANK = "llama-3.1-8b", "rerank/nemoretriever-500m-v2"
+
+
+def _gs(limit: int, in_flight: int, capacity: int, *, queued: int = 0) -> GateSample:
+    return GateSample(
+        limit=limit, target=limit, in_flight=in_flight, queued=queued, saturated=False,
+        reason=None, server_running=min(in_flight, capacity), server_waiting=0,
+        server_capacity=capacity,
+    )  # fmt: skip
+
+
+def _record() -> DemoRecord:
+    """The chat server halved at t = 4.5 s; the limit follows at 6 s while 35 leases still run
+    (they finish by 7 s); a sample and two interactive calls from before the load started."""
+    chat = [(48, 48, 48)] * 5 + [(48, 48, 24), (24, 35, 24)] + [(24, 24, 24)] * 4
+    samples = [Sample(t=-1.0, leader="a", epoch=1, gates={CHAT: _gs(4, 0, 48)})]
+    for i, (limit, fl, cap) in enumerate(chat):
+        gates = {CHAT: _gs(limit, fl, cap), RERANK: _gs(32, 32, 32, queued=10 * i)}
+        samples.append(Sample(t=float(i), leader="a", epoch=1, gates=gates))
+    return DemoRecord(
+        started_at=0.0, duration=10.0, redis="r", prefix="fg",
+        gates=[
+            GateInfo(name=CHAT, kind="chat", floor=4, adaptive=True, capacity=48, url="u"),
+            GateInfo(name=RERANK, kind="rerank", floor=32, adaptive=False, capacity=32, url="u"),
+        ],
+        events=[
+            Event(t=0.0, kind="start", text="started"),
+            Event(t=4.5, kind="capacity", text="chat 48 -> 24", gate=CHAT),
+            Event(t=5.0, kind="capacity_failed", text="could not", gate=RERANK),
+        ],
+        samples=samples,
+        interactive={"gate": RERANK, "waits": [[-0.5, 2600.0], [-0.01, 2400.0], [0.0, 2200.0],
+                                               [3.0, 20.0]]},
+    )  # fmt: skip
+
+
+def test_no_sample_or_call_before_the_load_started_is_kept() -> None:
+    rec = _record()
+    assert [s.t for s in kept_samples(rec)] == [float(i) for i in range(11)]
+    assert kept_waits(rec.interactive["waits"]) == [(0.0, 2200.0), (3.0, 20.0)]
+
+
+def test_the_capacity_marker_sits_at_the_change_time_on_its_gate_only() -> None:
+    rec = _record()
+    (mark,) = capacity_marks(rec, CHAT)
+    assert mark.t == 4.5  # the event's time, not the next sample's
+    assert (mark.before, mark.after) == (48, 24)
+    assert capacity_marks(rec, RERANK) == []  # a failed change moved nothing
+
+
+def test_the_capacity_marker_reads_the_change_from_the_samples_around_it() -> None:
+    """The sample of the tick that changed the capacity carries the tick's start time, a few ms
+    before the change's event, yet already the new capacity (a live run drew '24 → 24')."""
+    rec = _record()
+    rec.events[1] = Event(t=5.01, kind="capacity", text="chat 48 -> 24", gate=CHAT)
+    assert capacity_marks(rec, CHAT) == [CapacityMark(t=5.01, before=48, after=24)]
+
+
+def test_in_flight_above_a_lowered_limit_is_found_where_it_is() -> None:
+    rec = _record()
+    (span,) = over_lowered_limit(kept_samples(rec), CHAT)
+    assert (span.start, span.end, span.in_flight, span.limit) == (6.0, 7.0, 35, 24)
+    assert over_lowered_limit(kept_samples(rec), RERANK) == []  # at its limit, never above
+
+
+def test_in_flight_above_a_limit_never_lowered_is_not_called_a_lowered_limit() -> None:
+    samples = [Sample(t=float(i), leader="a", epoch=1, gates={CHAT: _gs(8, 9, 48)}) for i in (0, 1)]
+    assert over_lowered_limit(samples, CHAT) == []
+
+
+def test_the_plot_draws_those_decisions() -> None:
+    pytest.importorskip("matplotlib")
+    fig = figure(_record())
+    chat, rerank, priority = fig.axes[:3]
+    marker = [ln for ln in chat.get_lines() if ln.get_label() == "server capacity changed"]
+    assert [list(ln.get_xdata()) for ln in marker] == [[4.5, 4.5]]
+    assert not [ln for ln in rerank.get_lines() if ln.get_label() == "server capacity changed"]
+    texts = " ".join(t.get_text() for t in chat.texts)
+    assert "48 → 24" in texts and "never revokes" in texts
+    for ax in fig.axes:
+        assert ax.get_xlim()[0] >= 0
+        for ln in ax.get_lines():
+            assert min(ln.get_xdata(), default=0) >= 0, ln.get_label()
+        for coll in ax.collections:
+            offsets = coll.get_offsets()
+            assert not len(offsets) or offsets[:, 0].min() >= 0
+    batch = [ln for ax in fig.axes for ln in ax.get_lines() if "batch queue" in str(ln.get_label())]
+    assert batch and all(ln.get_color() == BATCH_QUEUE_COLOUR for ln in batch)
+    assert BATCH_QUEUE_COLOUR != SERVER_QUEUE_COLOUR
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "server capacity changed" in legend and len(legend) == len(set(legend))
+    assert priority.get_title(loc="left").startswith(f"gate {RERANK}")
