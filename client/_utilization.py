@@ -1,4 +1,4 @@
-"""``fleet.utilization(name)``: a gate's snapshot in the seed's ``get_utilization`` shape."""
+"""``fleet.utilization(name)``: a gate's snapshot in the shape of ``compat.get_utilization``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ __all__ = ["GateUtilization", "utilization_of"]
 
 
 class GateUtilization(msgspec.Struct, kw_only=True):
-    """A snapshot of one gate: the seed's ``get_utilization`` fields plus fleet-wide state
+    """A snapshot of one gate: the fields of ``get_utilization`` in ``agent_utilities`` (the
+    per-process helpers :mod:`fleetgate.client.compat` replaces) plus fleet-wide state
     (``in_flight`` counts leases, ``units`` their weights: the limit is in units)."""
 
     name: str
     limit: int
-    #: the limit the gate applies now (the seed's name for it): live target, else floor
+    #: the limit the gate applies now (``agent_utilities``' name for it): live target, else floor
     current_target: int
     #: the coordinator's published target while its lease is live, else None
     target: int | None

@@ -1,4 +1,8 @@
-"""Drop-in replacements for the seed's ``agent_utilities`` model-concurrency functions.
+"""Drop-in replacements for the per-process model-concurrency functions of ``agent_utilities``.
+
+``agent_utilities`` is the helper package of the adaptive-concurrency design this project grew
+from; its ``core.model_concurrency`` module caps calls per model within one process. These
+functions keep its names and signatures and make the cap fleet-wide.
 
 Switching is one import::
 
@@ -16,10 +20,11 @@ The functions share one process-wide default fleet configured from the environme
 ``FLEETGATE_ON_REDIS_ERROR``   ``fair_share`` (default) or ``fail``
 =============================  ===================================================================
 
-The gate of a model is the fleet-wide cap: the coordinator's live target, else the floor. As in the
-seed, ``map_concurrent*`` default to no deadline and no retries (pass ``deadline=``, ``retry=``,
-``max_in_flight=`` to opt in; see :meth:`Gate.map`). The async variant calls ``fn`` on the
-caller's event loop; only the permits are taken on the default fleet's background loop.
+The gate of a model is the fleet-wide cap: the coordinator's live target, else the floor. As in
+``agent_utilities``, ``map_concurrent*`` default to no deadline and no retries (pass
+``deadline=``, ``retry=``, ``max_in_flight=`` to opt in; see :meth:`Gate.map`). The async
+variant calls ``fn`` on the caller's event loop; only the permits are taken on the default
+fleet's background loop.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ __all__ = [
 
 _lock = threading.Lock()
 _fleet: SyncFleet | None = None
-_SEED_DEFAULTS = {"max_in_flight": None, "deadline": None, "retry": False}
+_COMPAT_DEFAULTS = {"max_in_flight": None, "deadline": None, "retry": False}
 
 
 def _floors(env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[dict[str, int], int]:
@@ -126,12 +131,12 @@ async def map_concurrent(
     model: str, fn: Any, items: Iterable[Any] | AsyncIterable[Any], **options: Any
 ) -> list[Any]:
     """Run ``fn`` over ``items`` under the model's fleet-wide cap; results in input order."""
-    return await run_map(_RemoteGate(_gate(model)), fn, items, **{**_SEED_DEFAULTS, **options})
+    return await run_map(_RemoteGate(_gate(model)), fn, items, **{**_COMPAT_DEFAULTS, **options})
 
 
 def map_concurrent_sync(model: str, fn: Any, items: Iterable[Any], **options: Any) -> list[Any]:
     """Blocking :func:`map_concurrent`; a sync ``fn`` runs in worker threads."""
-    return _gate(model).map(fn, items, **{**_SEED_DEFAULTS, **options})
+    return _gate(model).map(fn, items, **{**_COMPAT_DEFAULTS, **options})
 
 
 def resolve_capacity(model: str) -> int:
@@ -140,8 +145,9 @@ def resolve_capacity(model: str) -> int:
 
 
 def get_utilization(model: str) -> dict[str, Any]:
-    """The seed's snapshot (running, waiting_capacity, current_target, floor, ceiling, metrics_ok,
-    saturated, last_poll, metrics_url) plus fleet in-flight, queue depth and the limit."""
+    """``agent_utilities``' snapshot (running, waiting_capacity, current_target, floor,
+    ceiling, metrics_ok, saturated, last_poll, metrics_url) plus fleet in-flight, queue depth and
+    the limit."""
     _gate(model)
     return _default_fleet().utilization(model).to_dict()
 

@@ -29,7 +29,9 @@ Environment overrides, applied on top of the file (an empty value counts as unse
 ``FLEETGATE_POLL_INTERVAL``    ``coordinator.poll_interval`` (seconds)
 ``FLEETGATE_METRICS_LISTEN``   ``coordinator.metrics_listen`` (``host:port``)
 ``FLEETGATE_ADAPTIVE``         ``coordinator.adaptive`` (``0/false/no/off`` or ``1/true/yes/on``)
-``KG_ADAPTIVE_CONCURRENCY``    the seed's switch; ``0`` turns adaptation off (off always wins)
+``KG_ADAPTIVE_CONCURRENCY``    the switch of ``agent_utilities``' ``model_concurrency`` (the
+                               per-process helpers :mod:`fleetgate.client.compat` replaces);
+                               ``0`` turns adaptation off (off always wins)
 ``MODEL_MAX_CONCURRENCY``      default ``ceiling`` of gates that set none (default 512; a gate's
                                default ceiling is never below its floor)
 =============================  ===========================================================
@@ -93,7 +95,8 @@ class CoordinatorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=Tru
     """How the coordinator polls, leads and publishes. Times are in seconds (at most an hour;
     ``prune_idle_after`` at most 30 days)."""
 
-    #: 2 s: a ramp from the floor takes ~6 polls, so 12 s instead of the seed's 72 s; one poll of
+    #: 2 s: a ramp from the floor takes ~6 polls, so 12 s instead of 72 s at the 12 s poll of
+    #: ``agent_utilities``' ``model_concurrency`` (a throttle: every pod scraped); one poll of
     #: 1,000 gates costs ~0.8 s of coordinator CPU (docs/aimd.md, "Why these constants")
     poll_interval: Annotated[float, Meta(gt=0, le=3600)] = DEFAULT_POLL_INTERVAL
     #: each poll waits poll_interval * (1 ± poll_jitter), so standbys and replicas do not align

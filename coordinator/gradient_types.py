@@ -37,7 +37,7 @@ class GradientParams(ControlParams, frozen=True):
     near_full: float = 0.8
     #: an overload cut leaves at least this fraction of the target ...
     deepest_cut: float = 0.5
-    #: ... and at most this fraction (the seed's 0.8)
+    #: ... and at most this fraction (0.8, as in ``agent_utilities``' ``model_concurrency``)
     overload_cut: float = 0.8
     #: a second overload cut waits this many polls (the calls of the first are still finishing)
     cut_polls: float = 1.5

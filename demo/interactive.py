@@ -5,9 +5,11 @@ JSON in ``$FLEETGATE_INTERACTIVE_SPEC``) drives the rerank gate of the demo with
 callers, both through the same fleet-wide gate as the demo's worker pods:
 
 * ``search``: ``rate`` calls per second, each one ``POST /v1/ranking`` of a few passages inside
-  ``gate.permit(priority=10, tenant="search")`` (the seed's findAndRerank);
+  ``gate.permit(priority=10, tenant="search")`` (a search service's ``findAndRerank``: a
+  person waits for it);
 * ``ingest``: a batch backlog at priority 0 (tenant ``ingest``) that grows by ``ramp`` request
-  loops per second up to ``max_loops`` (the seed's embedding fan-out re-ranking its chunks).
+  loops per second up to ``max_loops`` (batch ingestion re-ranking the chunks it embeds:
+  nobody waits for it).
 
 The wait of every search call (ask to grant, monotonic clock) is written with the number of
 ingest loops to a JSON stats file every half second: the demo plots the search wait staying flat

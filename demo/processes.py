@@ -102,7 +102,7 @@ def _config_toml(redis_url: str, prefix: str, urls: dict[str, str]) -> str:
         if g.kind != "rerank":
             lines += [f"base_url = {q(urls[g.name] + '/v1').decode()}", "ceiling = 256"]
         else:
-            # the seed's fixed rerank cap (a gate without metrics is latency-driven by default)
+            # a fixed cap on the reranker (a gate without metrics is latency-driven by default)
             lines.append('signal = "fixed"')
         lines.append("max_queued = 1000")
     return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ model several processes, a fake clock, outages or Redis Cluster (see the README,
 code with fleetgate.testing").
 
 * :func:`fake_fleet` -- a started ``Fleet``; :func:`fake_sync_fleet` -- a started ``SyncFleet``;
-* :func:`fake_default_fleet` -- the seed-compatible functions (``map_concurrent``, ...) on one;
+* :func:`fake_default_fleet` -- the compat functions (``map_concurrent``, ...) on one;
 * :func:`set_target` -- publish a target as the coordinator would;
 * :func:`fake_redis_options` -- the ``redis_options`` behind them, to build a ``Fleet`` yourself.
 
@@ -143,8 +143,9 @@ def fake_sync_fleet(
 def fake_default_fleet(
     *, server: FakeServer | None = None, **fleet_kwargs: Any
 ) -> Iterator[SyncFleet]:
-    """Run the seed-compatible functions (``map_concurrent``, ``map_concurrent_sync``,
-    ``resolve_capacity``, ``get_utilization``) on a :func:`fake_sync_fleet` inside the block.
+    """Run the compat functions (``map_concurrent``, ``map_concurrent_sync``,
+    ``resolve_capacity``, ``get_utilization``: :mod:`fleetgate.client.compat`, the names of
+    ``agent_utilities``' ``model_concurrency``) on a :func:`fake_sync_fleet` inside the block.
 
     Those functions share one default fleet built from ``FLEETGATE_REDIS_URL``; here it is a fake
     one instead (``FLEETGATE_FLOORS`` and ``FLEETGATE_DEFAULT_FLOOR`` are still read at each
@@ -152,7 +153,8 @@ def fake_default_fleet(
     one is dropped on leaving the block, so the next call outside builds a real one again.
     """
     # The default fleet is compat's private state, set here and nowhere else outside compat:
-    # tests/tools/test_fake_fleet.py::test_default_fleet_runs_the_seed_functions fails if it moves.
+    # tests/tools/test_fake_fleet.py::test_default_fleet_runs_the_compat_functions fails if it
+    # moves.
     with fake_sync_fleet(server=server, **fleet_kwargs) as fleet:
         compat.reset_controllers()
         with compat._lock:

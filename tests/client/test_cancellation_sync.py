@@ -1,4 +1,4 @@
-"""Cross-thread cancellation of the sync face and the seed-compatible functions.
+"""Cross-thread cancellation of the sync face and the compat functions (``map_concurrent``...).
 
 A call made from another thread (``SyncGate``, ``map_concurrent_sync``) or from another event loop
 (``map_concurrent``) runs on the fleet's loop. When the caller gives up just as a grant lands --
@@ -230,7 +230,7 @@ def test_main_thread_interrupted_as_grant_lands_releases(
 async def test_map_concurrent_cancelled_as_grant_lands_releases(
     rut: RedisUnderTest, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The async seed function: permits come from the default fleet's loop (another thread);
+    """The async compat function: permits come from the default fleet's loop (another thread);
     the caller's task is cancelled right as the grant lands there."""
     name = "amap"
     keys = GateKeys.of(rut.prefix, name)

@@ -1,4 +1,5 @@
-"""The seed-compatible functions on the default fleet from the environment (real Redis)."""
+"""The compat functions (``agent_utilities``' ``model_concurrency`` names) on the default fleet
+from the environment (real Redis)."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ async def fleet(rut: RedisUnderTest) -> AsyncIterator[Fleet]:
 
 @pytest.fixture
 def default_fleet(rut: RedisUnderTest, monkeypatch: pytest.MonkeyPatch) -> Iterator[SyncFleet]:
-    """The seed-compatible functions' default fleet (every gate has floor 1)."""
+    """The compat functions' default fleet (``map_concurrent``...; every gate has floor 1)."""
     monkeypatch.setenv("FLEETGATE_REDIS_URL", rut.url)
     monkeypatch.setenv("FLEETGATE_PREFIX", rut.prefix)
     monkeypatch.setenv("FLEETGATE_DEFAULT_FLOOR", "1")

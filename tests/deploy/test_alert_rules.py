@@ -30,7 +30,7 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not installed (Debian: apt-get install prometheus)"
 )
-#: what the issue asks the rules to watch, by alert name
+#: what the rules must watch, by alert name
 WATCHED = {
     "FleetgateNoLeader",
     "FleetgateGateStuckAtFloor",
@@ -90,7 +90,7 @@ def test_the_dashboard_is_well_formed() -> None:
         assert p["targets"], p["title"]
         for t in p["targets"]:
             assert t["datasource"]["uid"] == "${datasource}" and t["expr"], p["title"]
-    # the panels the issue asks for, by the metrics they show
+    # the panels the dashboard must have, by the metrics they show
     shown = set().union(*(metric_names(e) for _, e in dashboard_queries()))
     for metric in (
         "fleetgate_coordinator_target",

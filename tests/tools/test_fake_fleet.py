@@ -320,7 +320,7 @@ def test_sync_fleet() -> None:
         assert (util.in_flight, util.queued) == (0, 0)
 
 
-def test_default_fleet_runs_the_seed_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_fleet_runs_the_compat_functions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEETGATE_FLOORS", "bge-m3=2")
     running = peak = 0
 

@@ -141,7 +141,7 @@ async def test_request_timeout_answers_504(serve: Any) -> None:
 
 
 async def test_ungated_burst_times_out_gated_burst_succeeds(serve: Any) -> None:
-    """The seed's failure: a burst past the queue's drain time fails; gating it fixes that."""
+    """A burst past the queue's drain time fails; gating it fixes that."""
     srv = serve(
         concurrency=4, queue_size=1000, request_timeout_ms=450, base_ms=80, per_passage_ms=2
     )  # 100 ms per 10-passage call, 4 at once
