@@ -21,7 +21,7 @@ from redis.crc import key_slot
 
 from fleetgate.tools.redisproc import RedisClusterProcess
 
-from ._server import private_redis
+from ._server import add_counters, private_redis
 
 __all__ = [
     "CLUSTER_MASTERS",
@@ -82,16 +82,6 @@ class Target:
             with r:
                 total += sum(1 for c in r.client_list() if c.get("name") == name)
         return total
-
-
-def add_counters(out: dict[str, float], commandstats: Any, cpu: Any) -> None:
-    """Add one node's INFO commandstats and INFO cpu to ``out`` (see :meth:`Target.counters`)."""
-    for k, v in commandstats.items():
-        cmd = k.removeprefix("cmdstat_")
-        out[f"calls:{cmd}"] = out.get(f"calls:{cmd}", 0.0) + float(v["calls"])
-        out[f"usec:{cmd}"] = out.get(f"usec:{cmd}", 0.0) + float(v["usec"])
-    used = float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
-    out["cpu:redis"] = out.get("cpu:redis", 0.0) + used
 
 
 def script_calls(counters: dict[str, float]) -> tuple[float, float]:
