@@ -608,9 +608,7 @@ def run(opts: Options) -> list[Headline]:
         # 2. two tenants, 100:1 backlog
         ten: dict[str, Any] = {}
         share_targets: tuple[tuple[str, float | None], ...] = (
-            ("fifo", None),
-            ("equal", 0.5),
-            ("3to1", 0.75),
+            ("fifo", None), ("equal", 0.5), ("3to1", 0.75)
         )
         for v, share_target in share_targets:
             d = data[f"tenants_{v}"]
