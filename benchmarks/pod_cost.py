@@ -28,6 +28,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from fleetgate.client import Fleet
+from fleetgate.errors import ConfigError
 from fleetgate.keys import GateKeys
 
 from ._cluster import CLUSTER_MASTERS, MODES, Target, script_calls, target
@@ -36,6 +37,8 @@ from ._server import PREFIX
 from ._workers import _EventCounter
 
 NAME = "pod_cost"
+GROUPED = "+group"  # the mode of Cluster rows whose gates share one group's slot
+LABELS = (*MODES, f"cluster{GROUPED}")
 POD_NAME = "fgb-measured"
 PEER_NAME = "fgb-peer"
 
@@ -100,10 +103,17 @@ async def _handoffs(
     stamp = [0] * len(gates)
     cms = [waiter.gate(g, floor=1, ceiling=1).permit(deadline=120) for g in gates]
 
+    failed: list[BaseException] = []
+
     async def wait(i: int) -> None:
-        await cms[i].__aenter__()
-        stamp[i] = time.monotonic_ns()
-        granted[i].set()
+        try:
+            await cms[i].__aenter__()
+        except BaseException as exc:
+            failed.append(exc)
+            raise
+        finally:
+            stamp[i] = time.monotonic_ns()
+            granted[i].set()
 
     tasks = [asyncio.create_task(wait(i)) for i in range(len(gates))]
     await _all_parked(target, gates)
@@ -115,6 +125,8 @@ async def _handoffs(
         t0 = time.monotonic_ns()
         await held[i].__aexit__(None, None, None)
         await granted[i].wait()
+        if failed:
+            raise HandoffFailed(f"hand-off {i + 1} of {len(gates)}: {failed[0]!r}")
         lat.append((stamp[i] - t0) / 1e6)
     await asyncio.gather(*tasks)
     return lat, cms, conns
@@ -132,19 +144,48 @@ async def _rate(target: Target, seconds: float) -> tuple[float, float, float]:
     return (n1 - n0) / dt, (u1 - u0) / dt, (c1["cpu:redis"] - c0["cpu:redis"]) * 1e6 / dt
 
 
-async def _one(target: Target, opts: Options, n: int, window: float) -> dict[str, Any]:
+class HandoffFailed(RuntimeError):
+    """A parked acquire of the measured pod ended without its grant (its deadline passed)."""
+
+
+async def _one(
+    target: Target, opts: Options, n: int, window: float, grouped: bool
+) -> dict[str, Any]:
+    """One size measured, or why it did not get through (a hand-off whose acquire failed, the
+    size's time bound, grouped names refused): then the row has ``error`` and no figures.
+    ``grouped``: the gates are named ``{pc<n>}pc<n>-<i>``, one group (one slot) for them all."""
     events = _EventCounter()
     logging.getLogger("fleetgate.client").addHandler(events)
+    bound = 300.0 + 0.3 * n
+    mode = f"{target.mode}{GROUPED if grouped else ''}"
+    gates = [f"{{pc{n}}}pc{n}-{i}" if grouped else f"pc{n}-{i}" for i in range(n)]
     try:
-        return {**await _measure(target, opts, n, window), "client_warnings": events.counts}
+        row = {"mode": mode, **await asyncio.wait_for(_measure(target, opts, gates, window), bound)}
+    except (HandoffFailed, TimeoutError, ConfigError) as exc:
+        log(f"{NAME}: {mode}, {n} gates did not get through: {exc!r}")
+        row = {"mode": mode, "gates": n, "error": repr(exc)}
     finally:
         logging.getLogger("fleetgate.client").removeHandler(events)
+    return {**row, "client_warnings": dict(events.counts)}
 
 
-async def _measure(target: Target, opts: Options, n: int, window: float) -> dict[str, Any]:
-    gates = [f"pc{n}-{i}" for i in range(n)]
+async def _measure(
+    target: Target, opts: Options, gates: list[str], window: float
+) -> dict[str, Any]:
     pod = _fleet(target, opts, POD_NAME)
     peer = _fleet(target, opts, PEER_NAME)
+    try:
+        return await _size(target, pod, peer, gates, window)
+    finally:  # a size that did not get through leaves nothing running
+        for fleet in (peer, pod):
+            if not fleet.runtime.closing:
+                await fleet.close()
+
+
+async def _size(
+    target: Target, pod: Fleet, peer: Fleet, gates: list[str], window: float
+) -> dict[str, Any]:
+    n = len(gates)
     await pod.start()
     await peer.start()
     rounds = max(2, min(20, math.ceil(40 / n)))
@@ -171,10 +212,8 @@ async def _measure(target: Target, opts: Options, n: int, window: float) -> dict
         await cm.__aexit__(None, None, None)
     await asyncio.sleep(1.0)
     idle_rate, idle_usec, idle_cpu = await _rate(target, window)
-    await pod.close()
     p = percentiles(lat, (50, 99))
     return {
-        "mode": target.mode,
         "gates": n,
         "connections": conns,
         "handoff_p50_ms": p["p50"],
@@ -204,6 +243,8 @@ COLUMNS = (
 
 
 def _row(x: dict[str, Any]) -> tuple[Any, ...]:
+    if "error" in x:
+        return (x["mode"], x["gates"], *(["-"] * (len(COLUMNS) - 3)), "did not get through")
     return (
         x["mode"],
         x["gates"],
@@ -226,8 +267,8 @@ def _plot(rows: list[dict[str, Any]], opts: Options) -> Any:
         ("handoff_p99_ms", "hand-off p99 (ms)"),
     )
     for (column, title), a in zip(panels, ax[0], strict=True):
-        for mode in MODES:
-            xs = [x for x in rows if x["mode"] == mode]
+        for mode in LABELS:
+            xs = [x for x in rows if x["mode"] == mode and "error" not in x]
             if xs:
                 a.plot([x["gates"] for x in xs], [x[column] for x in xs], "o-", label=mode)
         a.set_xscale("log")
@@ -239,10 +280,13 @@ def _plot(rows: list[dict[str, Any]], opts: Options) -> Any:
     return fig
 
 
-def _sizes(mode: str, opts: Options) -> list[int]:
-    if mode == "cluster":  # the Cluster part of --quick stays short (CI runs it)
-        return opts.pick([1, 10, 100, 1000], [1, 10])
-    return opts.pick([1, 10, 100, 1000], [1, 10, 100])
+def _sizes(mode: str, opts: Options) -> list[tuple[int, bool]]:
+    """(gates, grouped) of a run: on the Cluster plain names, then one group per size; the
+    Cluster part of --quick stays short (CI runs it)."""
+    if mode == "cluster":
+        full = [(n, g) for g in (False, True) for n in (1, 10, 100, 1000)]
+        return opts.pick(full, [(1, False), (10, False), (10, True)])
+    return [(n, False) for n in opts.pick([1, 10, 100, 1000], [1, 10, 100])]
 
 
 def run(opts: Options) -> list[Headline]:
@@ -250,9 +294,9 @@ def run(opts: Options) -> list[Headline]:
     rows: list[dict[str, Any]] = []
     for mode in MODES:  # the Cluster last: save() describes the machine from a live node
         with target(mode) as t:
-            for n in _sizes(mode, opts):
-                log(f"{NAME}: {mode}, {n} gates")
-                rows.append(opts.flavor.run(_one(t, opts, n, window)))
+            for n, grouped in _sizes(mode, opts):
+                log(f"{NAME}: {mode}{GROUPED if grouped else ''}, {n} gates")
+                rows.append(opts.flavor.run(_one(t, opts, n, window, grouped)))
             if mode == MODES[-1]:
                 text = table(COLUMNS, [_row(x) for x in rows])
                 text += "\nwarnings = client log lines fallback/requeue/lease-lost (0/0/0 = clean)"
@@ -263,9 +307,15 @@ def run(opts: Options) -> list[Headline]:
 
 def _headlines(rows: list[dict[str, Any]]) -> list[Headline]:
     heads: list[Headline] = []
-    for mode in MODES:
-        by = {x["gates"]: x for x in rows if x["mode"] == mode}
-        one, top = by[1], by[max(g for g in by if g <= 100)]
+    for mode in LABELS:
+        if not any(x["mode"] == mode for x in rows):
+            continue
+        by = {x["gates"]: x for x in rows if x["mode"] == mode and "error" not in x}
+        if not any(g <= 100 for g in by):
+            heads.append(Headline(NAME, f"{mode}: sizes measured", "none", "1..100", False))
+            continue
+        top = by[max(g for g in by if g <= 100)]
+        one = by.get(1, top)
         n = top["gates"]
         # the targets are set at 100 gates: issue 11 (standalone), issue 25 (Cluster)
         targeted = n == 100
