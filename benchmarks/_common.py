@@ -125,11 +125,16 @@ def open_fleet(url: str, flavor: Flavor, **kwargs: Any) -> Fleet:
     """A fleet as an application would open it, with the flavor's RESP parser."""
     from prometheus_client import CollectorRegistry
 
+    from fleetgate._redis import split_cluster_flag
+
+    # redis-py's cluster client takes no parser_class: it picks hiredis when installed, the
+    # pure-Python RESP3 parser otherwise (the default flavor's parser when hiredis is absent).
+    cluster = split_cluster_flag(url)[1]
     return Fleet(
         url,
         prefix=PREFIX,
         registry=CollectorRegistry(),
-        redis_options=flavor.redis_options(),
+        redis_options={} if cluster else flavor.redis_options(),
         **kwargs,
     )
 

@@ -10,7 +10,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,15 +64,31 @@ def configure_gate(url: str, name: str, **cfg: int) -> GateKeys:
 def redis_counters(r: redis.Redis, keys: GateKeys | None = None) -> dict[str, float]:
     """``calls:<cmd>`` and ``usec:<cmd>`` from INFO commandstats, plus the gate's stats hash."""
     out: dict[str, float] = {}
-    for k, v in r.info("commandstats").items():
-        cmd = k.removeprefix("cmdstat_")
-        out[f"calls:{cmd}"] = float(v["calls"])
-        out[f"usec:{cmd}"] = float(v["usec"])
-    cpu = r.info("cpu")
-    out["cpu:redis"] = float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+    add_counters(out, r.info("commandstats"), r.info("cpu"))
     if keys is not None:
         stats: dict[Any, Any] = r.hgetall(keys.stats)
         out.update({f"stat:{_s(k)}": float(v) for k, v in stats.items()})
+    return out
+
+
+def add_counters(out: dict[str, float], commandstats: Any, cpu: Any) -> None:
+    """Add one server's INFO commandstats and INFO cpu to ``out``: ``calls:<cmd>``,
+    ``usec:<cmd>`` and ``cpu:redis`` (user + sys seconds). Summed over a Cluster's masters by
+    calling it once per node."""
+    for k, v in commandstats.items():
+        cmd = k.removeprefix("cmdstat_")
+        out[f"calls:{cmd}"] = out.get(f"calls:{cmd}", 0.0) + float(v["calls"])
+        out[f"usec:{cmd}"] = out.get(f"usec:{cmd}", 0.0) + float(v["usec"])
+    used = float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+    out["cpu:redis"] = out.get("cpu:redis", 0.0) + used
+
+
+def _all_counters(r: redis.Redis, keys: GateKeys, others: Sequence[str]) -> dict[str, float]:
+    """:func:`redis_counters` of ``r`` plus the commandstats and CPU of the servers ``others``."""
+    out = redis_counters(r, keys)
+    for url in others:
+        with sync_client(url) as o:
+            add_counters(out, o.info("commandstats"), o.info("cpu"))
     return out
 
 
@@ -173,18 +189,27 @@ class Window:
 
 
 def watch(
-    url: str, keys: GateKeys, start_ns: int, end_ns: int, hz: float = 100.0, slow_us: int = 500
+    url: str,
+    keys: GateKeys,
+    start_ns: int,
+    end_ns: int,
+    hz: float = 100.0,
+    slow_us: int = 500,
+    others: Sequence[str] = (),
 ) -> Window:
     """Sample ZCARD holders/queue at ``hz`` and take counter deltas over [start_ns, end_ns].
 
-    Script calls slower than ``slow_us`` are collected from SLOWLOG (by SHA or function name)."""
+    ``url`` is the server holding the gate (on a Cluster: the master of its slot); the
+    commandstats and CPU of the servers ``others`` (a Cluster's other masters) are added to
+    the counters. Script calls slower than ``slow_us`` are collected from SLOWLOG (by SHA or
+    function name) of ``url``."""
     r = sync_client(url)
     r.config_set("slowlog-max-len", 10_000)
     r.config_set("slowlog-log-slower-than", slow_us)
     sleep_until(start_ns)
     r.slowlog_reset()
     busy0 = machine_jiffies()
-    before = redis_counters(r, keys)
+    before = _all_counters(r, keys, others)
     samples: list[tuple[int, int]] = []
     period = int(1e9 / hz)
     tick = start_ns
@@ -196,7 +221,7 @@ def watch(
         samples.append((int(h), int(q)))
         tick += period
         sleep_until(min(tick, end_ns))
-    counters = delta(before, redis_counters(r, keys))
+    counters = delta(before, _all_counters(r, keys, others))
     busy1 = machine_jiffies()
     busy = busy_fraction(busy0, busy1)
     names = script_names()

@@ -83,11 +83,13 @@ async def worker_fleet(
     counter = _EventCounter()
     logging.getLogger("fleetgate.client").addHandler(counter)
     async with open_fleet(url, flavor) as fleet:
-        pool = fleet.redis.connection_pool
-        n = min(connections, getattr(pool, "max_connections", connections))
-        conns = [await pool.get_connection() for _ in range(n)]  # type: ignore[no-untyped-call]
-        for c in conns:
-            await pool.release(c)
+        # A cluster client has a pool per node, opened on demand (and no connection_pool).
+        pool = getattr(fleet.redis, "connection_pool", None)
+        if pool is not None:
+            n = min(connections, getattr(pool, "max_connections", connections))
+            conns = [await pool.get_connection() for _ in range(n)]
+            for c in conns:
+                await pool.release(c)
         start = await sync.aready()
         dog = asyncio.create_task(_watchdog(start + int(overdue_s * 1e9), fleet))
         try:

@@ -20,6 +20,7 @@ figures, measured from main's code with the same file).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from typing import Any
@@ -27,30 +28,32 @@ from typing import Any
 import redis.asyncio as aredis
 
 from fleetgate.client import Fleet
+from fleetgate.errors import FleetgateError
 from fleetgate.keys import GateKeys
 
-from ._common import Headline, Options, log, open_fleet, percentiles, save, table
-from ._server import PREFIX, private_redis
+from ._cluster import CLUSTER_MASTERS, MODES, Target, script_calls, target
+from ._common import Headline, Options, figure, log, open_fleet, percentiles, save, table
+from ._server import PREFIX
+from ._workers import _EventCounter
 
 NAME = "pod_cost"
+GROUPED = "+group"  # the mode of Cluster rows whose gates share one group's slot
+LABELS = (*MODES, f"cluster{GROUPED}")
 POD_NAME = "fgb-measured"
 PEER_NAME = "fgb-peer"
 
 
-async def _script_calls(r: aredis.Redis) -> tuple[float, float]:
-    """Script calls and their server µs so far (INFO commandstats: EVAL + EVALSHA)."""
-    stats = await r.info("commandstats")
-    scripts = [v for k, v in stats.items() if k.removeprefix("cmdstat_") in ("eval", "evalsha")]
-    return float(sum(v["calls"] for v in scripts)), float(sum(v["usec"] for v in scripts))
+async def _counters(target: Target) -> dict[str, float]:
+    """INFO commandstats and CPU summed over the target's masters (off the event loop)."""
+    return await asyncio.to_thread(target.counters)
 
 
-async def _connections(r: aredis.Redis, name: str) -> int:
-    clients = await r.client_list()
-    return sum(1 for c in clients if c.get("name") == name)
-
-
-def _fleet(url: str, opts: Options, name: str) -> Fleet:
-    f = open_fleet(url, opts.flavor)
+def _fleet(target: Target, opts: Options, name: str) -> Fleet:
+    # On a Cluster every gate found without state is fenced for a registration period (no
+    # server-wide "born" mark reaches every slot); the standalone server here is marked old
+    # (private_redis), so both measure gates with state: the fence is off on the Cluster.
+    fence = {"recovery_fence": 0.0} if target.cluster else {}
+    f = open_fleet(target.url, opts.flavor, **fence)
     f.runtime.redis_options["client_name"] = name
     return f
 
@@ -62,96 +65,156 @@ async def _hold_all(fleet: Fleet, gates: list[str]) -> list[Any]:
     return cms
 
 
+async def _all_parked(target: Target, gates: list[str]) -> None:
+    """Wait until one acquire is parked on every gate (a pipeline of ZCARDs per node)."""
+    by_node: dict[str, list[str]] = {}
+    for g in gates:
+        key = GateKeys.of(PREFIX, g).waiters
+        by_node.setdefault(target.node_for(key), []).append(key)
+    clients = [aredis.Redis.from_url(u, decode_responses=True) for u in by_node]
+    try:
+        for _ in range(2000):
+            await asyncio.sleep(0.01)
+            counts: list[int] = []
+            for r, keys in zip(clients, by_node.values(), strict=True):
+                pipe = r.pipeline(transaction=False)
+                for key in keys:
+                    pipe.zcard(key)
+                counts += await pipe.execute()
+            if all(n == 1 for n in counts):
+                return
+    finally:
+        for r in clients:
+            await r.aclose()
+
+
 async def _handoffs(
     holder: Fleet,
     waiter: Fleet,
     gates: list[str],
     held: list[Any],
-    r: aredis.Redis,
+    target: Target,
     measure_conns: bool,
 ) -> tuple[list[float], list[Any], int]:
     """``holder`` holds every gate (``held``); ``waiter`` parks one acquire per gate, then the
     holder releases gate by gate. Returns latencies (ms), the waiter's held permits and the
-    waiter's connection count while all its acquires were parked."""
+    waiter's connection count (over every node) while all its acquires were parked."""
     granted = [asyncio.Event() for _ in gates]
     stamp = [0] * len(gates)
-    cms = [waiter.gate(g, floor=1, ceiling=1).permit(deadline=60) for g in gates]
+    cms = [waiter.gate(g, floor=1, ceiling=1).permit(deadline=120) for g in gates]
+
+    failed: list[BaseException] = []
 
     async def wait(i: int) -> None:
-        await cms[i].__aenter__()
-        stamp[i] = time.monotonic_ns()
-        granted[i].set()
+        try:
+            await cms[i].__aenter__()
+        except BaseException as exc:
+            failed.append(exc)
+            raise
+        finally:
+            stamp[i] = time.monotonic_ns()
+            granted[i].set()
 
     tasks = [asyncio.create_task(wait(i)) for i in range(len(gates))]
-    # every acquire parked (queue length 1 on each gate)
-    for _ in range(2000):
-        await asyncio.sleep(0.01)
-        pipe = r.pipeline(transaction=False)
-        for g in gates:
-            pipe.zcard(GateKeys.of(PREFIX, g).waiters)
-        if all(n == 1 for n in await pipe.execute()):
-            break
+    await _all_parked(target, gates)
     await asyncio.sleep(0.2)
-    conns = (
-        await _connections(r, waiter.runtime.redis_options["client_name"]) if measure_conns else 0
-    )
+    name = waiter.runtime.redis_options["client_name"]
+    conns = await asyncio.to_thread(target.connections, name) if measure_conns else 0
     lat: list[float] = []
     for i in range(len(gates)):
         t0 = time.monotonic_ns()
         await held[i].__aexit__(None, None, None)
         await granted[i].wait()
+        if failed:
+            raise HandoffFailed(f"hand-off {i + 1} of {len(gates)}: {failed[0]!r}")
         lat.append((stamp[i] - t0) / 1e6)
     await asyncio.gather(*tasks)
     return lat, cms, conns
 
 
-async def _redis_cpu(r: aredis.Redis) -> float:
-    """redis-server's CPU seconds so far (user + sys, all of it: network, parsing, scripts)."""
-    cpu = await r.info("cpu")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
-
-
-async def _rate(r: aredis.Redis, seconds: float) -> tuple[float, float, float]:
+async def _rate(target: Target, seconds: float) -> tuple[float, float, float]:
     """Script calls/s, server µs of scripts per second, and redis-server CPU µs per second
-    over ``seconds``."""
-    (c0, u0), p0, t0 = await _script_calls(r), await _redis_cpu(r), time.monotonic()
+    (user + sys, all of it: network, parsing, scripts), summed over the masters, over
+    ``seconds``."""
+    c0, t0 = await _counters(target), time.monotonic()
     await asyncio.sleep(seconds)
-    (c1, u1), p1, t1 = await _script_calls(r), await _redis_cpu(r), time.monotonic()
+    c1, t1 = await _counters(target), time.monotonic()
     dt = t1 - t0
-    return (c1 - c0) / dt, (u1 - u0) / dt, (p1 - p0) * 1e6 / dt
+    (n0, u0), (n1, u1) = script_calls(c0), script_calls(c1)
+    return (n1 - n0) / dt, (u1 - u0) / dt, (c1["cpu:redis"] - c0["cpu:redis"]) * 1e6 / dt
 
 
-async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]:
-    gates = [f"pc{n}-{i}" for i in range(n)]
-    r = aredis.Redis.from_url(url, decode_responses=True)
-    pod = _fleet(url, opts, POD_NAME)
-    peer = _fleet(url, opts, PEER_NAME)
+class HandoffFailed(RuntimeError):
+    """A parked acquire of the measured pod ended without its grant (its deadline passed)."""
+
+
+async def _one(
+    target: Target, opts: Options, n: int, window: float, grouped: bool
+) -> dict[str, Any]:
+    """One size measured, or why it did not get through (a hand-off whose acquire failed, a
+    lease lost -- the process's loop too busy to renew it --, the size's time bound, grouped
+    names refused): then the row has ``error`` and no figures.
+    ``grouped``: the gates are named ``{pc<n>}pc<n>-<i>``, one group (one slot) for them all."""
+    events = _EventCounter()
+    logging.getLogger("fleetgate.client").addHandler(events)
+    bound = 120.0 + 0.06 * n  # 180 s at 1,000 gates
+    mode = f"{target.mode}{GROUPED if grouped else ''}"
+    gates = [f"{{pc{n}}}pc{n}-{i}" if grouped else f"pc{n}-{i}" for i in range(n)]
+    try:
+        row = {"mode": mode, **await asyncio.wait_for(_measure(target, opts, gates, window), bound)}
+    except (HandoffFailed, TimeoutError, FleetgateError) as exc:  # LeaseLost, ConfigError
+        log(f"{NAME}: {mode}, {n} gates did not get through: {exc!r}")
+        row = {"mode": mode, "gates": n, "error": repr(exc)}
+    finally:
+        logging.getLogger("fleetgate.client").removeHandler(events)
+    return {**row, "client_warnings": dict(events.counts)}
+
+
+async def _measure(
+    target: Target, opts: Options, gates: list[str], window: float
+) -> dict[str, Any]:
+    pod = _fleet(target, opts, POD_NAME)
+    peer = _fleet(target, opts, PEER_NAME)
+    try:
+        return await _size(target, pod, peer, gates, window)
+    finally:  # a size that did not get through leaves nothing running
+        for fleet in (peer, pod):
+            if not fleet.runtime.closing:
+                await fleet.close()
+
+
+async def _size(
+    target: Target, pod: Fleet, peer: Fleet, gates: list[str], window: float
+) -> dict[str, Any]:
+    n = len(gates)
     await pod.start()
     await peer.start()
-    rounds = max(2, min(20, math.ceil(40 / n)))
+    # 1,000 gates: one round (the peer to the pod), 1,000 hand-offs; they are the slow size
+    # on a loaded machine (the pod's loop renews 1,000 gates while handing off).
+    rounds = 1 if n >= 1000 else max(2, min(20, math.ceil(40 / n)))
     lat: list[float] = []
     conns = 0
     held = await _hold_all(peer, gates)
     holder, waiter = peer, pod
     for k in range(rounds):
-        got, held, c = await _handoffs(holder, waiter, gates, held, r, measure_conns=waiter is pod)
+        got, held, c = await _handoffs(
+            holder, waiter, gates, held, target, measure_conns=waiter is pod and k == 0
+        )
         lat += got
         if waiter is pod and k == 0:
             conns = c
         holder, waiter = waiter, holder
     # the pod must end up holding every gate
     if holder is not pod:
-        got, held, _ = await _handoffs(holder, waiter, gates, held, r, measure_conns=False)
+        got, held, _ = await _handoffs(holder, waiter, gates, held, target, measure_conns=False)
         lat += got
     await peer.close()
     await asyncio.sleep(1.0)  # let the first renewals after the hand-offs settle
-    held_rate, held_usec, held_cpu = await _rate(r, window)
+    held_rate, held_usec, held_cpu = await _rate(target, window)
     for cm in held:
         await cm.__aexit__(None, None, None)
     await asyncio.sleep(1.0)
-    idle_rate, idle_usec, idle_cpu = await _rate(r, window)
-    await pod.close()
-    await r.aclose()
+    idle_rate, idle_usec, idle_cpu = await _rate(target, window)
     p = percentiles(lat, (50, 99))
     return {
         "gates": n,
@@ -168,70 +231,134 @@ async def _one(url: str, opts: Options, n: int, window: float) -> dict[str, Any]
     }
 
 
+COLUMNS = (
+    "mode",
+    "gates",
+    "connections",
+    "handoff p50 ms",
+    "p99 ms",
+    "held calls/s",
+    "held µs/s",
+    "idle calls/s",
+    "idle µs/s",
+    "warnings",
+)
+
+
+def _row(x: dict[str, Any]) -> tuple[Any, ...]:
+    if "error" in x:
+        return (x["mode"], x["gates"], *(["-"] * (len(COLUMNS) - 3)), "did not get through")
+    return (
+        x["mode"],
+        x["gates"],
+        x["connections"],
+        round(x["handoff_p50_ms"], 3),
+        round(x["handoff_p99_ms"], 3),
+        round(x["held_calls_per_s"], 1),
+        round(x["held_script_usec_per_s"]),
+        round(x["idle_calls_per_s"], 2),
+        round(x["idle_script_usec_per_s"]),
+        "/".join(str(v) for v in x["client_warnings"].values()),
+    )
+
+
+def _plot(rows: list[dict[str, Any]], opts: Options) -> Any:
+    fig, ax = figure(3)
+    panels = (
+        ("connections", "connections per pod (all acquires parked)"),
+        ("held_calls_per_s", "script calls/s, a lease on each gate"),
+        ("handoff_p99_ms", "hand-off p99 (ms)"),
+    )
+    for (column, title), a in zip(panels, ax[0], strict=True):
+        for mode in LABELS:
+            xs = [x for x in rows if x["mode"] == mode and "error" not in x]
+            if xs:
+                a.plot([x["gates"] for x in xs], [x[column] for x in xs], "o-", label=mode)
+        a.set_xscale("log")
+        a.set_yscale("log")
+        a.set_xlabel("gates in use")
+        a.set_title(title, fontsize=9)
+        a.legend()
+    fig.suptitle(f"one pod's cost to Redis ({opts.flavor.label})")
+    return fig
+
+
+def _sizes(mode: str, opts: Options) -> list[tuple[int, bool]]:
+    """(gates, grouped) of a run: on the Cluster plain names, then one group per size; the
+    Cluster part of --quick stays short (CI runs it)."""
+    if mode == "cluster":
+        full = [(n, g) for g in (False, True) for n in (1, 10, 100, 1000)]
+        return opts.pick(full, [(1, False), (10, False), (10, True)])
+    return [(n, False) for n in opts.pick([1, 10, 100, 1000], [1, 10, 100])]
+
+
 def run(opts: Options) -> list[Headline]:
-    sizes = opts.pick([1, 10, 100, 1000], [1, 10, 100])
     window = opts.pick(10.0, 4.0)
-    rows = []
-    with private_redis() as proc:
-        url = proc.url
-        for n in sizes:
-            log(f"{NAME}: {n} gates")
-            rows.append(opts.flavor.run(_one(url, opts, n, window)))
-        text = table(
-            (
-                "gates",
-                "connections",
-                "handoff p50 ms",
-                "p99 ms",
-                "held calls/s",
-                "held µs/s",
-                "idle calls/s",
-                "idle µs/s",
+    rows: list[dict[str, Any]] = []
+    for mode in MODES:  # the Cluster last: save() describes the machine from a live node
+        with target(mode) as t:
+            for n, grouped in _sizes(mode, opts):
+                log(f"{NAME}: {mode}{GROUPED if grouped else ''}, {n} gates")
+                rows.append(opts.flavor.run(_one(t, opts, n, window, grouped)))
+            if mode == MODES[-1]:
+                text = table(COLUMNS, [_row(x) for x in rows])
+                text += "\nwarnings = client log lines fallback/requeue/lease-lost (0/0/0 = clean)"
+                data = {"rows": rows, "window_s": window, "cluster_masters": CLUSTER_MASTERS}
+                save(NAME, opts, t.nodes[0], data, text, _plot(rows, opts))
+    return _headlines(rows)
+
+
+def _headlines(rows: list[dict[str, Any]]) -> list[Headline]:
+    heads: list[Headline] = []
+    for mode in LABELS:
+        if not any(x["mode"] == mode for x in rows):
+            continue
+        by = {x["gates"]: x for x in rows if x["mode"] == mode and "error" not in x}
+        if not any(g <= 100 for g in by):
+            heads.append(Headline(NAME, f"{mode}: sizes measured", "none", "1..100", False))
+            continue
+        top = by[max(g for g in by if g <= 100)]
+        one = by.get(1, top)
+        n = top["gates"]
+        # the targets are set at 100 gates: issue 11 (standalone), issue 25 (Cluster)
+        targeted = n == 100
+        cap = one["connections"] + 8 if mode == "standalone" else 30
+        heads += [
+            Headline(
+                NAME,
+                f"{mode}: connections at {n} gates",
+                f"{top['connections']} (1 gate: {one['connections']})",
+                f"<= {cap}" if targeted else "-",
+                top["connections"] <= cap if targeted else None,
             ),
-            [
-                (
-                    x["gates"],
-                    x["connections"],
-                    round(x["handoff_p50_ms"], 3),
-                    round(x["handoff_p99_ms"], 3),
-                    round(x["held_calls_per_s"], 1),
-                    round(x["held_script_usec_per_s"]),
-                    round(x["idle_calls_per_s"], 2),
-                    round(x["idle_script_usec_per_s"]),
-                )
-                for x in rows
-            ],
-        )
-        save(NAME, opts, url, {"rows": rows, "window_s": window}, text)
-    by = {x["gates"]: x for x in rows}
-    one, hundred = by[1], by[100]
-    return [
-        Headline(
-            NAME,
-            "connections at 100 gates",
-            f"{hundred['connections']} (1 gate: {one['connections']})",
-            f"<= {one['connections'] + 8}",
-            hundred["connections"] <= one["connections"] + 8,
-        ),
-        Headline(
-            NAME,
-            "held: calls/s at 100 gates",
-            f"{hundred['held_calls_per_s']:.1f}",
-            "<= 10",
-            hundred["held_calls_per_s"] <= 10,
-        ),
-        Headline(
-            NAME,
-            "idle: calls/s at 100 gates",
-            f"{hundred['idle_calls_per_s']:.2f}",
-            "<= 2",
-            hundred["idle_calls_per_s"] <= 2,
-        ),
-        Headline(
-            NAME,
-            "hand-off p50/p99 at 100 gates",
-            f"{hundred['handoff_p50_ms']:.2f}/{hundred['handoff_p99_ms']:.2f} ms",
-            "no worse than before",
-            None,
-        ),
-    ]
+            Headline(
+                NAME,
+                f"{mode}: held: calls/s at {n} gates",
+                f"{top['held_calls_per_s']:.1f}",
+                "<= 10" if targeted else "-",
+                top["held_calls_per_s"] <= 10 if targeted else None,
+            ),
+            Headline(
+                NAME,
+                f"{mode}: idle: calls/s at {n} gates",
+                f"{top['idle_calls_per_s']:.2f}",
+                "<= 2" if targeted else "-",
+                top["idle_calls_per_s"] <= 2 if targeted else None,
+            ),
+            Headline(
+                NAME,
+                f"{mode}: hand-off p50/p99 at {n} gates",
+                f"{top['handoff_p50_ms']:.2f}/{top['handoff_p99_ms']:.2f} ms",
+                "no worse than before",
+                None,
+            ),
+        ]
+    return heads
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ._common import main
+
+    sys.exit(main(only=[NAME]))

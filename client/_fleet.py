@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate._redis import redact
 from fleetgate.configfile import redis_from_env
 from fleetgate.errors import ConfigError, FleetgateError
-from fleetgate.keys import GateKeys, validate_gate_name, validate_prefix
+from fleetgate.keys import GateKeys, validate_gate_name, validate_name, validate_prefix
 from fleetgate.scripts import GateScripts
 from fleetgate.settings import GateSettings, GateSettingsKwargs, check_setting_names
 
@@ -111,7 +111,7 @@ class Fleet:
         self.pod_id = pod_id or _default_pod_id()
         if len(self.pod_id) > _MAX_POD_ID:
             raise ConfigError(f"pod_id: at most {_MAX_POD_ID} characters, got {len(self.pod_id)}")
-        validate_gate_name(self.pod_id)  # same character rules as gate names
+        validate_name(self.pod_id, "pod_id")  # a plain gate name's rules (no group braces)
         # What lease ids, wake lists and the live-pod registry use: unique per process even
         # when several processes are given the same pod_id ($HOSTNAME with several workers):
         # two processes minting the same lease ids would share holder entries (limit 2 -> 3

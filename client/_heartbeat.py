@@ -9,7 +9,9 @@ gate is one script call (``heartbeat.lua``): it renews what the gate hands it
 grants whose wake-up was lost, expired waiters, the limit and the live-pod count.
 
 The beats of one round go out together (:meth:`GateScripts.heartbeats`: on a standalone Redis
-one ``heartbeat_many.lua`` call per 50 gates, one round trip; on Cluster one call per slot), and
+one ``heartbeat_many.lua`` call per ~1 ms of server time, one round trip each; on Cluster one
+call per slot in use -- per gate with plain names, per group's gates with grouped names --, sent
+as one pipeline per node per ~1 ms of server time), and
 a round takes every gate that would be due within half its period anyway: renewing early is
 always safe, and the gates' schedules fall into step, so a pod with many gates sends a few calls
 per heartbeat period instead of one per gate. A gate's renewal is never later

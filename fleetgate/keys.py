@@ -1,7 +1,9 @@
 """The Redis key layout, named once.
 
 Every key of one gate carries the gate's hash tag ``{G}`` so the whole gate lives in one Redis
-Cluster slot and every script touches a single slot. The registry of gates and the leadership
+Cluster slot and every script touches a single slot. A grouped gate name ``{group}rest`` (opt-in,
+:func:`gate_group`) has the keys ``{prefix}:{group}rest:cfg`` and so on: the gates of one group
+share the group's slot. The registry of gates and the leadership
 keys are outside any gate's slot and are written by separate commands.
 
     {prefix}:{G}:cfg       hash    floor, ceiling, max_queued, lease_ms, waiter_ms,
@@ -50,8 +52,10 @@ __all__ = [
     "MAX_GATE_NAME_BYTES",
     "GateKeys",
     "fleet_keys",
+    "gate_group",
     "name_problem",
     "validate_gate_name",
+    "validate_name",
     "validate_prefix",
 ]
 
@@ -88,9 +92,54 @@ def name_problem(name: object, what: str) -> str | None:
     return None
 
 
+# A grouped gate name: "{group}rest" (the one place braces are allowed in a gate name).
+_GROUPED = re.compile(r"\{([^{}]*)\}(.*)", re.DOTALL)
+
+
+def gate_group(name: str) -> str | None:
+    """The group of a grouped gate name ``{group}rest``, or None for a plain name.
+
+    Opt-in naming rule (issue 25 item 2): every gate of one group shares the group's hash tag,
+    so on Redis Cluster they share one slot and a pod renews all of them in few
+    ``heartbeat_many`` calls (and pops their wake lists together) -- at the price of one node
+    serving every gate of the group (a hot slot: docs/pod-cost.md). A plain name is its own
+    hash tag, as before."""
+    m = _GROUPED.fullmatch(name)
+    return m.group(1) if m else None
+
+
+def _grouped_name_problem(name: str) -> str | None:
+    m = _GROUPED.fullmatch(name)
+    if m is None:
+        return (
+            f"gate name {name!r}: a name starting with '{{' must be a grouped name "
+            "'{group}name' (braces nowhere else)"
+        )
+    problem = name_problem(m.group(1), "gate group") or name_problem(m.group(2), "gate name")
+    if problem is None and len(name.encode("utf-8")) > MAX_GATE_NAME_BYTES:
+        return f"gate name {name[:40]!r}... is longer than {MAX_GATE_NAME_BYTES} bytes"
+    return problem
+
+
 def validate_gate_name(name: object) -> str:
-    """Return ``name`` if it is a usable gate name, else raise :class:`ConfigError` saying why."""
-    problem = name_problem(name, "gate name")
+    """Return ``name`` if it is a usable gate name, else raise :class:`ConfigError` saying why.
+
+    A plain name (:func:`name_problem`), or a grouped one, ``{group}rest``, whose group and
+    rest are each plain (:func:`gate_group`)."""
+    if isinstance(name, str) and name.startswith("{"):
+        problem = _grouped_name_problem(name)
+    else:
+        problem = name_problem(name, "gate name")
+    if problem:
+        raise ConfigError(problem)
+    assert isinstance(name, str)
+    return name
+
+
+def validate_name(name: object, what: str) -> str:
+    """Return ``name`` if it is a plain name (:func:`name_problem`: no braces at all), else raise
+    :class:`ConfigError` naming ``what``."""
+    problem = name_problem(name, what)
     if problem:
         raise ConfigError(problem)
     assert isinstance(name, str)
@@ -118,7 +167,11 @@ class GateKeys:
     @functools.cached_property
     def base(self) -> str:
         """``<prefix>:{<gate>}``: every key of the gate is this plus a suffix; the scripts get
-        only this name (``KEYS[1]``) and derive the rest (see ``lua/lib_gate.lua``)."""
+        only this name (``KEYS[1]``) and derive the rest (see ``lua/lib_gate.lua``). A grouped
+        name ``{group}rest`` (:func:`gate_group`) gives ``<prefix>:{group}rest``: the group is
+        the hash tag."""
+        if self.name.startswith("{"):
+            return f"{self.prefix}:{self.name}"
         return f"{self.prefix}:{{{self.name}}}"
 
     @property

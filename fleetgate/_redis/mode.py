@@ -102,6 +102,17 @@ class RedisMode:
         """
         return key_slot(key.encode()) if self.cluster else 0
 
+    def node_group(self, key: str) -> str:
+        """Keys of one node group are served by one node: standalone (and Sentinel) ``""``;
+        Cluster the name (``host:port``) of the primary serving the key's slot, as the client's
+        topology has it (a stale map only costs a redirection, which redis-py follows)."""
+        if not self.cluster:
+            return ""
+        try:
+            return str(self.client.get_node_from_key(key).name)
+        except (RedisClusterException, AttributeError, KeyError, IndexError):
+            return ""  # no topology yet: one group, a pipeline routes each call anyway
+
     async def disconnect_idle(self) -> None:
         """Close the idle pooled connections (of every node, for a cluster client).
 
@@ -118,16 +129,22 @@ class RedisMode:
         for node in self.client.get_nodes():
             await node.disconnect_free_connections()
 
-    async def batch(self, calls: Sequence[BatchCall], *, raise_on_error: bool = True) -> list[Any]:
+    async def batch(
+        self, calls: Sequence[BatchCall], *, raise_on_error: bool = True, pipelined: bool = False
+    ) -> list[Any]:
         """Run ``calls`` (each on a different gate, say) and return their replies in order.
 
-        Standalone: one pipeline without MULTI (one round trip; redis-py loads a script the
-        server lacks first). Cluster: concurrent calls, since Cluster refuses scripts in
-        pipelines. ``raise_on_error=False`` returns a failed call's exception as its reply.
+        Standalone: one pipeline without MULTI (one round trip). Cluster: concurrent calls, a
+        round trip and a connection each; ``pipelined``: one cluster pipeline, which redis-py
+        splits by node and sends as one pipeline per node, concurrently (one round trip per
+        node; a call redirected by MOVED, ASK or TRYAGAIN is sent again alone, redirections
+        followed). A pipeline's scripts run back to back on their node, so callers keep its
+        server time small (the heartbeat's rounds: :meth:`GateScripts.heartbeats`).
+        ``raise_on_error=False`` returns a failed call's exception as its reply.
         """
         if not calls:
             return []
-        if self.cluster:
+        if self.cluster and not pipelined:
             return list(
                 await asyncio.gather(
                     *(_run(call, self.client) for call in calls),

@@ -1,11 +1,12 @@
 """Script calls as values: one gate's call with its KEYS, ARGV and reply decoder
-(:class:`ScriptCall`), several gates' heartbeats in one call (:class:`ManyHeartbeats`), and how
-heartbeats are grouped into calls (:func:`heartbeat_chunks`). Each is a
+(:class:`ScriptCall`), several gates' heartbeats in one call (:class:`ManyHeartbeats`), how
+heartbeats are grouped into calls (:func:`heartbeat_chunks`) and calls into rounds of one
+pipeline per node (:func:`heartbeat_rounds`). Each is a
 :data:`fleetgate._redis.BatchCall`: issued alone, or batched with others."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 from fleetgate._redis import RedisMode
@@ -86,3 +87,27 @@ def heartbeat_chunks(
             load += costs[i]
         chunks.append(chunk)
     return [c for c in chunks if len(c) == 1], [c for c in chunks if len(c) > 1]
+
+
+def heartbeat_rounds(
+    nodes: Sequence[Hashable], costs: Sequence[int], units: int
+) -> list[list[int]]:
+    """The calls ``0 .. n-1`` (to node ``nodes[i]``, weighing ``costs[i]`` units) grouped into
+    rounds sent one after the other, each round one pipeline per node of at most ``units`` (a
+    call heavier than that alone), in call order per node: Redis runs a pipeline's scripts back
+    to back, so a node's pipeline keeps about one heartbeat_many call's server time and a
+    hand-off arriving meanwhile waits no longer than behind one such call."""
+    per_node: dict[Hashable, list[list[int]]] = {}
+    loads: dict[Hashable, int] = {}
+    for i, node in enumerate(nodes):
+        chunks = per_node.setdefault(node, [[]])
+        if chunks[-1] and loads[node] + costs[i] > units:
+            chunks.append([])
+            loads[node] = 0
+        chunks[-1].append(i)
+        loads[node] = loads.get(node, 0) + costs[i]
+    depth = max((len(c) for c in per_node.values()), default=0)
+    return [
+        [i for chunks in per_node.values() if k < len(chunks) for i in chunks[k]]
+        for k in range(depth)
+    ]

@@ -32,7 +32,7 @@ from ._argv import (
     set_target_argv,
     sweep_argv,
 )
-from ._calls import ManyHeartbeats, ScriptCall, heartbeat_chunks
+from ._calls import ManyHeartbeats, ScriptCall, heartbeat_chunks, heartbeat_rounds
 from ._library import GateFunction, Loader, function_missing
 from ._replies import (
     AcquireReply,
@@ -97,15 +97,19 @@ class GateScripts:
             for c, r in zip(calls, raw[len(also) :], strict=True)
         ]
 
-    async def _redis_batch(self, calls: Sequence[BatchCall], *, raise_on_error: bool) -> list[Any]:
+    async def _redis_batch(
+        self, calls: Sequence[BatchCall], *, raise_on_error: bool, pipelined: bool = False
+    ) -> list[Any]:
         """:meth:`RedisMode.batch`, with the calls that found their function missing (Redis
         restarted empty mid-pipeline, say: they ran nothing) sent again once after the library
         is loaded. ``raise_on_error``: the first failed call's exception raises."""
-        raw = await self.redis.batch(calls, raise_on_error=False)
+        raw = await self.redis.batch(calls, raise_on_error=False, pipelined=pipelined)
         missing = [i for i, r in enumerate(raw) if function_missing(r)]
         if missing:
             await self._loader.load()
-            again = await self.redis.batch([calls[i] for i in missing], raise_on_error=False)
+            again = await self.redis.batch(
+                [calls[i] for i in missing], raise_on_error=False, pipelined=pipelined
+            )
             for i, r in zip(missing, again, strict=True):
                 raw[i] = r
         if raise_on_error:
@@ -226,12 +230,15 @@ class GateScripts:
     async def heartbeats(
         self, requests: Sequence[HeartbeatRequest], *, units: int = HEARTBEAT_UNITS_PER_CALL
     ) -> list[HeartbeatReply | Exception]:
-        """The heartbeats of several gates, in few script calls: the gates are grouped by slot
-        (:meth:`RedisMode.slot_group`: all of them on a standalone Redis), each group sent as
-        ``heartbeat_many.lua`` calls of at most ``units`` (:data:`HEARTBEAT_UNITS_PER_CALL`;
-        a group of one as a plain ``heartbeat.lua``). The single-gate calls go as one
-        :meth:`RedisMode.batch`; the multi-gate calls one after the other, so Redis serves other
-        clients between them (a pipeline of them would run back to back).
+        """The heartbeats of several gates, in few script calls and round trips: the gates are
+        grouped by slot (:meth:`RedisMode.slot_group`: all of them on a standalone Redis), each
+        group sent as ``heartbeat_many.lua`` calls of at most ``units``
+        (:data:`HEARTBEAT_UNITS_PER_CALL`; a group of one as a plain ``heartbeat.lua``). The
+        calls go in rounds, one after the other (:func:`heartbeat_rounds`): each round one
+        pipeline per node (:meth:`RedisMode.node_group`) of at most ``units``, so Redis serves
+        other clients between them (a pipeline's scripts run back to back). Standalone: one
+        call per round. Cluster: one round trip per node per round, the node's gates' calls
+        pipelined (before, one concurrent call per gate: a round trip and a connection each).
 
         Returns one reply per request, in order: the decoded reply, or the exception of that
         gate's call (a gate error such as WRONGTYPE as :meth:`translate` gives it; a failed
@@ -239,15 +246,26 @@ class GateScripts:
         renewals). An outage (connection error, an OOM/READONLY/... reply) raises.
         """
         slots = [self.redis.slot_group(req.keys.base) for req in requests]
-        singles, many = heartbeat_chunks(slots, [req.units() for req in requests], units)
-        raw = await self._batch_raw([self._heartbeat_call(requests[c[0]], as_is) for c in singles])
-        many_script = self._scripts["heartbeat_many"]
-        for c in many:
-            call = ManyHeartbeats(many_script, [requests[i] for i in c], self.redis)
-            raw += await self._batch_raw([call])
+        singles, many = heartbeat_chunks(slots, [r.units() for r in requests], units)
+        chunks = singles + many
+        calls: list[BatchCall] = [
+            self._heartbeat_call(requests[c[0]], as_is)
+            if len(c) == 1
+            else ManyHeartbeats(
+                self._scripts["heartbeat_many"], [requests[i] for i in c], self.redis
+            )
+            for c in chunks
+        ]
+        nodes = [self.redis.node_group(requests[c[0]].keys.base) for c in chunks]
+        costs = [sum(requests[i].units() for i in c) for c in chunks]
+        raw: list[Any] = [None] * len(chunks)
+        for round_ in heartbeat_rounds(nodes, costs, units):
+            replies = await self._batch_raw([calls[k] for k in round_], pipelined=True)
+            for k, reply in zip(round_, replies, strict=True):
+                raw[k] = reply
         out: list[HeartbeatReply | Exception | None] = [None] * len(requests)
         retry: list[int] = []
-        for chunk, reply in zip(singles + many, raw, strict=True):
+        for chunk, reply in zip(chunks, raw, strict=True):
             if isinstance(reply, Exception) and len(chunk) > 1:
                 retry += chunk
             elif len(chunk) == 1:
@@ -267,10 +285,11 @@ class GateScripts:
             return await self._gate_error(reply, keys)
         return HeartbeatReply.decode(reply)
 
-    async def _batch_raw(self, calls: Sequence[BatchCall]) -> list[Any]:
-        """``calls`` as one batch; a failed call's exception is its reply; an outage raises."""
+    async def _batch_raw(self, calls: Sequence[BatchCall], *, pipelined: bool = False) -> list[Any]:
+        """``calls`` as one batch (``pipelined``: see :meth:`RedisMode.batch`); a failed call's
+        exception is its reply; an outage raises."""
         try:
-            raw = await self._redis_batch(calls, raise_on_error=False)
+            raw = await self._redis_batch(calls, raise_on_error=False, pipelined=pipelined)
         except ResponseError as exc:  # the library could not be loaded
             if unavailable_reply(exc):
                 raise ServerUnavailable(str(exc)) from exc

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.exceptions import ResponseError
 
 from fleetgate._redis import RedisMode
@@ -188,7 +189,7 @@ class GateFunction:
 
     async def __call__(self, keys: Sequence[str], args: Sequence[Any], client: Any) -> Any:
         await self.loader.ensure()
-        if isinstance(client, Pipeline):
+        if isinstance(client, (Pipeline, ClusterPipeline)):
             return client.fcall(self.name, len(keys), *keys, *args)
         try:
             return await client.fcall(self.name, len(keys), *keys, *args)

@@ -6,9 +6,16 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis.crc import key_slot
 
 from fleetgate.errors import ConfigError
-from fleetgate.keys import MAX_GATE_NAME_BYTES, GateKeys, validate_gate_name
+from fleetgate.keys import (
+    MAX_GATE_NAME_BYTES,
+    GateKeys,
+    gate_group,
+    name_problem,
+    validate_gate_name,
+)
 
 _ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=80)
 
@@ -21,7 +28,12 @@ def _check_name(name: str) -> None:
     assert accepted == name
     key = GateKeys.of("fg", name).holders
     assert key.count("{") == 1 and key.count("}") == 1, key
-    assert key == f"fg:{{{name}}}:holders"
+    group = gate_group(name)
+    if group is None:
+        assert key == f"fg:{{{name}}}:holders"
+    else:  # a grouped name: the group is the hash tag
+        assert name.startswith(f"{{{group}}}") and key == f"fg:{name}:holders"
+        assert group and name_problem(group, "group") is None
     assert 0 < len(name.encode("utf-8")) <= MAX_GATE_NAME_BYTES
     assert not any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)
 
@@ -47,3 +59,21 @@ def test_non_string_gate_names() -> None:
     for bad in (None, 3, b"bytes", ["x"]):
         with pytest.raises(ConfigError, match="must be a string"):
             validate_gate_name(bad)
+
+
+def test_grouped_names_share_their_group_slot() -> None:
+    """``{group}rest`` (issue 25 item 2): every key of every gate of a group in the group's
+    slot; plain names keep their own tag."""
+    a, b = GateKeys.of("fg", "{pool}chat"), GateKeys.of("fg", "{pool}embed")
+    assert a.base == "fg:{pool}chat" and a.holders == "fg:{pool}chat:holders"
+    slots = {key_slot(k.encode()) for keys in (a, b) for k in [keys.base, *keys.declared_keys()]}
+    assert slots == {key_slot(b"pool")}
+    assert a.wake("pod:1") == "fg:{pool}chat:wake:pod:1"
+    assert GateKeys.of("fg", "chat").base == "fg:{chat}"
+    assert gate_group("{pool}chat") == "pool" and gate_group("chat") is None
+
+
+@pytest.mark.parametrize("bad", ["{}chat", "{pool}", "{pool}a}b", "{po{ol}chat", "{pool", "a{b}c"])
+def test_malformed_grouped_names_are_refused(bad: str) -> None:
+    with pytest.raises(ConfigError):
+        validate_gate_name(bad)
