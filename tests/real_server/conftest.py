@@ -37,12 +37,12 @@ def llama_build() -> tuple[Path, Path]:
     return binary, model
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def llama(
     llama_build: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LlamaServer]:
-    """One llama-server with SLOTS slots for the tests that do not restart it (each test has
-    its own key prefix, so its own controller state)."""
+    """One llama-server with SLOTS slots for this room's tests that do not restart it (each
+    test has its own key prefix, so its own controller state); stopped after the room's last."""
     server = LlamaServer(*llama_build, tmp_path_factory.mktemp("llama"))
     server.start(SLOTS)
     try:
