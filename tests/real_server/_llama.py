@@ -126,7 +126,7 @@ poll_interval = {POLL}
 poll_jitter = 0.0
 leader_ttl = 2.0
 metrics_listen = "127.0.0.1:0"
-scrape_timeout = 1.0
+scrape_timeout = 0.4
 {gates}""",
         env={},
     )
