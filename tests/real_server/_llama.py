@@ -36,8 +36,11 @@ BUILD_SCRIPT = ROOT / ".ci" / "llama_server.py"
 SLOTS = 4
 #: the coordinator's poll period in these tests (a llama-server request takes ~0.2-0.5 s)
 POLL = 0.5
-#: tokens each call generates (ignore_eos: always this many, so every call costs the same)
-N_PREDICT = 16
+#: tokens each call generates (ignore_eos: always this many, so every call costs the same):
+#: ~0.8 s a call at 4 busy slots here. With 16 (~0.2 s) the gate's fixed cost per call (a
+#: freed slot waits a Redis + HTTP round trip, and the client's CPU competes with the server's
+#: on 2 cores) is a larger share: adaptive 0.83 x no gate (docs/servers.md, issue 23 item 3)
+N_PREDICT = 64
 COMPLETION = {"prompt": "fleet gate", "n_predict": N_PREDICT, "ignore_eos": True}
 #: context per slot: the prompt and N_PREDICT tokens with room to spare
 CTX_PER_SLOT = 128
