@@ -42,6 +42,8 @@ POLL = 0.5
 #: on 2 cores) is a larger share: adaptive 0.83 x no gate (docs/servers.md, issue 23 item 3)
 N_PREDICT = 64
 COMPLETION = {"prompt": "fleet gate", "n_predict": N_PREDICT, "ignore_eos": True}
+#: a caller's total deadline per call, queue included (a call takes ~1 s; a stall fails fast)
+PERMIT_DEADLINE = 30.0
 #: context per slot: the prompt and N_PREDICT tokens with room to spare
 CTX_PER_SLOT = 128
 
@@ -251,19 +253,26 @@ class Callers:
             if self.gate is None:
                 await self._call()
             else:
-                async with self.gate.permit(deadline=120):
+                async with self.gate.permit(deadline=PERMIT_DEADLINE):
                     await self._call()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Callers]:
-        """The callers run for the block; leaving it lets each finish its call in progress."""
+        """The callers run for the block; leaving it lets each finish its call in progress
+        (PERMIT_DEADLINE at most: a stalled gate or server fails the test, never hangs it)."""
         stop = asyncio.Event()
         tasks = [asyncio.create_task(self._loop(stop)) for _ in range(self.count)]
         try:
             yield self
         finally:
             stop.set()
-            await asyncio.gather(*tasks)
+            done, pending = await asyncio.wait(tasks, timeout=PERMIT_DEADLINE + 5)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            assert not pending, f"{len(pending)} callers still in a call after {PERMIT_DEADLINE} s"
+            for task in done:
+                task.result()  # a caller's failure fails the test
 
     def rate(self, start: float, end: float) -> float:
         """Calls completed per second in [start, end] (monotonic)."""

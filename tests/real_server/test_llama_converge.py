@@ -19,6 +19,7 @@ from fleetgate.keys import GateKeys
 
 from ..conftest import RedisUnderTest
 from ._llama import (
+    PERMIT_DEADLINE,
     POLL,
     SLOTS,
     Callers,
@@ -45,7 +46,7 @@ async def test_detected_at_the_first_poll_and_converges_within_five(
     low, high = 0.8 * SLOTS, 1.25 * SLOTS
     async with (
         Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet,
-        httpx.AsyncClient(base_url=llama.url, timeout=60) as http,
+        httpx.AsyncClient(base_url=llama.url, timeout=PERMIT_DEADLINE) as http,
         Callers(http, 3 * SLOTS, fleet.gate(GATE, floor=1, ceiling=32)).running(),
         recording(async_redis, keys) as record,
         coordinating(cfg),
@@ -72,7 +73,7 @@ async def test_a_restart_with_fewer_slots_is_followed(
     own_llama.start(SLOTS)
     async with (
         Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet,
-        httpx.AsyncClient(base_url=own_llama.url, timeout=60) as http,
+        httpx.AsyncClient(base_url=own_llama.url, timeout=PERMIT_DEADLINE) as http,
         Callers(http, 3 * SLOTS, fleet.gate(GATE, floor=1, ceiling=32), tolerate=True).running(),
         recording(async_redis, keys) as record,
         coordinating(cfg),

@@ -18,6 +18,7 @@ from fleetgate.keys import GateKeys
 
 from ..conftest import RedisUnderTest
 from ._llama import (
+    PERMIT_DEADLINE,
     POLL,
     SLOTS,
     Callers,
@@ -45,7 +46,7 @@ async def test_target_returns_after_foreign_load_leaves(
     cfg = coordinator_config(rut.url, rut.prefix, llama_gate(GATE, llama.url))
     async with (
         Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet,
-        httpx.AsyncClient(base_url=llama.url, timeout=60) as http,
+        httpx.AsyncClient(base_url=llama.url, timeout=PERMIT_DEADLINE) as http,
         recording(async_redis, keys) as record,
         coordinating(cfg),
     ):

@@ -22,6 +22,7 @@ from fleetgate.keys import GateKeys
 from ..conftest import RedisUnderTest
 from ._llama import (
     N_PREDICT,
+    PERMIT_DEADLINE,
     POLL,
     SLOTS,
     Callers,
@@ -65,7 +66,7 @@ async def test_adaptive_gate_keeps_the_server_about_as_busy_as_no_gate(
     settle: list[int] = []
     async with (
         Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet,
-        httpx.AsyncClient(base_url=llama.url, timeout=60) as http,
+        httpx.AsyncClient(base_url=llama.url, timeout=PERMIT_DEADLINE) as http,
         recording(async_redis, keys) as record,
         coordinating(cfg),
     ):
