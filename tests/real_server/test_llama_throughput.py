@@ -61,7 +61,18 @@ async def test_adaptive_gate_keeps_the_server_about_as_busy_as_no_gate(
     rut: RedisUnderTest, async_redis: aredis.Redis, llama: LlamaServer
 ) -> None:
     keys = GateKeys.of(rut.prefix, GATE)
-    cfg = coordinator_config(rut.url, rut.prefix, llama_gate(GATE, llama.url))
+    # The static limit is a configured fixed gate, as an operator would set it. Left out of
+    # the config (a client-side floor of N alone), its callers once waited 30 s for permits
+    # with the server idle (DeadlineExceeded, gate 'llama-static'): open, not diagnosed here.
+    static_gate = f"""
+[[gates]]
+name = "{STATIC}"
+signal = "fixed"
+floor = {SLOTS}
+ceiling = {SLOTS}
+max_queued = 1000
+"""
+    cfg = coordinator_config(rut.url, rut.prefix, llama_gate(GATE, llama.url) + static_gate)
     rates: dict[str, list[float]] = {"adaptive": [], "static": [], "none": []}
     settle: list[int] = []
     async with (
@@ -72,7 +83,7 @@ async def test_adaptive_gate_keeps_the_server_about_as_busy_as_no_gate(
     ):
         gates: dict[str, Gate | None] = {
             "adaptive": fleet.gate(GATE, floor=1, ceiling=32),
-            # not in the coordinator's config: no target, so its limit is its floor, N
+            # the fixed gate: its limit is its floor, N
             "static": fleet.gate(STATIC, floor=SLOTS, ceiling=SLOTS),
             "none": None,
         }
