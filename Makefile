@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test demo bench-quick lint clean
+.PHONY: test demo bench-quick lint clean llama-server
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,12 @@ $(BIN)/.installed: pyproject.toml
 
 test: $(BIN)/.installed
 	$(BIN)/pytest -q
+
+# llama.cpp's llama-server (from the PyPI sdist of llama-cpp-python, ~11 min on 2 cores) and a
+# random-weight GGUF for tests/real_server/, cached under ~/.cache/fleetgate/: a second run does
+# nothing. Without them those tests skip, saying so.
+llama-server: $(BIN)/.installed
+	$(BIN)/python .ci/llama_server.py
 
 demo: $(BIN)/.installed
 	$(BIN)/python -m fleetgate.demo
