@@ -20,11 +20,9 @@ from pathlib import Path
 
 import httpx
 import redis.asyncio as aredis
-from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Gate
 from fleetgate.coordinator.config import Config
-from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.keys import GateKeys
 from fleetgate.tools.redisproc import free_port
 from fleetgate.util_hash import UtilHash
@@ -148,19 +146,6 @@ floor = {floor}
 ceiling = {ceiling}
 max_queued = 1000
 """
-
-
-@contextlib.asynccontextmanager
-async def coordinating(cfg: Config) -> AsyncIterator[Coordinator]:
-    """The real coordinator daemon on this loop for the block, stopped and awaited after it."""
-    stop = asyncio.Event()
-    coord = Coordinator(cfg, registry=CollectorRegistry())
-    task = asyncio.create_task(coord.run(stop))
-    try:
-        yield coord
-    finally:
-        stop.set()
-        await task
 
 
 @dataclass

@@ -18,13 +18,13 @@ from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
 
 from ..conftest import RedisUnderTest
+from ..coordinator._coordinator import running as coordinating
 from ._llama import (
     PERMIT_DEADLINE,
     POLL,
     SLOTS,
     Callers,
     LlamaServer,
-    coordinating,
     coordinator_config,
     first_in,
     llama_gate,

@@ -20,6 +20,7 @@ from fleetgate.client import Fleet
 from fleetgate.keys import GateKeys
 
 from ..conftest import RedisUnderTest
+from ..coordinator._coordinator import running as coordinating
 from ._llama import (
     PERMIT_DEADLINE,
     POLL,
@@ -27,7 +28,6 @@ from ._llama import (
     Callers,
     LlamaServer,
     PollRecord,
-    coordinating,
     coordinator_config,
     first_in,
     llama_gate,

@@ -22,6 +22,7 @@ from fleetgate.client import DeadlineExceeded, Fleet, Gate
 from fleetgate.keys import GateKeys
 
 from ..conftest import RedisUnderTest
+from ..coordinator._coordinator import running as coordinating
 from ._llama import (
     N_PREDICT,
     PERMIT_DEADLINE,
@@ -30,7 +31,6 @@ from ._llama import (
     Callers,
     LlamaServer,
     PollRecord,
-    coordinating,
     coordinator_config,
     first_in,
     llama_gate,
