@@ -27,7 +27,11 @@ from fleetgate.scripts import (
     REJECTED,
     REJECTED_TENANT,
     SHED,
+    RESIZE_LOST,
+    RESIZE_TOO_MANY,
+    RESIZED,
     TOO_HEAVY,
+    TOO_MANY_TOKENS,
     AcquireReply,
 )
 from fleetgate.settings import GateSettings
@@ -50,8 +54,9 @@ CANCEL_WAIT_S = 0.25
 # The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.
 _EVICTED = "x"
 # The wake value of a waiter refused because it weighs more than the ceiling C, lowered after it
-# parked, starts so: '<id>=c<C>'.
+# parked, starts so: '<id>=c<C>'; one that asks more tokens than the token ceiling K: '<id>=k<K>'.
 _REFUSED = "c"
+_REFUSED_TOKENS = "k"
 
 
 class Requeue(Exception):
@@ -140,6 +145,11 @@ class GateAcquirer(GateState):
         if reply.status == TOO_HEAVY:
             return ConfigError(
                 f"gate {self.name!r}: weight: {ask.weight} is above the gate's ceiling "
+                f"({reply.max_queued}); it could never be granted"
+            )
+        if reply.status == TOO_MANY_TOKENS:
+            return ConfigError(
+                f"gate {self.name!r}: tokens: {ask.tokens} is above the gate's token_ceiling "
                 f"({reply.max_queued}); it could never be granted"
             )
         self.series.of(ask).rejected.inc()
@@ -236,6 +246,30 @@ class GateAcquirer(GateState):
         lease._series.hold(ask.weight)
         return lease
 
+    async def _resize_fleet(self, lease: Lease, tokens: int) -> int:
+        """``lease.resize(tokens)`` of a fleet lease: one script call; the lease's id changes
+        with its tokens (``lua/resize.lua``)."""
+        try:
+            reply = await self.runtime.scripts.resize(self.keys, lease.id, tokens)
+        except OUTAGE_ERRORS as exc:
+            log.warning(
+                "gate %s: resize of %s to %d tokens failed (%s); it holds %d",
+                self.name, lease.id, tokens, error_text(exc), lease.tokens,
+            )
+            return lease.tokens
+        if reply.status == RESIZED:
+            if self.leases.pop(lease.id, None) is not None:
+                self.leases[reply.id] = lease
+            lease._resized(reply.id, reply.tokens)
+        elif reply.status == RESIZE_TOO_MANY:
+            raise ConfigError(
+                f"gate {self.name!r}: tokens: {tokens} is above the gate's token_ceiling "
+                f"({reply.tokens}); it could never be granted"
+            )
+        elif reply.status == RESIZE_LOST:
+            raise lease.lost_error()
+        return lease.tokens
+
     async def _cancel(self, waiter_id: str, member: str = "") -> None:
         """Leave the wait list (``member``: the entry it parked as) or give the lease back."""
         try:
@@ -311,6 +345,8 @@ class GateAcquirer(GateState):
             self.on_evicted(lease_id)
         elif token.startswith(_REFUSED) and token[1:].isdigit():
             self.on_too_heavy(lease_id, int(token[1:]))
+        elif token.startswith(_REFUSED_TOKENS) and token[1:].isdigit():
+            self.on_too_heavy(lease_id, int(token[1:]), tokens=True)
         elif lease_id and token.isdigit():
             self.on_granted(lease_id, int(token))
 
@@ -328,16 +364,22 @@ class GateAcquirer(GateState):
                 )
             )
 
-    def on_too_heavy(self, lease_id: str, ceiling: int) -> None:
-        """The gate's ceiling was lowered below ``lease_id``'s weight while it waited: it can
-        never be granted (the error an arrival that heavy gets)."""
+    def on_too_heavy(self, lease_id: str, ceiling: int | None, *, tokens: bool = False) -> None:
+        """The gate's ceiling (``tokens``: its token ceiling) was lowered below ``lease_id``'s
+        weight (tokens) while it waited: it can never be granted (the error an arrival that
+        heavy gets). ``ceiling`` None: which of the two is not known (a heartbeat's report)."""
         waiter = self.waiters.get(lease_id)
         if waiter is not None and not waiter.future.done():
+            if tokens:
+                what = f"tokens: {waiter.ask.tokens} is above the gate's token_ceiling ({ceiling})"
+            elif ceiling is not None and waiter.ask.weight <= ceiling:
+                what = f"tokens: {waiter.ask.tokens} is above the gate's token_ceiling"
+            else:
+                what = f"weight: {waiter.ask.weight} is above the gate's ceiling ({ceiling})"
             waiter.future.set_exception(
                 ConfigError(
-                    f"gate {self.name!r}: weight: {waiter.ask.weight} is above the gate's "
-                    f"ceiling ({ceiling}); it could never be granted (the ceiling was lowered "
-                    "while the call waited)"
+                    f"gate {self.name!r}: {what}; it could never be granted (the ceiling was "
+                    "lowered while the call waited)"
                 )
             )
 

@@ -41,18 +41,25 @@ log = logging.getLogger("fleetgate.client")
 
 
 def _ask_of(
-    ask: Ask | None, deadline: float | None, weight: int, priority: int, tenant: str | None
+    ask: Ask | None,
+    deadline: float | None,
+    weight: int,
+    priority: int,
+    tenant: str | None,
+    tokens: int = 0,
 ) -> Ask:
     """The :class:`Ask` of a call: ``ask`` as given, or one made of the keyword arguments.
     Both at once is a :class:`ConfigError` (which would win is not obvious); a keyword left at
     its default counts as not given."""
     if ask is None:
-        return Ask.of(weight=weight, priority=priority, tenant=tenant, deadline=deadline)
+        return Ask.of(
+            weight=weight, priority=priority, tenant=tenant, deadline=deadline, tokens=tokens
+        )
     if not isinstance(ask, Ask):
         raise ConfigError(f"ask: expected a fleetgate.ask.Ask, got {type(ask).__name__}")
-    if (weight, priority, tenant, deadline) != (1, 0, None, DEFAULT_DEADLINE):
+    if (weight, priority, tenant, deadline, tokens) != (1, 0, None, DEFAULT_DEADLINE, 0):
         raise ConfigError(
-            "ask: given with deadline, weight, priority or tenant; give one or the other"
+            "ask: given with deadline, weight, priority, tenant or tokens; give one or the other"
         )
     return ask
 
@@ -70,6 +77,7 @@ class Gate(GateAcquirer):
         weight: int = 1,
         priority: int = 0,
         tenant: str | None = None,
+        tokens: int = 0,
         ask: Ask | None = None,
     ) -> AsyncIterator[Lease]:
         """Hold one permit for the block: ``async with gate.permit(deadline=30.0) as lease:``.
@@ -79,7 +87,10 @@ class Gate(GateAcquirer):
         higher one, and a band below the gate's ``shed_below`` never parks (:class:`Overloaded`
         when it cannot start at once); ``tenant`` (a name, or None) shares its band fairly with
         the other tenants waiting in it. See README "Priorities, tenants and weights".
-        ``ask``: a ready :class:`~fleetgate.ask.Ask` instead of those four arguments.
+        ``tokens`` (int >= 0) counts against the gate's token budget, if it has one: what the
+        call holds at its peak (prompt + output); :meth:`Lease.resize` changes it while the
+        block runs. See README "Token budgets".
+        ``ask``: a ready :class:`~fleetgate.ask.Ask` instead of those five arguments.
 
         ``deadline`` (seconds, or None) is total: it covers the queue wait and the block itself.
         When it fires while parked the caller leaves the wait list (no permit consumed); when it
@@ -88,7 +99,7 @@ class Gate(GateAcquirer):
         If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
         :class:`LeaseLost`, unless the block raised an exception of its own.
         """
-        asked = _ask_of(ask, deadline, weight, priority, tenant)
+        asked = _ask_of(ask, deadline, weight, priority, tenant, tokens)
         async with self._total_deadline(asked.deadline, "permit") as dl:
             lease = await self._acquire(dl, asked)
             try:
@@ -105,14 +116,15 @@ class Gate(GateAcquirer):
         weight: int = 1,
         priority: int = 0,
         tenant: str | None = None,
+        tokens: int = 0,
         ask: Ask | None = None,
     ) -> Lease:
         """Acquire a permit and return its lease; the caller must ``await lease.release()``.
 
-        ``deadline`` bounds the wait only; ``weight``, ``priority``, ``tenant`` and ``ask`` as
-        for :meth:`permit`. Prefer :meth:`permit`, which releases for you.
+        ``deadline`` bounds the wait only; ``weight``, ``priority``, ``tenant``, ``tokens`` and
+        ``ask`` as for :meth:`permit`. Prefer :meth:`permit`, which releases for you.
         """
-        asked = _ask_of(ask, deadline, weight, priority, tenant)
+        asked = _ask_of(ask, deadline, weight, priority, tenant, tokens)
         async with self._total_deadline(asked.deadline, "queue wait") as dl:
             return await self._acquire(dl, asked)
 
@@ -129,6 +141,7 @@ class Gate(GateAcquirer):
         weight: int | Callable[[Any], int] = 1,
         priority: int = 0,
         tenant: str | None = None,
+        tokens: int | Callable[[Any], int] = 0,
     ) -> list[Any]:
         """Call ``fn(item)`` for every item, each call inside its own permit; results in order.
 
@@ -144,7 +157,8 @@ class Gate(GateAcquirer):
           fast; by default the first failure cancels the siblings and is raised.
         * ``call_timeout``: a per-attempt timeout (a timeout counts as transient).
         * ``weight`` (units per call: an int, or ``fn(item) -> int`` to weigh each item),
-          ``priority`` and ``tenant``: as for :meth:`permit`.
+          ``tokens`` (likewise, of the token budget), ``priority`` and ``tenant``: as for
+          :meth:`permit`.
 
         ``fn`` may be async or sync (run in a thread); ``items`` may be an async iterable.
         A lease lost under a call is counted and logged, not raised: the call's result stands.
@@ -161,6 +175,7 @@ class Gate(GateAcquirer):
             weight=weight,
             priority=priority,
             tenant=tenant,
+            tokens=tokens,
         )
 
     async def map_batches(

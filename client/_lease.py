@@ -12,6 +12,7 @@ import asyncio
 import time
 from typing import Protocol
 
+from fleetgate.admission import validate_tokens
 from fleetgate.ask import DEFAULT_ASK, Ask
 from fleetgate.errors import LeaseLost
 
@@ -34,12 +35,15 @@ class LeaseHolder(Protocol):
 
     def _release_fleet(self, lease: Lease) -> None: ...
 
+    async def _resize_fleet(self, lease: Lease, tokens: int) -> int: ...
+
 
 class Lease(Reporting):
     """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
 
     ``token`` is a fencing token, monotonic per gate in grant order; ``ask`` what it was asked
-    with, and of it ``weight`` (the units it holds), ``priority`` and ``tenant``. ``lost`` is
+    with, and of it ``weight`` (the units it holds), ``priority`` and ``tenant``; ``tokens``
+    what it holds of the gate's token budget now (:meth:`resize` changes it). ``lost`` is
     set when the lease could not be renewed and Redis no longer counts it; ``is_lost`` reads the
     same from any thread. Leaving a ``permit()`` block whose lease was lost raises
     :class:`LeaseLost` (unless the block raised already).
@@ -72,11 +76,41 @@ class Lease(Reporting):
         self._lost: asyncio.Event | None = None
         self._released = False
         self._granted_at = time.monotonic()  # the default latency of report() counts from here
+        self._tokens = ask.tokens
 
     @property
     def weight(self) -> int:
         """The units this lease holds against the gate's limit."""
         return self.ask.weight
+
+    @property
+    def tokens(self) -> int:
+        """The tokens this lease holds of the gate's token budget (0: none)."""
+        return self._tokens
+
+    async def resize(self, tokens: int) -> int:
+        """Hold ``tokens`` of the gate's token budget from now on; returns the tokens held.
+
+        Shrinking frees the difference to the callers waiting at once. Growing takes only
+        tokens nobody waits for: when the budget has room and no caller is parked, the lease
+        holds ``tokens``; otherwise nothing changes (no partial growth, no waiting) and the old
+        amount is returned. More than the gate's ``token_ceiling`` is a :class:`ConfigError`;
+        a released or lost lease raises :class:`LeaseLost`. A lease granted locally while Redis
+        was unreachable just records the new amount (the local bound counts units only), as
+        does a resize while Redis is unreachable (it returns the tokens held, unchanged).
+        """
+        validate_tokens(tokens)
+        if self._released or self._is_lost:
+            raise self.lost_error()
+        if tokens == self._tokens:
+            return tokens
+        if self.local:
+            self._tokens = tokens
+            return tokens
+        return await self.gate._resize_fleet(self, tokens)
+
+    def _resized(self, lease_id: str, tokens: int) -> None:
+        self.id, self._tokens = lease_id, tokens
 
     @property
     def priority(self) -> int:

@@ -172,12 +172,13 @@ async def run_map(
     weight: int | Callable[[Any], int] = 1,
     priority: int = 0,
     tenant: str | None = None,
+    tokens: int | Callable[[Any], int] = 0,
 ) -> list[Any]:
     """The body of :meth:`Gate.map` (see there)."""
     seconds = _check_map_options(source.name, deadline, max_in_flight, call_timeout)
     metrics, name = source.metrics, source.name
     run = _MapRun(source, _as_async(fn), max_in_flight, call_timeout)
-    run.weigh, run.priority, run.tenant = weight, priority, tenant
+    run.weigh, run.priority, run.tenant, run.tokens = weight, priority, tenant, tokens
     counter = metrics.deadline_exceeded.labels(name)
     async with Deadline(name, seconds, where="map", on_expire=counter.inc) as dl:
         policy = _policy(retry, dl, run.count_retry)
@@ -221,8 +222,10 @@ class _MapRun:
         self.call_timeout = call_timeout
         self.fan = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         self.results: dict[int, Any] = {}
-        #: each item's weight (an int for all, or a function of the item), priority, tenant
+        #: each item's weight and tokens (an int for all, or a function of the item),
+        #: priority, tenant
         self.weigh: int | Callable[[Any], int] = 1
+        self.tokens: int | Callable[[Any], int] = 0
         self.priority = 0
         self.tenant: str | None = None
         #: attempts made (first calls and retries), for the calls-per-request histogram
@@ -273,8 +276,11 @@ class _MapRun:
 
     async def _one(self, index: int, item: Any, dl: Deadline, policy: AsyncRetrying) -> None:
         weight = self.weigh(item) if callable(self.weigh) else self.weigh
+        tokens = self.tokens(item) if callable(self.tokens) else self.tokens
         # the call's own ask; the request's deadline (dl) covers it
-        ask = Ask.of(weight=weight, priority=self.priority, tenant=self.tenant, deadline=None)
+        ask = Ask.of(
+            weight=weight, priority=self.priority, tenant=self.tenant, deadline=None, tokens=tokens
+        )
         lease = await self.source.acquire_for(dl, ask)
         report = CallReport()
         try:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from fleetgate.admission import validate_tokens
 from fleetgate.errors import ConfigError
 from fleetgate.observed import classify_status, encode_report, validate_outcome
 
@@ -74,8 +75,16 @@ class Reporting:
     _granted_at: float = 0.0
     #: the report to send with the release (fleetgate.observed.encode_report), "" for none
     _report: str = ""
+    #: the tokens the lease holds now and its tenant (set by the lease)
+    _tokens: int = 0
 
-    def report(self, outcome: str, latency: float | None = None) -> None:
+    @property
+    def tenant(self) -> str | None:
+        raise NotImplementedError
+
+    def report(
+        self, outcome: str, latency: float | None = None, *, tokens: int | None = None
+    ) -> None:
         """Report the call's outcome -- ``"ok"``, ``"overloaded"`` (429, 503, 529),
         ``"timeout"`` or ``"error"`` -- and, for ``"ok"``, its latency in seconds (default: the
         time since the permit was granted) for the client-observed signal. The report leaves
@@ -83,8 +92,17 @@ class Reporting:
         after the release, or on a permit granted locally while Redis was unreachable, is not
         counted. Anything but those four outcomes, or a latency that is negative or not finite,
         is a :class:`ConfigError`.
+
+        ``tokens``: what the call really used (prompt + output, an int >= 0). It never changes
+        what the lease holds; it is counted per tenant against what the lease held, fleet-wide
+        (``gate.snapshot().token_usage``), so a later call can be charged what its tenant's
+        calls use (:meth:`fleetgate.observed.TokenUsage.estimate`).
         """
         validate_outcome(outcome)
+        usage = None
+        if tokens is not None:
+            validate_tokens(tokens)
+            usage = (self._tokens, tokens, self.tenant)
         if latency is None:
             latency = time.monotonic() - self._granted_at
         elif (
@@ -94,7 +112,7 @@ class Reporting:
             or latency < 0
         ):
             raise ConfigError(f"latency: expected seconds >= 0 or None, got {latency!r}")
-        self._report = encode_report(outcome, float(latency))
+        self._report = encode_report(outcome, float(latency), usage)
 
 
 class CallReport:

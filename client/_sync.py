@@ -234,17 +234,20 @@ class SyncGate:
         weight: int = 1,
         priority: int = 0,
         tenant: str | None = None,
+        tokens: int = 0,
         ask: Ask | None = None,
     ) -> Iterator[Lease]:
         """``with gate.permit(deadline=30.0) as lease:`` — blocks until granted.
 
         The deadline bounds the queue wait; a thread cannot be interrupted mid-call, so the block
         itself runs to completion (use :meth:`map` for a deadline that abandons running calls).
-        ``weight``, ``priority``, ``tenant`` and ``ask`` as for :meth:`Gate.permit`.
+        ``weight``, ``priority``, ``tenant``, ``tokens`` and ``ask`` as for :meth:`Gate.permit`.
         If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
         :class:`LeaseLost`, unless the block raised an exception of its own.
         """
-        lease = self.acquire(deadline, weight=weight, priority=priority, tenant=tenant, ask=ask)
+        lease = self.acquire(
+            deadline, weight=weight, priority=priority, tenant=tenant, tokens=tokens, ask=ask
+        )
         try:
             yield lease
         finally:
@@ -259,17 +262,24 @@ class SyncGate:
         weight: int = 1,
         priority: int = 0,
         tenant: str | None = None,
+        tokens: int = 0,
         ask: Ask | None = None,
     ) -> Lease:
-        """Acquire a permit (``weight``, ``priority``, ``tenant``, ``ask`` as for
+        """Acquire a permit (``weight``, ``priority``, ``tenant``, ``tokens``, ``ask`` as for
         :meth:`Gate.permit`); release it with :meth:`release`."""
         acquire = self.gate.acquire(
-            deadline, weight=weight, priority=priority, tenant=tenant, ask=ask
+            deadline, weight=weight, priority=priority, tenant=tenant, tokens=tokens, ask=ask
         )
         return self.portal.call(acquire, undo=release_lease)
 
     def release(self, lease: Lease) -> None:
         self.portal.call(lease.release(), shielded=True)
+
+    def resize(self, lease: Lease, tokens: int) -> int:
+        """Blocking :meth:`Lease.resize`: the tokens ``lease`` holds now. (The blocking API
+        hands out the same :class:`Lease` objects as the async one, whose methods are
+        coroutines; this is the one lease call that needs Redis while the lease is held.)"""
+        return self.portal.call(lease.resize(tokens))
 
     def map(self, fn: Any, items: Iterable[Any], **options: Any) -> list[Any]:
         """Blocking :meth:`Gate.map`: same options; a sync ``fn`` runs in worker threads."""

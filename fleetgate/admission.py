@@ -36,6 +36,7 @@ __all__ = [
     "MAX_PRIORITY",
     "MAX_TENANTS",
     "MAX_TENANT_WEIGHT",
+    "MAX_TOKENS",
     "MIN_PRIORITY",
     "SEP",
     "TenantWeights",
@@ -46,9 +47,12 @@ __all__ = [
     "member_id",
     "parse_lane_class",
     "parse_waiter_member",
+    "resized_id",
+    "tokens_of",
     "validate_priority",
     "validate_tenant",
     "validate_tenant_weights",
+    "validate_tokens",
     "validate_weight",
     "waiter_member",
     "weight_of",
@@ -63,8 +67,12 @@ MAX_TENANT_WEIGHT: Final = 1000
 MAX_TENANTS: Final = 10_000
 
 SEP: Final = "}"
-# A weighted lease id ends in ':<n>w<W>' (ASCII digits only: str.isdigit() also accepts '²').
-_WEIGHTED = re.compile(r":[0-9]+w([0-9]+)\Z")
+# A weighted lease id ends in ':<n>w<W>', one holding tokens in 't<T>' after that (ASCII digits
+# only: str.isdigit() also accepts '²').
+_WEIGHTED = re.compile(r":[0-9]+w([0-9]+)(?:t[0-9]+)?\Z")
+_TOKENED = re.compile(r":[0-9]+(?:w[0-9]+)?t([0-9]+)\Z")
+#: most tokens one call may hold (the scripts count in doubles; a typo, not a plan, beyond it)
+MAX_TOKENS: Final = 10**12
 
 
 # ------------------------------------------------------------------------------ validation
@@ -82,6 +90,20 @@ def validate_weight(weight: object, *, ceiling: int | None = None) -> int:
             "it can never be granted on this gate"
         )
     return weight
+
+
+def validate_tokens(tokens: object, *, ceiling: int | None = None) -> int:
+    """Return ``tokens`` if it is an int >= 0 (not a bool; 0 holds none of a token budget) and,
+    with ``ceiling`` (the gate's ``token_ceiling``), at most that: more could never be granted,
+    so it fails at once instead of waiting out its deadline."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS:
+        raise ConfigError(f"tokens: expected int in [0, {MAX_TOKENS}], got {tokens!r}")
+    if ceiling is not None and tokens > ceiling:
+        raise ConfigError(
+            f"tokens: {tokens} is above the gate's token_ceiling ({ceiling}): "
+            "it can never be granted on this gate"
+        )
+    return tokens
 
 
 def validate_priority(priority: object) -> int:
@@ -248,10 +270,25 @@ def member_id(member: str) -> str:
     return member.split(SEP, 3)[-1]
 
 
-def weighted_id(base_id: str, weight: int) -> str:
-    """The lease id that carries ``weight``: ``base_id`` itself for weight 1 (the default path
-    sends exactly today's ids), else ``<base_id>w<weight>``."""
-    return base_id if weight == 1 else f"{base_id}w{weight}"
+def weighted_id(base_id: str, weight: int, tokens: int = 0) -> str:
+    """The lease id that carries ``weight`` and ``tokens``: ``base_id`` itself for weight 1 and
+    no tokens (the default path sends exactly today's ids), else ``<base_id>w<weight>`` (weight
+    above 1) followed by ``t<tokens>`` (tokens above 0)."""
+    lease_id = base_id if weight == 1 else f"{base_id}w{weight}"
+    return lease_id if tokens == 0 else f"{lease_id}t{tokens}"
+
+
+def resized_id(lease_id: str, tokens: int) -> str:
+    """The id of ``lease_id`` resized to hold ``tokens`` (as ``lua/resize.lua`` makes it)."""
+    match = _TOKENED.search(lease_id)
+    base = lease_id[: match.start(1) - 1] if match else lease_id
+    return base if tokens == 0 else f"{base}t{tokens}"
+
+
+def tokens_of(lease_id: str) -> int:
+    """The tokens a lease id holds: ``T`` of a trailing ``t<T>``, else 0."""
+    match = _TOKENED.search(lease_id)
+    return int(match.group(1)) if match else 0
 
 
 def weight_of(lease_id: str) -> int:

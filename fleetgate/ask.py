@@ -1,4 +1,5 @@
-"""The permit one call asks for -- weight, priority, tenant and deadline -- as one typed value.
+"""The permit one call asks for -- weight, priority, tenant, deadline and tokens -- as one typed
+value.
 
 An :class:`Ask` is checked when it is made (the rules of :mod:`fleetgate.admission` for the
 weight, priority and tenant, :func:`check_deadline` for the deadline) and immutable after, so
@@ -22,6 +23,7 @@ from fleetgate.admission import (
     lane_class,
     validate_priority,
     validate_tenant,
+    validate_tokens,
     validate_weight,
     waiter_member,
     weighted_id,
@@ -55,16 +57,20 @@ class Ask:
     ``weight``: units held against the gate's limit (int >= 1); ``priority``: the band, an int in
     [-100, 100], higher first; ``tenant``: a name sharing its band fairly with the others, or
     None for the default tenant; ``deadline``: seconds, or None for none (``inf`` is read as
-    None). See README "Priorities, tenants and weights".
+    None); ``tokens``: what the call holds of the gate's token budget at its peak (prompt +
+    output; int >= 0, 0 = none). See README "Priorities, tenants and weights" and "Token
+    budgets".
     """
 
     weight: int = 1
     priority: int = 0
     tenant: str | None = None
     deadline: float | None = DEFAULT_DEADLINE
+    tokens: int = 0
 
     def __post_init__(self) -> None:
         validate_weight(self.weight)
+        validate_tokens(self.tokens)
         validate_priority(self.priority)
         validate_tenant(self.tenant)
         object.__setattr__(self, "deadline", check_deadline(self.deadline))
@@ -77,16 +83,21 @@ class Ask:
         priority: int = 0,
         tenant: str | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
+        tokens: int = 0,
     ) -> Ask:
         """``Ask(...)``, with the common asks (every field at its default, with the default
         deadline or none) shared rather than made and checked again."""
-        plain = type(weight) is type(priority) is int and (weight, priority) == (1, 0)
+        plain = type(weight) is type(priority) is type(tokens) is int and (
+            weight,
+            priority,
+            tokens,
+        ) == (1, 0, 0)
         if plain and tenant is None:
             if deadline is None:
                 return _NO_DEADLINE
             if type(deadline) is float and deadline == DEFAULT_DEADLINE:
                 return DEFAULT_ASK
-        return cls(weight, priority, tenant, deadline)
+        return cls(weight, priority, tenant, deadline, tokens)
 
     @functools.cached_property
     def lane(self) -> str:
@@ -94,9 +105,9 @@ class Ask:
         return lane_class(self.priority, self.tenant)
 
     def lease_id(self, base_id: str) -> str:
-        """The lease id that carries this ask's weight
+        """The lease id that carries this ask's weight and tokens
         (:func:`fleetgate.admission.weighted_id`)."""
-        return weighted_id(base_id, self.weight)
+        return weighted_id(base_id, self.weight, self.tokens)
 
     def member(self, seq: int, lease_id: str) -> str:
         """The waiter member of ``lease_id`` parked under arrival ``seq``

@@ -9,6 +9,9 @@ callers see. Every release may carry its call's report (``lease.report(outcome, 
     ok, overloaded, timeout, error   calls reported with that outcome
     lat_n, lat_us                    count and sum (microseconds) of ``ok`` latencies
     b<i>                             ``ok`` calls whose latency fell in bucket i (BOUNDS)
+    tn:<tenant> tb:<tenant> tu:<tenant>  reports that said the tokens a call used, the tokens
+                                     those calls held (budgeted) and used, per tenant ('' the
+                                     default one): how far the estimates miss (TokenUsage)
 
 Every field is a monotonic counter. The coordinator reads the hash once per poll
 (:meth:`Reading.parse`) and works on the difference of two readings (:func:`delta`); a counter
@@ -35,6 +38,7 @@ __all__ = [
     "OVERLOADED_STATUSES",
     "TIMEOUT_STATUSES",
     "Reading",
+    "TokenUsage",
     "bucket_of",
     "classify_status",
     "delta",
@@ -92,12 +96,22 @@ def validate_outcome(outcome: object) -> str:
     return outcome
 
 
-def encode_report(outcome: str, latency_s: float | None) -> str:
+def encode_report(
+    outcome: str,
+    latency_s: float | None,
+    tokens: tuple[int, int, str | None] | None = None,
+) -> str:
     """One call's report as it travels with its release: ``"<outcome>:<latency µs>"`` (the
-    latency only for ``ok``; empty when unknown). ``outcome`` is validated by the caller."""
-    if outcome != "ok" or latency_s is None:
-        return f"{outcome}:"
-    return f"ok:{max(0, round(latency_s * 1e6))}"
+    latency only for ``ok``; empty when unknown), then, when the call said what it used,
+    ``";<tokens held>;<tokens used>;<tenant>"`` (``tokens`` = (held, used, tenant)).
+    ``outcome`` is validated by the caller."""
+    text = f"{outcome}:" if outcome != "ok" or latency_s is None else (
+        f"ok:{max(0, round(latency_s * 1e6))}"
+    )
+    if tokens is not None:
+        held, used, tenant = tokens
+        text += f";{held};{used};{tenant or ''}"
+    return text
 
 
 def tally(reports: Iterable[str]) -> list[str | int]:
@@ -107,6 +121,12 @@ def tally(reports: Iterable[str]) -> list[str | int]:
     for report in reports:
         if not report:
             continue
+        report, _, usage = report.partition(";")
+        if usage:
+            held, used, tenant = usage.split(";", 2)
+            for kind, n in (("tn", 1), ("tb", int(held)), ("tu", int(used))):
+                field = f"{kind}:{tenant}"
+                counts[field] = counts.get(field, 0) + n
         outcome, _, micros = report.partition(":")
         counts[outcome] = counts.get(outcome, 0) + 1
         if micros:
@@ -243,3 +263,49 @@ def median_error(window: Reading) -> float:
     if n <= 0 or not p25 or not p75 or p75 <= p25:
         return 0.0
     return 1.2533 * math.log(p75 / p25) / 1.349 / math.sqrt(n)
+
+
+class TokenUsage(msgspec.Struct, frozen=True):
+    """What the calls of one tenant that reported their tokens held and used, fleet-wide (the
+    obs hash's ``tn``/``tb``/``tu`` counters): how far the tokens asked miss what the calls
+    used, so a caller that knows only its upper bound (``max_tokens``) can be charged what its
+    tenant's calls use (:meth:`estimate`)."""
+
+    reports: int = 0
+    held: int = 0
+    used: int = 0
+
+    @property
+    def ratio(self) -> float | None:
+        """Tokens used per token held (None before any report)."""
+        return self.used / self.held if self.held > 0 else None
+
+    def estimate(self, asked: int, *, least_reports: int = 20) -> int:
+        """The tokens to charge a call that asks ``asked`` at most: ``asked`` scaled by what
+        this tenant's calls used of what they held, never above ``asked``; ``asked`` itself
+        until ``least_reports`` calls have reported. A call that needs more than its charge
+        grows with ``lease.resize``."""
+        ratio = self.ratio
+        if ratio is None or self.reports < least_reports:
+            return asked
+        return max(1, min(asked, math.ceil(asked * ratio))) if asked > 0 else 0
+
+    @classmethod
+    def parse(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, TokenUsage]:
+        """Per tenant ('' = the default tenant), from ``HGETALL {prefix}:{G}:obs``; garbage
+        values count as 0."""
+        acc: dict[str, dict[str, int]] = {}
+        for key, value in raw.items():
+            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+            kind, sep, tenant = name.partition(":")
+            if not sep or kind not in _USAGE_FIELDS:
+                continue
+            try:
+                n = max(0, int(value))
+            except ValueError:
+                n = 0
+            acc.setdefault(tenant, {})[_USAGE_FIELDS[kind]] = n
+        return {tenant: cls(**fields) for tenant, fields in acc.items()}
+
+
+_USAGE_FIELDS = {"tn": "reports", "tb": "held", "tu": "used"}

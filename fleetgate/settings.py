@@ -1,5 +1,6 @@
-"""A gate's settings -- floor, ceiling, max_queued, lease_ms, waiter_ms, and the admission order's
-max_queued_per_tenant, shed_below, tenant_weights -- with their defaults and bounds, written once.
+"""A gate's settings -- floor, ceiling, max_queued, lease_ms, waiter_ms, the admission order's
+max_queued_per_tenant, shed_below, tenant_weights, and the token budget's token_limit and
+token_ceiling -- with their defaults and bounds, written once.
 
 :class:`GateSettings` is what the scripts are given (``argv()``),
 what a client registers for a gate that has no configuration yet, and what the coordinator's
@@ -19,6 +20,7 @@ from msgspec import Meta
 
 from fleetgate.admission import (
     MAX_PRIORITY,
+    MAX_TOKENS,
     MIN_PRIORITY,
     TenantWeights,
     validate_tenant_weights,
@@ -43,11 +45,15 @@ __all__ = [
     "MaxQueued",
     "MaxQueuedPerTenant",
     "ShedBelow",
+    "TOKEN_FIELDS",
+    "TokenCeiling",
+    "TokenLimit",
     "WaiterMs",
     "bounds",
     "check_admission",
     "check_ceiling",
     "check_setting_names",
+    "check_tokens",
     "settings_differing",
     "validate_gate_settings",
 ]
@@ -73,6 +79,12 @@ MaxQueuedPerTenant = Annotated[
 ShedBelow = Annotated[
     int,
     Meta(ge=MIN_PRIORITY, le=MAX_PRIORITY, description="priorities below it never park"),
+]
+TokenLimit = Annotated[
+    int, Meta(ge=1, le=MAX_TOKENS, description="tokens held at once by every lease of the gate")
+]
+TokenCeiling = Annotated[
+    int, Meta(ge=1, le=MAX_TOKENS, description="bound of the token budget and of one call's tokens")
 ]
 
 # Why each lower bound exists (appended to the client's error message).
@@ -105,6 +117,10 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shed_below: ShedBelow = 0
     #: tenant name -> share weight (1..1000; absent tenants weigh 1)
     tenant_weights: Mapping[str, int] = msgspec.field(default_factory=TenantWeights)
+    #: the token budget: tokens all leases hold at once (None: no token budget)
+    token_limit: TokenLimit | None = None
+    #: the most tokens one call may ask and a target may set the budget to (None: token_limit)
+    token_ceiling: TokenCeiling | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant_weights, TenantWeights):
@@ -113,30 +129,35 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
     def argv(self) -> list[int | str]:
-        """ARGV of the scripts that take a gate's settings, 8 values: floor, ceiling,
-        max_queued, lease_ms, waiter_ms, max_queued_per_tenant (``''`` when None), shed_below,
-        tenant_weights (encoded, :func:`~fleetgate.admission.encode_tenant_weights`)."""
+        """ARGV of the scripts that take a gate's settings, 10 values: floor, ceiling,
+        max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below, token_limit,
+        token_ceiling (each ``''`` when None), tenant_weights (encoded,
+        :func:`~fleetgate.admission.encode_tenant_weights`)."""
         return [
             self.floor,
             self.ceiling,
             self.max_queued,
             self.lease_ms,
             self.waiter_ms,
-            "" if self.max_queued_per_tenant is None else self.max_queued_per_tenant,
+            _text(self.max_queued_per_tenant),
             self.shed_below,
+            _text(self.token_limit),
+            _text(self.token_ceiling),
             self._tenant_weights.encoded,
         ]
 
     def as_cfg(self) -> dict[str, int | str]:
         """The fields a publish writes: the :data:`FIELDS` of ``fg:{G}:cfg``, then
         ``max_queued_per_tenant`` (``''`` when unset: publish.lua deletes the field, so a bound
-        removed from the configuration is removed in Redis too), ``shed_below`` and
-        ``tenant_weights`` (encoded; the scripts keep it apart from ``cfg``)."""
+        removed from the configuration is removed in Redis too), ``shed_below``,
+        ``tenant_weights`` (encoded; the scripts keep it apart from ``cfg``), ``token_limit``
+        and ``token_ceiling`` (``''`` when unset, likewise)."""
         cfg: dict[str, int | str] = {name: getattr(self, name) for name in FIELDS}
-        mqpt = self.max_queued_per_tenant
-        cfg["max_queued_per_tenant"] = "" if mqpt is None else mqpt
+        cfg["max_queued_per_tenant"] = _text(self.max_queued_per_tenant)
         cfg["shed_below"] = self.shed_below
         cfg["tenant_weights"] = self._tenant_weights.encoded
+        cfg["token_limit"] = _text(self.token_limit)
+        cfg["token_ceiling"] = _text(self.token_ceiling)
         return cfg
 
     @property
@@ -155,7 +176,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problem = _field_problem(name, values.get(name))
             if problem:
                 raise ConfigError(f"gate {gate!r}: {name}: {problem}")
-        unknown = sorted(set(values) - set(FIELDS) - set(ADMISSION_FIELDS))
+        unknown = sorted(set(values) - set(FIELDS) - set(ADMISSION_FIELDS) - set(TOKEN_FIELDS))
         if unknown:
             raise ConfigError(f"gate {gate!r}: {unknown[0]}: unknown setting")
         try:
@@ -165,6 +186,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 values.get("shed_below", 0),
                 values.get("tenant_weights", {}),
             )
+            check_tokens(values.get("token_limit"), values.get("token_ceiling"))
         except ConfigError as exc:
             raise ConfigError(f"gate {gate!r}: {exc}") from None
         return cls(**values)
@@ -200,6 +222,8 @@ class GateSettingsKwargs(TypedDict, total=False):
     max_queued_per_tenant: int | None
     shed_below: int | None
     tenant_weights: Mapping[str, int] | None
+    token_limit: int | None
+    token_ceiling: int | None
 
 
 assert tuple(GateSettingsKwargs.__annotations__) == GateSettings.__struct_fields__
@@ -245,9 +269,17 @@ def check_setting_names(names: Iterable[str], caller: str) -> None:
 #: ``load_cfg``), each with a lower and an upper bound (:func:`bounds`), in ``argv()`` order.
 FIELDS: Final = GateSettings.__struct_fields__[:5]
 #: The admission order's settings (docs/admission.md), after :data:`FIELDS`.
-ADMISSION_FIELDS: Final = GateSettings.__struct_fields__[5:]
+ADMISSION_FIELDS: Final = GateSettings.__struct_fields__[5:8]
+#: The token budget's settings (docs/admission.md "Token budgets"), last.
+TOKEN_FIELDS: Final = GateSettings.__struct_fields__[8:]
 assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
 assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
+assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
+
+
+def _text(value: int | None) -> int | str:
+    """An optional setting as the scripts take it: ``''`` for None."""
+    return "" if value is None else value
 
 
 def _default_ceiling(floor: object, default: int) -> object:
@@ -277,7 +309,7 @@ def _int_bounds() -> dict[str, tuple[int, int]]:
 
 
 _BOUNDS: Final = _int_bounds()
-assert set(_BOUNDS) == {*FIELDS, "max_queued_per_tenant", "shed_below"}
+assert set(_BOUNDS) == {*FIELDS, "max_queued_per_tenant", "shed_below", *TOKEN_FIELDS}
 
 
 def bounds() -> dict[str, tuple[int, int]]:
@@ -325,6 +357,23 @@ def check_admission(
         low, high = _BOUNDS["shed_below"]
         raise ConfigError(f"shed_below: expected int in [{low}, {high}], got {shed_below!r}")
     validate_tenant_weights(tenant_weights)
+
+
+def check_tokens(token_limit: object, token_ceiling: object) -> None:
+    """Raise a :class:`ConfigError` naming the field unless the token budget's settings are
+    None or ints in [1, MAX_TOKENS], ``token_ceiling`` is given only with ``token_limit``, and
+    never below it."""
+    for name, value in (("token_limit", token_limit), ("token_ceiling", token_ceiling)):
+        if value is not None and not _in_bounds(name, value):
+            low, high = _BOUNDS[name]
+            raise ConfigError(f"{name}: expected None or int in [{low}, {high}], got {value!r}")
+    if token_ceiling is not None and token_limit is None:
+        raise ConfigError(
+            f"token_ceiling: {token_ceiling} without a token_limit (a gate without a token "
+            "budget has no token ceiling)"
+        )
+    if token_ceiling is not None and token_ceiling < token_limit:  # type: ignore[operator]
+        raise ConfigError(f"token_ceiling: expected >= token_limit ({token_limit}), got {token_ceiling}")
 
 
 def validate_gate_settings(name: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -5,13 +5,14 @@
 -- releases and acquires again costs one call.
 -- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
---       7 shed_below  8 tenant weights ('name}w}...')  (defaults, registered only when the gate
---       has no configuration yet), 9 fence_ms (the recovery fence of a gate found without
---       state: lib_fence.lua gate_birth; 0 for none), 10 n = leases to release, then n lease ids,
+--       7 shed_below  8 token_limit  9 token_ceiling  10 tenant weights ('name}w}...')
+--       (defaults, registered only when the gate has no configuration yet), 11 fence_ms (the
+--       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 for none),
+--       12 n = leases to release, then n lease ids,
 --       then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
---       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>'
---       or '<pod>:<n>w<W>' for weight W), wait_ms (time the caller is willing to park, > 0),
+--       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>',
+--       '<pod>:<n>w<W>' for weight W, then 't<T>' for T tokens: lib_order.lua), wait_ms (time the caller is willing to park, > 0),
 --       class ('' = priority 0 of the default tenant, else '<R>}<tenant>' with R = 100 - priority
 --       as three digits)
 -- Returns {limit, lease_ms, waiter_ms, released, fence_ms, then per request: status, token, n,
@@ -22,21 +23,22 @@
 --   0 = rejected because the wait list is full (n = max_queued), 3 = rejected because the
 --   tenant's waiters reached max_queued_per_tenant (n = that bound), 4 = rejected because the
 --   priority is below shed_below and the call could not be granted at once (n = shed_below),
---   5 = refused: the weight is above the ceiling and can never be granted (n = ceiling).
+--   5 = refused: the weight is above the ceiling and can never be granted (n = ceiling),
+--   6 = refused: the tokens are above the token ceiling (n = token ceiling).
 --   token: granted = the fencing token (monotonic per gate in grant order); parked = the
 --   caller's seq, its place in its lane (waiter member '<tenant>}<R>}<seq20>}<id>'): its
 --   fencing token comes with the grant.
 --   lease_ms, waiter_ms: the TTLs in force, so the caller paces its first renewal by them.
 --   expires_at: server time (ms) at which the granted lease (or the parked entry) expires.
 -- A call is granted at once only if nobody eligible waits in its band or above and its own
--- lane is empty (no passing), and its weight fits. A full wait list evicts the newest waiter of
+-- lane is empty (no passing), and its weight fits the limit and its tokens the token budget. A full wait list evicts the newest waiter of
 -- the lowest band below the arrival's (from that band's most-served tenant; it gets Overloaded).
 -- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
-local n_release = tonumber(ARGV[10])
-local n_obs = tonumber(ARGV[11 + n_release])
-local first = 12 + n_release + n_obs  -- ARGV index of the first request
+local n_release = tonumber(ARGV[12])
+local n_obs = tonumber(ARGV[13 + n_release])
+local first = 14 + n_release + n_obs  -- ARGV index of the first request
 -- A class the client library would never send is refused before anything is written: it would
 -- make lane members that sort and parse wrongly.
 for i = first + 2, #ARGV, 3 do
@@ -48,21 +50,22 @@ for i = first + 2, #ARGV, 3 do
 end
 local released = 0
 if n_release > 0 then
-  released = remove_leases(ARGV, 11, 10 + n_release)
+  released = remove_leases(ARGV, 13, 12 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-observe(ARGV, 12 + n_release, 11 + n_release + n_obs)
+observe(ARGV, 14 + n_release, 13 + n_release + n_obs)
 
 local now = now_ms()
-local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]},
-  true)
-gate_birth(now, cfg, num(ARGV[9], 0))
+local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+  ARGV[9], ARGV[10]}, true)
+gate_birth(now, cfg, num(ARGV[11], 0))
 -- behind the recovery fence nothing is granted at once: every request parks (or is refused)
 local fenced = cfg.fence > now
 local lim = current_limit(now, cfg)
--- The adm fields this call needs, in one read: the extra units, and the tag of each lane asked
--- for (a lane in the fair order has waiters: its callers park behind them, nothing else to read).
-local fields, asked = {'extra'}, {}
+-- The adm fields this call needs, in one read: the extra units, the tokens held, and the tag of
+-- each lane asked for (a lane in the fair order has waiters: its callers park behind them).
+local tlim = cfg.tlim
+local fields, asked = {'extra', 'tok'}, {}
 for i = first, #ARGV, 3 do
   local lane = class_lane(ARGV[i + 2])
   if not asked[lane] then
@@ -71,18 +74,26 @@ for i = first, #ARGV, 3 do
   end
 end
 local got = redis.call('HMGET', K_ADM, unpack(fields))
-for k = 2, #fields do ADM[fields[k]] = got[k] end
+for k = 3, #fields do ADM[fields[k]] = got[k] end
 local units = units_held(got[1])
+local tokens = tokens_held(got[2])
 local queued = redis.call('ZCARD', K_WAITERS)
 local leases_reaped, waiters_reaped = false, false
 local loop_reaped = false  -- a request's reap in the loop below freed units or removed waiters
-if units >= lim then
-  units = units - reap_leases(now)
+local function reap_held()
   leases_reaped = true
+  local freed, freed_tokens = reap_leases(now)
+  units, tokens = units - freed, tokens - freed_tokens
+  return freed + freed_tokens > 0
 end
+if units >= lim or (tlim and tokens >= tlim) then reap_held() end
 if queued > 0 and units < lim then
-  local _, removed, granted_units = handoff(now, cfg, lim, units)
-  units, queued = units + granted_units, queued - removed
+  local _, removed, granted_units, granted_tokens = handoff(now, cfg, lim, units, tokens)
+  units, tokens, queued = units + granted_units, tokens + granted_tokens, queued - removed
+end
+-- whether k more tokens fit the token budget (always, without one)
+local function tokens_fit(k)
+  return tlim == nil or tokens + k <= tlim
 end
 
 -- The band of the first eligible lane (nil: none): the fair order's (read when needed, again
@@ -99,7 +110,7 @@ local function band_on_top()
   return fair_top
 end
 -- Waiters per lane and per tenant in Redis (read once per call), and those this call parks.
-local lane_len, tenant_len, parked_in, tenant_parked, first_w = {}, {}, {}, {}, {}
+local lane_len, tenant_len, parked_in, tenant_parked, first_id = {}, {}, {}, {}, {}
 local function lane_count(lane)
   local n = lane_len[lane]
   if n == nil then
@@ -144,16 +155,18 @@ end
 
 -- Decide each request in order (n: units held, waiters, or the bound that refused it).
 local status, n, lanes = {}, {}, {}
-local n_granted, n_parked, n_rejected, extra = 0, 0, 0, 0
-local rejected_by = {0, 0, 0, 0, 0, 0}  -- by status + 1
+local n_granted, n_parked, n_rejected, extra, granted_tokens = 0, 0, 0, 0, 0
+local rejected_by = {0, 0, 0, 0, 0, 0, 0}  -- by status + 1
 for i = first, #ARGV, 3 do
   local id, cls = ARGV[i], ARGV[i + 2]
-  local w = weight_of(id)
+  local w, tk = weight_of(id), tokens_asked(id)
   local lane = class_lane(cls)
   local r = lane_band(lane)
   local st, k
   if w > cfg.ceiling then
     st, k = 5, cfg.ceiling
+  elseif cfg.token_ceiling and tk > cfg.token_ceiling then
+    st, k = 6, cfg.token_ceiling
   else
     local blocked = false
     if queued > 0 then
@@ -164,15 +177,12 @@ for i = first, #ARGV, 3 do
       end
     end
     blocked = blocked or fenced or parked_in[lane] ~= nil
-    if not blocked and units + w > lim and not leases_reaped then
-      leases_reaped = true
-      local freed = reap_leases(now)
-      units = units - freed
-      loop_reaped = loop_reaped or freed > 0
+    if not blocked and (units + w > lim or not tokens_fit(tk)) and not leases_reaped then
+      loop_reaped = reap_held() or loop_reaped
     end
-    if not blocked and units + w <= lim then
-      units = units + w
-      extra = extra + w - 1
+    if not blocked and units + w <= lim and tokens_fit(tk) then
+      units, tokens = units + w, tokens + tk
+      extra, granted_tokens = extra + w - 1, granted_tokens + tk
       st, k = 1, units
     elseif 100 - tonumber(r) < cfg.shed_below then
       st, k = 4, cfg.shed_below
@@ -188,7 +198,7 @@ for i = first, #ARGV, 3 do
           queued = queued - reaped
           lane_len, tenant_len = {}, {}
           -- a big lane whose oversize head expired may fit now
-          readmit(lim)
+          readmit(lim, tlim)
           fair_known = false
         end
       end
@@ -198,7 +208,7 @@ for i = first, #ARGV, 3 do
         if queued >= cfg.max_queued then queued = queued - 1 end
         queued = queued + 1
         st, k = 2, queued
-        if parked_in[lane] == nil then parked_in[lane], first_w[lane] = 0, w end
+        if parked_in[lane] == nil then parked_in[lane], first_id[lane] = 0, id end
         parked_in[lane] = parked_in[lane] + 1
         local t = lane_tenant(lane)
         tenant_parked[t] = (tenant_parked[t] or 0) + 1
@@ -211,7 +221,9 @@ for i = first, #ARGV, 3 do
   elseif st == 2 then
     n_parked = n_parked + 1
     -- this call's parks are eligible waiters of their band from now on
-    if w <= lim and (parked_top == nil or r < parked_top) then parked_top = r end
+    if big_score(id, lim, tlim) <= lim and (parked_top == nil or r < parked_top) then
+      parked_top = r
+    end
   else
     n_rejected = n_rejected + 1
     rejected_by[st + 1] = rejected_by[st + 1] + 1
@@ -249,7 +261,7 @@ for j, st in ipairs(status) do
   out[k + 1], out[k + 2], out[k + 3], out[k + 4] = st, t, n[j], expires
 end
 if n_granted > 0 then
-  add_leases(held, extra)
+  add_leases(held, extra, granted_tokens)
   redis.call('HINCRBY', K_STATS, 'granted', n_granted)
 end
 if n_parked > 0 then
@@ -264,19 +276,21 @@ if n_parked > 0 then
   redis.call('ZADD', K_LANES, unpack(members))
   redis.call('ZADD', K_WAITERS, unpack(waiting))
   redis.call('HINCRBY', K_STATS, 'parked', n_parked)
-  for _, lane in ipairs(new_lanes) do lane_enter(lane, first_w[lane], lim) end
+  for _, lane in ipairs(new_lanes) do lane_enter(lane, first_id[lane], lim, tlim) end
 end
 -- A park of this call may have put a head that fits first (a lighter lane of a band whose
 -- heavier head parked earlier in the call), and a reap in the loop (for a request that did not
 -- fit, then parked or was refused) may have freed units or removed a head: the free units go
 -- to the waiters now, not at the next call.
 if (n_parked > 0 or loop_reaped) and units < lim then
-  handoff(now, cfg, lim, units)
+  handoff(now, cfg, lim, units, tokens)
 end
 if n_rejected > 0 then redis.call('HINCRBY', K_STATS, 'rejected', n_rejected) end
 if rejected_by[4] > 0 then redis.call('HINCRBY', K_STATS, 'rejected_tenant', rejected_by[4]) end
 if rejected_by[5] > 0 then redis.call('HINCRBY', K_STATS, 'shed', rejected_by[5]) end
-if rejected_by[6] > 0 then redis.call('HINCRBY', K_STATS, 'too_heavy', rejected_by[6]) end
+if rejected_by[6] + rejected_by[7] > 0 then
+  redis.call('HINCRBY', K_STATS, 'too_heavy', rejected_by[6] + rejected_by[7])
+end
 if n_evicted > 0 then
   send_wakes(wakes, cfg)
   redis.call('HINCRBY', K_STATS, 'evicted', n_evicted)

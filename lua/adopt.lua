@@ -6,7 +6,7 @@
 -- ARGV: 1 fence_ms (the recovery fence of a gate found without state: lib_fence.lua gate_birth;
 --       the adopted work is what it waits for), 2 max_token (the highest fencing token among
 --       the pod's leases; the gate's counter is raised above it), then the lease ids (their
---       weights in them, as ever).
+--       weights and tokens in them, as ever).
 -- Returns {added, expires_at}: the number of ids added and the server time they now expire at.
 -- Ids still held are renewed (GT never shortens a lease): the client adopts twice around a short
 -- pause before fleet mode resumes (Fleet._probe_loop), and the heartbeat is paused until then,
@@ -19,11 +19,7 @@ raise_seq(num(ARGV[2], 0))
 local expires = now + cfg.lease_ms
 local added = 0
 for i = 3, #ARGV do
-  local w = weight_of(ARGV[i])
-  -- counted before it is added (an abort in between overcounts, never under)
-  if w > 1 and redis.call('ZSCORE', K_HOLDERS, ARGV[i]) == false then
-    redis.call('HINCRBY', K_ADM, 'extra', w - 1)
-  end
+  if redis.call('ZSCORE', K_HOLDERS, ARGV[i]) == false then count_again(ARGV[i]) end
   added = added + redis.call('ZADD', K_HOLDERS, 'GT', expires, ARGV[i])
 end
 if added > 0 then redis.call('HINCRBY', K_STATS, 'adopted', added) end

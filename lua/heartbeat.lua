@@ -10,11 +10,13 @@
 --       then optional: max_token (the highest fencing token the pod holds), fence_ms (the
 --       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 or absent for
 --       none, as the coordinator's sweep sends), and the pod's defaults
---       (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate whose configuration is
---       gone (read, never registered here).
+--       (GateSettings.argv(): floor, ceiling, max_queued, lease_ms, waiter_ms, two unused,
+--       token_limit, token_ceiling) for a gate whose configuration is gone (read, never
+--       registered here).
 -- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,
 --   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted, too_heavy,
---   ceiling}: the fencing tokens of granted_waiters (fresh), the waiters evicted by a higher
+--   ceiling, token_limit, tokens held}: token_limit = the token budget in force (-1: none);
+--   the fencing tokens of granted_waiters (fresh), the waiters evicted by a higher
 --   band (Overloaded), the waiters refused because they weigh more than the ceiling (lowered
 --   after they parked: ConfigError, as acquire's status 5; wake '<id>=c<ceiling>'), the
 --   ceiling in force, the TTLs in force (the client paces its heartbeat by them), the server

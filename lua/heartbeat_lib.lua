@@ -12,16 +12,15 @@
 -- accounts for it; a lease whose renewal time has passed is reported lost and never revived.
 -- Renew id's lease to r.expiry if it still holds an unexpired one; one that expired is removed,
 -- never revived, unless the pod knows it was renewed to a time still ahead (known > now): then
--- it is counted again (its weight too, before it is added) and listed in r.adopted. Returns
+-- it is counted again (its weight and tokens too, before it is added) and listed in r.adopted. Returns
 -- whether id holds a lease now.
 local function renew_lease(id, known, now, r)
   local expiry = tonumber(redis.call('ZSCORE', K_HOLDERS, id))
   if expiry == nil or expiry <= now then
-    if known > now then
+    -- an id resized meanwhile lives on under its new id (resize.lua): never counted again
+    if known > now and not (expiry == nil and redis.call('ZSCORE', K_EVICTED, id .. '=r')) then
       r.adopted[#r.adopted + 1] = id
-      if expiry == nil and weight_of(id) > 1 then
-        redis.call('HINCRBY', K_ADM, 'extra', weight_of(id) - 1)
-      end
+      if expiry == nil then count_again(id) end
     else
       if expiry ~= nil then
         remove_leases({id}, 1, 1)
@@ -69,7 +68,7 @@ local function heartbeat_gate(A)
   local max_token = num(A[i_tail], 0)
   local now = now_ms()
   local cfg = load_cfg({A[i_tail + 2], A[i_tail + 3], A[i_tail + 4], A[i_tail + 5],
-    A[i_tail + 6]})
+    A[i_tail + 6], nil, nil, A[i_tail + 9], A[i_tail + 10]})
   -- before anything is renewed or counted again: this pod's own leases, adopted below, are
   -- work the fence waits for
   gate_birth(now, cfg, num(A[i_tail + 1], 0))
@@ -99,10 +98,11 @@ local function heartbeat_gate(A)
   redis.call('ZREMRANGEBYSCORE', K_PODS, '-inf', now)
   local live = redis.call('ZCARD', K_PODS)
   local lim = current_limit(now, cfg)
-  readmit(lim)
+  readmit(lim, cfg.tlim)
   handoff(now, cfg, lim)
   adm_flush()
   return {lim, live, r.lost, r.granted, r.lost_waiters,
     redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
-    r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling}
+    r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling,
+    cfg.tlim or -1, tokens_held()}
 end

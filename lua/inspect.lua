@@ -2,15 +2,18 @@
 -- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 how many head waiters and holders to list: 0 or less lists none (the counts are still
 --         exact), at most INSPECT_MAX, so one snapshot costs O(log n + listed), never O(queue)
---       2..6 optional defaults (floor, ceiling, max_queued, lease_ms, waiter_ms) for a gate that
+--       2.. optional defaults (GateSettings.argv(): floor, ceiling, max_queued, lease_ms,
+--       waiter_ms, max_queued_per_tenant, shed_below, token_limit, token_ceiling) for a gate that
 --       has no configuration yet: the snapshot shows what an acquire would register
 -- Returns a JSON object: now, schema, cfg, target, limit, floor, ceiling, max_queued,
 --   max_queued_per_tenant, shed_below, tenant_weights, lease_ms, waiter_ms (the configuration
---   in force), holders (unexpired leases), units (units held, expired-but-unreaped included: what
---   the next grant counts), queued, live_pods, stats, util,
+--   in force), token_limit and token_ceiling (the token budget in force, absent: none), obs
+--   (the client-observed counters, token usage included), holders
+--   (unexpired leases), units (units held, expired-but-unreaped included: what the next grant
+--   counts), tokens (tokens held, counted so), queued, live_pods, stats, util,
 --   lanes (first lanes in service order, then oversize ones: priority, tenant, queued, tag or
 --   oversize, reserved), head (their first waiters: id, token (seq), weight, priority, tenant,
---   expires_at), leases (first holders: id, weight, expires_at).
+--   tokens, expires_at), leases (first holders: id, weight, tokens, expires_at).
 -- Expired entries that nobody reaped yet are not counted (the snapshot applies the same rule
 -- as the next write would).
 -- A snapshot never lists the whole queue: 100,000 waiters listed would block Redis for ~0.3 s.
@@ -18,7 +21,8 @@ local INSPECT_MAX = 1000
 local n = math.floor(num(ARGV[1], 0))
 if n > INSPECT_MAX then n = INSPECT_MAX end
 local now = now_ms()
-local cfg = load_cfg({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]})
+local cfg = load_cfg({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], nil, nil, ARGV[9],
+  ARGV[10]})
 
 local function pairs_to_map(flat)
   local m = {}
@@ -54,13 +58,14 @@ if n > 0 then
     for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, n - #head)) do
       local id = member_id(m)
       head[#head + 1] = {id = id, token = string.match(m, '}0*(%d+)}[^}]*$'),
-        weight = weight_of(id), priority = l.priority, tenant = l.tenant,
+        weight = weight_of(id), tokens = tokens_asked(id), priority = l.priority, tenant = l.tenant,
         expires_at = tonumber(redis.call('ZSCORE', K_WAITERS, m))}
     end
   end
   local h = redis.call('ZRANGEBYSCORE', K_HOLDERS, '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, n)
   for j = 1, #h, 2 do
-    leases[#leases + 1] = {id = h[j], weight = weight_of(h[j]), expires_at = tonumber(h[j + 1])}
+    leases[#leases + 1] = {id = h[j], weight = weight_of(h[j]), tokens = tokens_asked(h[j]),
+      expires_at = tonumber(h[j + 1])}
   end
 end
 
@@ -73,6 +78,9 @@ local out = cjson.encode({
   limit = current_limit(now, cfg),
   floor = cfg.floor,
   ceiling = cfg.ceiling,
+  token_limit = cfg.tlim,
+  token_ceiling = cfg.token_ceiling,
+  tokens = redis.call('ZCARD', K_HOLDERS) > 0 and num(redis.call('HGET', K_ADM, 'tok'), 0) or 0,
   max_queued = cfg.max_queued,
   max_queued_per_tenant = cfg.max_queued_per_tenant,
   shed_below = cfg.shed_below,
@@ -85,6 +93,7 @@ local out = cjson.encode({
   live_pods = redis.call('ZCOUNT', K_PODS, '(' .. now, '+inf'),
   stats = pairs_to_map(redis.call('HGETALL', K_STATS)),
   util = pairs_to_map(redis.call('HGETALL', K_UTIL)),
+  obs = pairs_to_map(redis.call('HGETALL', K_OBS)),
   head = head,
   leases = leases,
   lanes = lanes,

@@ -15,13 +15,23 @@ local QUEUE_FENCE = 'fleetgate schema 2: the wait list is in :lanes; a fleetgate
 local DEFAULT = {floor = 1, ceiling = 512, max_queued = 1000, lease_ms = 10000, waiter_ms = 5000}
 local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_ms = 100}
 local CFG_FIELDS = {'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms',
-  'max_queued_per_tenant', 'shed_below'}
+  'max_queued_per_tenant', 'shed_below', 'token_limit', 'token_ceiling'}
 local N_SETTINGS = #CFG_FIELDS
 -- What load_cfg reads in its one HMGET: the schema, the settings, and 'fence' (gate_birth).
 -- (Built by a loop: a Functions library's top level runs without unpack.)
 local CFG_READ = {'schema'}
 for i = 1, N_SETTINGS do CFG_READ[i + 1] = CFG_FIELDS[i] end
 CFG_READ[N_SETTINGS + 2] = 'fence'
+
+-- The token budget of cfg (tokens held at once by all leases; docs/admission.md "Token
+-- budgets"): cfg.tlim, the budget in force (nil: the gate has none, tokens are counted but never
+-- limit a grant), and cfg.token_ceiling, the most tokens one call may ask (never below the
+-- budget; nil without a budget). A token ceiling without a budget is no budget.
+local function token_budget(cfg, limit, ceiling)
+  if limit == nil or limit < 1 then return end
+  cfg.tlim = math.floor(limit)
+  cfg.token_ceiling = math.max(cfg.tlim, math.floor(ceiling or limit))
+end
 
 -- Field i (name) of the stored configuration v, else of the caller's defaults d, else DEFAULT;
 -- raised to LOWEST.
@@ -90,7 +100,7 @@ end
 
 -- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
 -- floor, ceiling, max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below,
--- tenant_weights), then DEFAULT; values below LOWEST are raised to it, and the ceiling to the
+-- token_limit, token_ceiling, tenant_weights), then DEFAULT; values below LOWEST are raised to it, and the ceiling to the
 -- floor: half-written or garbled configuration never fails a call. Checks the schema first.
 -- register: a gate with no configuration at all gets the caller's defaults stored (a client may
 -- register defaults only where none exist; the coordinator's publish overwrites them).
@@ -125,6 +135,7 @@ local function load_cfg(d, register)
   cfg.ceiling = math.max(cfg.floor, cfg_field(v, d, 2, 'ceiling'))
   cfg.max_queued_per_tenant = math.max(0, math.floor(num(v[6], num(d[6], cfg.max_queued))))
   cfg.shed_below = math.floor(num(v[7], num(d[7], 0)))
+  token_budget(cfg, num(v[8], num(d[8], nil)), num(v[9], num(d[9], nil)))
   -- the recovery fence (gate_birth): the server time until which nothing is granted; the field
   -- is absent until a client script has found the gate and marked it (born)
   cfg.born, cfg.fence = fence ~= false, num(fence, 0)

@@ -45,11 +45,18 @@ local function unreserve(turn, m)
   end
 end
 
+-- Whether the waiter (lease id) can never be granted under cfg: it weighs more than the ceiling
+-- or asks more tokens than the token ceiling (either lowered after it parked).
+local function too_heavy(cfg, id)
+  return weight_of(id) > cfg.ceiling
+    or (cfg.token_ceiling ~= nil and tokens_asked(id) > cfg.token_ceiling)
+end
+
 -- Serve the turn's lane from heads[1 .. last] (alive: their waiter entries' expiry) into the
--- pass h (free units, grants, gone, extra, dropped, granted_units). Moves turn.f (the tag of the
+-- pass h (free units and tokens, grants, gone, extra, tokens, dropped, granted_units). Moves turn.f (the tag of the
 -- lane's next head) and, shared with other lanes, the band's virtual time vt. Returns the index
 -- of the first head not taken, how the turn ended ('open': the lane may be served again, 'big':
--- that head weighs more than the limit, 'reserved': the free units wait for that head, 'full':
+-- that head weighs more than the limit or asks more tokens than the budget, 'reserved': the free units wait for that head, 'full':
 -- no free units or grants left for the pass; the last two end the pass), and vt.
 local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
   local t, bound = turn.t, turn.bound
@@ -62,26 +69,26 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
   while i <= last do
     local m = heads[i]
     local id = member_id(m)
-    local w = weight_of(id)
+    local w, k = weight_of(id), tokens_asked(id)
     local expires = tonumber(alive[i])
     -- a head heavier than the ceiling (lowered after it parked) can never be granted: it is
     -- dropped as a dead one is, and refused by the pass (refuse_heads)
-    if expires == nil or expires <= now or w > cfg.ceiling then
+    if expires == nil or expires <= now or too_heavy(cfg, id) then
       h.gone[#h.gone + 1] = m
       h.dropped = h.dropped + 1
       unreserve(turn, m)
       -- the next head takes the dropped one's turn
       if i < #heads then
-        turn.f = start_of(turn.f, w, t) + cost(weight_of(member_id(heads[i + 1])), t)
+        turn.f = start_of(turn.f, id, t) + head_cost(member_id(heads[i + 1]), t)
       end
       i = i + 1
       if h.dropped >= DROP_MAX then break end
-    elseif w > lim then
+    elseif w > lim or (cfg.tlim and k > cfg.tlim) then
       return i, 'big', vt
     elseif bound and turn.f > bound and turn.rsv ~= m then
       break  -- another lane of the band has the smaller tag now (before any reservation:
              -- only the chosen head, the band's smallest tag, reserves)
-    elseif w > h.free then
+    elseif w > h.free or k > h.tfree then
       adm_set('rsv:' .. turn.r, m)  -- the free units wait for it: nobody passes it
       return i, 'reserved', vt
     else
@@ -89,11 +96,13 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       h.grants[#h.grants + 1] = id
       h.extra = h.extra + w - 1
       h.free = h.free - w
+      h.tfree = h.tfree - k
+      h.tokens = h.tokens + k
       h.granted_units = h.granted_units + w
       unreserve(turn, m)
-      local nxt = i < #heads and cost(weight_of(member_id(heads[i + 1])), t)
+      local nxt = i < #heads and head_cost(member_id(heads[i + 1]), t)
       if alone then
-        if nxt then turn.f = start_of(turn.f, w, t) + nxt end
+        if nxt then turn.f = start_of(turn.f, id, t) + nxt end
       else
         if turn.f > vt then vt = turn.f end
         if nxt then turn.f = vt + nxt end
@@ -132,7 +141,7 @@ local function hand_turn(now, cfg, lim, h, turn)
     left_fair(lane, old_f)
     if ended == 'big' then
       if turn.rsv and member_lane(turn.rsv) == lane then adm_set('rsv:' .. turn.r, nil) end
-      redis.call('ZADD', K_BIG, weight_of(member_id(heads[i])), lane)
+      redis.call('ZADD', K_BIG, big_score(member_id(heads[i]), lim, cfg.tlim), lane)
     end
   elseif turn.f ~= old_f then
     redis.call('ZREM', K_FAIR, fair_member(lane, old_f))
@@ -161,7 +170,7 @@ local function finish_pass(now, cfg, h)
       members[#members + 1] = id
       add_wake(wakes, id, id .. '=' .. string.format('%.0f', token + k - 1))
     end
-    add_leases(members, h.extra)
+    add_leases(members, h.extra, h.tokens)
     send_wakes(wakes, cfg)
     redis.call('HINCRBY', K_STATS, 'granted', #grants)
     redis.call('HINCRBY', K_STATS, 'handed_off', #grants)
@@ -170,7 +179,7 @@ local function finish_pass(now, cfg, h)
     local refused = {}
     for _, m in ipairs(h.gone) do
       local id = member_id(m)
-      if weight_of(id) > cfg.ceiling then refused[#refused + 1] = id end
+      if too_heavy(cfg, id) then refused[#refused + 1] = id end
     end
     if h.dropped > #refused then
       redis.call('HINCRBY', K_STATS, 'abandoned_waiters', h.dropped - #refused)
@@ -184,14 +193,18 @@ end
 -- not fit stops everything and keeps the free units (reserved for it: no passing); a head
 -- heavier than the limit moves its lane to big. A dead head (its waiter entry expired) is
 -- dropped. Bounded per call: HANDOFF_MAX grants, DROP_MAX drops. units: the units held if the
--- caller knows them. Returns (grants, waiters removed, units granted).
-local function handoff(now, cfg, lim, units)
+-- caller knows them, tokens: the tokens held, likewise. Returns (grants, waiters removed, units
+-- granted, tokens granted).
+local function handoff(now, cfg, lim, units, tokens)
   local free = lim - (units or units_held())
   if free <= 0 or cfg.fence > now then  -- full, or behind the recovery fence (gate_birth)
     adm_flush()
-    return 0, 0, 0
+    return 0, 0, 0, 0
   end
-  local h = {free = free, grants = {}, gone = {}, extra = 0, dropped = 0, granted_units = 0,
+  local tfree = math.huge
+  if cfg.tlim then tfree = cfg.tlim - (tokens or tokens_held()) end
+  local h = {free = free, tfree = tfree, grants = {}, gone = {}, extra = 0, tokens = 0,
+             dropped = 0, granted_units = 0,
              gone_in = {}}  -- gone_in: lane -> members of it already removed (its head prefix)
   local turns = 0
   while #h.grants < HANDOFF_MAX and h.dropped < DROP_MAX and turns < 2 * HANDOFF_MAX do
@@ -201,7 +214,7 @@ local function handoff(now, cfg, lim, units)
   end
   finish_pass(now, cfg, h)
   adm_flush()
-  return #h.grants, #h.gone, h.granted_units
+  return #h.grants, #h.gone, h.granted_units, h.tokens
 end
 
 -- Waiters heavier than the gate can ever hold: the ceiling in force was lowered after they
@@ -210,6 +223,7 @@ end
 -- removed from lanes and waiters) are recorded in fg:{G}:evicted as '<id>=c' for 2 x waiter_ms,
 -- so a pod that missed the wake '<id>=c<ceiling>' learns of it from its heartbeat (reply field
 -- too_heavy), and counted in stats too_heavy.
+-- A waiter refused for its tokens (more than the token ceiling K) is woken with '<id>=k<K>'.
 refuse_heads = function(now, cfg, ids)
   if #ids == 0 then return end
   local until_, c = now + 2 * cfg.waiter_ms, string.format('%.0f', cfg.ceiling)
@@ -217,29 +231,39 @@ refuse_heads = function(now, cfg, ids)
   for _, id in ipairs(ids) do
     records[#records + 1] = until_
     records[#records + 1] = id .. '=c'
-    add_wake(wakes, id, id .. '=c' .. c)
+    if weight_of(id) > cfg.ceiling then
+      add_wake(wakes, id, id .. '=c' .. c)
+    else
+      add_wake(wakes, id, id .. '=k' .. string.format('%.0f', cfg.token_ceiling))
+    end
   end
   redis.call('ZADD', K_EVICTED, unpack(records))
   send_wakes(wakes, cfg)
   redis.call('HINCRBY', K_STATS, 'too_heavy', #ids)
 end
 
--- Lanes of big whose head weighs more than the ceiling (it was lowered while they waited there)
--- refuse their heads (refuse_heads): at most REFUSE_LANES lanes and REFUSE_HEADS heads of each
--- per call; a lane with more such heads stays in big, scored by the next one, for the next
--- call. A lane whose new head fits the limit is re-admitted by the readmit that follows.
--- handoff refuses such heads of the fair order as it meets them. Returns the refusals.
+-- Lanes of big whose head weighs more than the ceiling, or asks more tokens than the token
+-- ceiling (either lowered while they waited there), refuse their heads (refuse_heads): at most
+-- REFUSE_LANES lanes of each kind and REFUSE_HEADS heads of each lane per call; a lane with more
+-- such heads stays in big, scored by the next one, for the next call. A lane whose new head fits
+-- the limit is re-admitted by the readmit that follows. handoff refuses such heads of the fair
+-- order as it meets them. Returns the refusals.
 local REFUSE_LANES, REFUSE_HEADS = 16, 16
 local function refuse_big(now, cfg)
   local c = string.format('%.0f', cfg.ceiling)
-  local lanes = redis.call('ZRANGEBYSCORE', K_BIG, '(' .. c, '+inf', 'LIMIT', 0, REFUSE_LANES)
+  local lanes = redis.call('ZRANGEBYSCORE', K_BIG, '(' .. c, '(' .. BIG_TOKENS, 'LIMIT', 0,
+    REFUSE_LANES)
+  if cfg.tlim then  -- heads whose tokens do not fit the budget (big_score)
+    local more = redis.call('ZRANGEBYSCORE', K_BIG, BIG_TOKENS, '+inf', 'LIMIT', 0, REFUSE_LANES)
+    for _, lane in ipairs(more) do lanes[#lanes + 1] = lane end
+  end
   if #lanes == 0 then return 0 end
   local members, ids = {}, {}
   for _, lane in ipairs(lanes) do
     local lo, hi = lane_range(lane)
     for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, REFUSE_HEADS)) do
       local id = member_id(m)
-      if weight_of(id) <= cfg.ceiling then break end
+      if not too_heavy(cfg, id) then break end
       members[#members + 1] = m
       ids[#ids + 1] = id
     end
@@ -256,6 +280,6 @@ local function settle(now, cfg)
   reap(now)
   refuse_big(now, cfg)
   local lim = current_limit(now, cfg)
-  readmit(lim)
+  readmit(lim, cfg.tlim)
   return lim, handoff(now, cfg, lim)
 end

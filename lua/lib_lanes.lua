@@ -1,21 +1,32 @@
 -- Shared library (lib_*.lua, see lib_gate.lua): lanes entering and leaving the fair order
 -- (and big), and waiters leaving their lanes.
 
--- The start of a lane whose head (weight w, tenant t) has tag f: f minus the head's cost, never
+-- The start of a lane whose head (lease id, tenant t) has tag f: f minus the head's cost, never
 -- below 0 -- the cost is taken at the tenant's weight now, and a publish may have changed it
 -- since the tag was made (the tag would go negative and no longer parse).
-local function start_of(f, w, t)
-  return math.max(0, f - cost(w, t))
+local function start_of(f, id, t)
+  return math.max(0, f - head_cost(id, t))
+end
+
+-- A lane's score in big: its head's weight, plus BIG_TOKENS when the head's weight fits the limit
+-- but its tokens do not fit the token budget (readmit looks at the two kinds apart).
+local BIG_TOKENS = 2 ^ 40
+local function big_score(id, lim, tlim)
+  local w = weight_of(id)
+  if w <= lim and tlim and tokens_asked(id) > tlim then return w + BIG_TOKENS end
+  return w
 end
 
 -- A lane that became backlogged (or left big): it enters the fair order at its band's virtual
--- time (no credit for idle time), or big if its head weighs more than the limit.
-lane_enter = function(lane, w_head, lim)
-  if w_head > lim then
-    redis.call('ZADD', K_BIG, w_head, lane)
+-- time (no credit for idle time), or big if its head (lease id) weighs more than the limit or
+-- asks more tokens than the token budget (tlim, nil: none).
+lane_enter = function(lane, head, lim, tlim)
+  local score = big_score(head, lim, tlim)
+  if score > lim then
+    redis.call('ZADD', K_BIG, score, lane)
     return
   end
-  local f = num(adm_get('vt:' .. lane_band(lane)), 0) + cost(w_head, lane_tenant(lane))
+  local f = num(adm_get('vt:' .. lane_band(lane)), 0) + head_cost(head, lane_tenant(lane))
   redis.call('ZADD', K_FAIR, 0, fair_member(lane, f))
   adm_set('f:' .. lane, pad20(f))
 end
@@ -67,13 +78,24 @@ local function remove_waiters(members)
   lanes_touched(touched)
 end
 
--- Lanes of big whose head now fits under the limit enter the fair order (bounded per call).
-local function readmit(lim)
+-- Lanes of big whose head now fits under the limit (and the token budget tlim) enter the fair
+-- order (bounded per call); a head that fits the limit but not the budget is scored so.
+local function readmit(lim, tlim)
   local lanes = redis.call('ZRANGEBYSCORE', K_BIG, '-inf', lim, 'LIMIT', 0, 16)
+  if tlim then
+    local more = redis.call('ZRANGEBYSCORE', K_BIG, BIG_TOKENS, BIG_TOKENS + lim, 'LIMIT', 0, 16)
+    for _, lane in ipairs(more) do lanes[#lanes + 1] = lane end
+  end
   for _, lane in ipairs(lanes) do
     local lo, hi = lane_range(lane)
     local head = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, 1)
-    redis.call('ZREM', K_BIG, lane)
-    if #head > 0 then lane_enter(lane, weight_of(member_id(head[1])), lim) end
+    if #head == 0 then
+      redis.call('ZREM', K_BIG, lane)
+    elseif big_score(member_id(head[1]), lim, tlim) <= lim then
+      redis.call('ZREM', K_BIG, lane)
+      lane_enter(lane, member_id(head[1]), lim, tlim)
+    else
+      redis.call('ZADD', K_BIG, big_score(member_id(head[1]), lim, tlim), lane)
+    end
   end
 end

@@ -70,9 +70,19 @@ local function adm_flush()
 end
 
 local function weight_of(id)
-  local w = string.match(id, ':%d+w(%d+)$')
+  local w = string.match(id, ':%d+w(%d+)t?%d*$')
   if w then return tonumber(w) end
   return 1
+end
+
+-- The tokens a lease id holds of the gate's token budget: '<pod>:<n>[w<W>]t<T>' holds T, an id
+-- without 't<T>' none. A lease resized (resize.lua) changes its id to say its new tokens, so what
+-- any id holds is always in it: adoption after a restart counts it exactly.
+local function tokens_asked(id)
+  if not string.find(id, 't', 1, true) then return 0 end
+  local t = string.match(id, ':%d+w?%d*t(%d+)$')
+  if t then return tonumber(t) end
+  return 0
 end
 
 local function member_id(m)
@@ -126,4 +136,12 @@ end
 -- The virtual service a grant of w units costs a lane of tenant t.
 local function cost(w, t)
   return math.ceil(w * 1000 / tenant_weight(t))
+end
+
+-- What granting the head with lease id costs its lane of tenant t: its tokens when it asks some
+-- (tenants of a band share a token budget by tokens), else its weight.
+local function head_cost(id, t)
+  local k = tokens_asked(id)
+  if k > 0 then return cost(k, t) end
+  return cost(weight_of(id), t)
 end

@@ -4,15 +4,15 @@
 -- mass crash; the coordinator's reaper and every later call sweep the rest.
 local REAP_MAX = 64
 
--- Remove up to REAP_MAX expired leases; returns the units freed. Called where they matter: by
--- an acquire that finds the gate full, and by every heartbeat and sweep (so an expired lease of
--- a gate below its limit, which blocks nobody, goes within a heartbeat period).
+-- Remove up to REAP_MAX expired leases; returns the units and the tokens freed. Called where
+-- they matter: by an acquire that finds the gate full, and by every heartbeat and sweep (so an
+-- expired lease of a gate below its limit, which blocks nobody, goes within a heartbeat period).
 local function reap_leases(now)
   local leases = redis.call('ZRANGEBYSCORE', K_HOLDERS, '-inf', now, 'LIMIT', 0, REAP_MAX)
-  if #leases == 0 then return 0 end
-  local n, units = remove_leases(leases, 1, #leases)
+  if #leases == 0 then return 0, 0 end
+  local n, units, tokens = remove_leases(leases, 1, #leases)
   redis.call('HINCRBY', K_STATS, 'expired_leases', n)
-  return units
+  return units, tokens
 end
 
 -- Remove up to REAP_MAX expired waiters; returns how many. Called by an acquire that finds the

@@ -15,14 +15,46 @@ local function units_held(extra)
   return n + extra
 end
 
--- Add granted leases: members = {expires, id, ...}, extra = sum of (weight - 1) of their ids.
-local function add_leases(members, extra)
+-- Tokens held (the token budget's count, lib_cfg.lua token_budget): adm 'tok', the sum of the
+-- tokens of the holders, each in its id (a resized lease gets a new id: resize.lua). tok: HGET
+-- adm tok if the caller read it already; n: ZCARD holders if known. As extra: raised before a lease is added, lowered after it is removed, dropped once no
+-- lease is left.
+local function tokens_held(tok, n)
+  if tok == nil then tok = redis.call('HGET', K_ADM, 'tok') end
+  tok = num(tok, 0)
+  if tok ~= 0 and (n or redis.call('ZCARD', K_HOLDERS)) == 0 then
+    redis.call('HDEL', K_ADM, 'tok')
+    tok = 0
+  end
+  return tok
+end
+
+-- Add granted leases: members = {expires, id, ...}, extra = sum of (weight - 1) of their ids,
+-- tokens = sum of the tokens they ask.
+local function add_leases(members, extra, tokens)
   if extra > 0 then redis.call('HINCRBY', K_ADM, 'extra', extra) end
+  if tokens and tokens > 0 then redis.call('HINCRBY', K_ADM, 'tok', tokens) end
   redis.call('ZADD', K_HOLDERS, unpack(members))
 end
 
--- Remove the lease ids ids[i..j]; returns (leases removed, units freed). An id already gone
--- frees nothing.
+-- Count again a lease the gate lost while its work runs (adopt.lua, the heartbeat): its weight
+-- and tokens, before the caller adds it (an abort in between overcounts, never under).
+local function count_again(id)
+  local w, k = weight_of(id), tokens_asked(id)
+  if w > 1 then redis.call('HINCRBY', K_ADM, 'extra', w - 1) end
+  if k > 0 then redis.call('HINCRBY', K_ADM, 'tok', k) end
+end
+
+-- Lower a counter of adm by d (>= 0) after the leases that held it were removed; the field goes
+-- once it reaches 0.
+local function lower_adm(field, d)
+  if d > 0 and redis.call('HINCRBY', K_ADM, field, -d) <= 0 then
+    redis.call('HDEL', K_ADM, field)
+  end
+end
+
+-- Remove the lease ids ids[i..j]; returns (leases removed, units freed, tokens freed). An id
+-- already gone frees nothing.
 local function remove_leases(ids, i, j)
   local heavy = false
   for k = i, j do
@@ -31,21 +63,28 @@ local function remove_leases(ids, i, j)
       break
     end
   end
-  if not heavy then
-    local n = redis.call('ZREM', K_HOLDERS, unpack(ids, i, j))
-    return n, n
+  local tokened = false
+  for k = i, j do
+    if tokens_asked(ids[k]) > 0 then
+      tokened = true
+      break
+    end
   end
-  local n, units = 0, 0
+  if not heavy and not tokened then
+    local n = redis.call('ZREM', K_HOLDERS, unpack(ids, i, j))
+    return n, n, 0
+  end
+  local n, units, tokens = 0, 0, 0
   for k = i, j do
     if redis.call('ZREM', K_HOLDERS, ids[k]) == 1 then
       n = n + 1
       units = units + weight_of(ids[k])
+      tokens = tokens + tokens_asked(ids[k])
     end
   end
-  if units > n and redis.call('HINCRBY', K_ADM, 'extra', n - units) == 0 then
-    redis.call('HDEL', K_ADM, 'extra')  -- no field is left once every heavy lease is gone
-  end
-  return n, units
+  lower_adm('extra', units - n)  -- no field is left once every heavy lease is gone
+  lower_adm('tok', tokens)
+  return n, units, tokens
 end
 
 -- The client-observed signal (fleetgate/observed.py): args[i..j] are (field, increment) pairs

@@ -37,6 +37,7 @@ from ._library import GateFunction, Loader, function_missing
 from ._replies import (
     AcquireReply,
     HeartbeatReply,
+    ResizeReply,
     Snapshot,
     accepted,
     as_is,
@@ -196,6 +197,10 @@ class GateScripts:
         them held a lease."""
         args = release_argv(lease_ids, observed)
         return await self._run(self._call("release", keys, args, int))
+
+    async def resize(self, keys: GateKeys, lease_id: str, tokens: int) -> ResizeReply:
+        """``resize.lua``: make lease ``lease_id`` hold ``tokens`` (its id changes with them)."""
+        return await self._run(self._call("resize", keys, [lease_id, tokens], ResizeReply.decode))
 
     async def cancel(self, keys: GateKeys, lease_id: str, member: str = "") -> int:
         """Leave the wait list (``member``: the waiter member it parked as, if it parked) or

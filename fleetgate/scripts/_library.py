@@ -34,6 +34,7 @@ SCRIPT_NAMES = (
     "adopt",
     "prune",
     "publish",
+    "resize",
 )
 # Scripts that also get heartbeat_lib.lua (the heartbeat transition of one gate).
 _HEARTBEAT_SCRIPTS = ("heartbeat", "heartbeat_many")

@@ -13,12 +13,16 @@ from typing import Any
 
 import msgspec
 
+from fleetgate.observed import TokenUsage
 from fleetgate.util_hash import UtilHash
 
 GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
 # acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
-# granted at once, a weight above the ceiling (never grantable).
-REJECTED_TENANT, SHED, TOO_HEAVY = 3, 4, 5
+# granted at once, a weight above the ceiling, tokens above the token ceiling (never grantable).
+REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS = 3, 4, 5, 6
+# resize.lua's status: resized, growth refused (does not fit now), no such lease, tokens above
+# the token ceiling.
+RESIZED, RESIZE_REFUSED, RESIZE_LOST, RESIZE_TOO_MANY = 1, 0, -1, -2
 
 PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
 
@@ -27,12 +31,13 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     """``acquire.lua``'s reply. Of ``holders``, ``position`` and ``max_queued`` only the one of
     the outcome is set (the others are 0)."""
 
-    status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED or TOO_HEAVY
+    status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS
     token: int  # granted: the fencing token; parked: the seq of the waiter member
     limit: int
     holders: int  # granted: units held counting this one
     position: int  # parked: waiters counting this one
-    #: refused: the bound that refused it (max_queued, per tenant, shed_below or ceiling)
+    #: refused: the bound that refused it (max_queued, per tenant, shed_below, ceiling or
+    #: token ceiling)
     max_queued: int
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
@@ -91,6 +96,8 @@ class HeartbeatReply:
     #: (they get ConfigError, as an arrival that heavy: TOO_HEAVY)
     too_heavy: list[str] = field(default_factory=list)
     ceiling: int = 0  # the ceiling in force
+    token_limit: int | None = None  # the token budget in force (None: none)
+    tokens: int = 0  # tokens held
 
     @classmethod
     def decode(cls, r: Any) -> HeartbeatReply:
@@ -112,7 +119,24 @@ class HeartbeatReply:
             evicted=[_s(x) for x in r[13]],
             too_heavy=[_s(x) for x in r[14]],
             ceiling=int(r[15]),
+            token_limit=None if int(r[16]) < 0 else int(r[16]),
+            tokens=int(r[17]),
         )
+
+
+class ResizeReply(msgspec.Struct, frozen=True):
+    """``resize.lua``'s reply: ``status`` (RESIZED, RESIZE_REFUSED, RESIZE_LOST or
+    RESIZE_TOO_MANY), the lease's ``id`` from now on, and ``tokens`` (held; for
+    RESIZE_TOO_MANY the token ceiling)."""
+
+    status: int
+    id: str
+    tokens: int
+
+    @classmethod
+    def decode(cls, r: Any) -> ResizeReply:
+        """The reply as the script returns it."""
+        return cls(int(r[0]), _s(r[1]), int(r[2]))
 
 
 class Waiter(msgspec.Struct):
@@ -122,6 +146,7 @@ class Waiter(msgspec.Struct):
     token: int
     expires_at: int | None = None
     weight: int = 1
+    tokens: int = 0
     priority: int = 0
     tenant: str = ""
 
@@ -132,6 +157,7 @@ class Holder(msgspec.Struct):
     id: str
     expires_at: int
     weight: int = 1
+    tokens: int = 0
 
 
 class Lane(msgspec.Struct):
@@ -163,6 +189,11 @@ class Snapshot(msgspec.Struct):
     waiter_ms: int = 0
     #: units held: the holders' weights (expired-but-unreaped leases included)
     units: int = 0
+    #: the token budget in force and the most one call may ask (None: no token budget)
+    token_limit: int | None = None
+    token_ceiling: int | None = None
+    #: tokens held, counted as ``units``
+    tokens: int = 0
     schema: int = 0
     max_queued_per_tenant: int = 0
     shed_below: int = 0
@@ -172,6 +203,8 @@ class Snapshot(msgspec.Struct):
     target: dict[str, str] = {}
     stats: dict[str, str] = {}
     util: dict[str, str] = {}
+    #: the client-observed counters (``fleetgate.observed``), token usage included
+    obs: dict[str, str] = {}
     head: list[Waiter] = []
     leases: list[Holder] = []
     #: from :meth:`Gate.snapshot <fleetgate.client.Gate.snapshot>` only: the settings that
@@ -196,6 +229,12 @@ class Snapshot(msgspec.Struct):
         """A fleet-wide counter of ``fg:{G}:stats`` (0 when absent)."""
         return _int(self.stats.get(name)) or 0
 
+    @property
+    def token_usage(self) -> dict[str, TokenUsage]:
+        """Per tenant ('' = the default tenant): the tokens the calls that reported their use
+        held and used (:class:`~fleetgate.observed.TokenUsage`)."""
+        return TokenUsage.parse(self.obs)
+
     def utilization(self) -> UtilHash:
         """The coordinator's last utilisation snapshot of the gate, parsed (the one codec of
         the util hash: :class:`~fleetgate.util_hash.UtilHash`)."""
@@ -217,7 +256,7 @@ def _empty_tables_as_lists(raw: bytes | str) -> Any:
     for k in ("head", "leases", "lanes"):
         if obj.get(k) == {}:
             obj[k] = []
-    for k in ("cfg", "target", "stats", "util", "tenant_weights"):
+    for k in ("cfg", "target", "stats", "util", "obs", "tenant_weights"):
         if obj.get(k) == []:
             obj[k] = {}
     return obj

@@ -18,6 +18,7 @@ from fleetgate.scripts import GRANTED, SCHEMA, GateScripts
 from fleetgate.settings import (
     ADMISSION_FIELDS,
     FIELDS,
+    TOKEN_FIELDS,
     GateSettings,
     bounds,
     validate_gate_settings,
@@ -108,21 +109,24 @@ async def test_acquire_registers_the_admission_settings(
 
 
 def test_script_arguments_follow_the_field_order() -> None:
-    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, ""]
+    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, "", "", ""]
     s = GateSettings(
         floor=2,
         max_queued_per_tenant=7,
         shed_below=-10,
         tenant_weights={"search": 3, "batch": 1},
     )
-    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "batch}1}search}3"]
+    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "", "", "batch}1}search}3"]
+    tokens = GateSettings(token_limit=4_000, token_ceiling=8_000).argv()
+    assert tokens[7:9] == [4_000, 8_000]
     assert GateSettings(max_queued_per_tenant=0).argv()[5] == 0  # 0 is a bound, not "unset"
 
 
-def test_fields_are_the_int_fields_then_the_admission_ones() -> None:
+def test_fields_are_the_int_fields_then_the_admission_ones_then_the_token_budget() -> None:
     assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
     assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
-    assert FIELDS + ADMISSION_FIELDS == GateSettings.__struct_fields__
+    assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
+    assert FIELDS + ADMISSION_FIELDS + TOKEN_FIELDS == GateSettings.__struct_fields__
     assert set(bounds()) == set(FIELDS)
 
 

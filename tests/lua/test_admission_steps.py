@@ -25,7 +25,7 @@ class Gate:
         self.r = r
         self.keys = GateKeys.of(f"b{uuid.uuid4().hex[:8]}", "steps")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
-        self.defaults = [floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, ""]
+        self.defaults = [floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, "", "", ""]
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
