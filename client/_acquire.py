@@ -26,10 +26,10 @@ from fleetgate.scripts import (
     PARKED,
     REJECTED,
     REJECTED_TENANT,
-    SHED,
     RESIZE_LOST,
     RESIZE_TOO_MANY,
     RESIZED,
+    SHED,
     TOO_HEAVY,
     TOO_MANY_TOKENS,
     AcquireReply,
@@ -254,7 +254,11 @@ class GateAcquirer(GateState):
         except OUTAGE_ERRORS as exc:
             log.warning(
                 "gate %s: resize of %s to %d tokens failed (%s); it holds %d",
-                self.name, lease.id, tokens, error_text(exc), lease.tokens,
+                self.name,
+                lease.id,
+                tokens,
+                error_text(exc),
+                lease.tokens,
             )
             return lease.tokens
         if reply.status == RESIZED:

@@ -20,6 +20,7 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from fleetgate.admission import validate_tokens
+from fleetgate.ask import Ask
 from fleetgate.errors import ConfigError
 from fleetgate.observed import classify_status, encode_report, validate_outcome
 
@@ -75,12 +76,9 @@ class Reporting:
     _granted_at: float = 0.0
     #: the report to send with the release (fleetgate.observed.encode_report), "" for none
     _report: str = ""
-    #: the tokens the lease holds now and its tenant (set by the lease)
-    _tokens: int = 0
-
-    @property
-    def tenant(self) -> str | None:
-        raise NotImplementedError
+    #: what the lease was asked with (set by the lease): its tokens are the estimate a token
+    #: report is counted against
+    ask: Ask
 
     def report(
         self, outcome: str, latency: float | None = None, *, tokens: int | None = None
@@ -94,7 +92,8 @@ class Reporting:
         is a :class:`ConfigError`.
 
         ``tokens``: what the call really used (prompt + output, an int >= 0). It never changes
-        what the lease holds; it is counted per tenant against what the lease held, fleet-wide
+        what the lease holds; it is counted per tenant against the tokens the call asked for
+        (its estimate, whatever it was resized to since), fleet-wide
         (``gate.snapshot().token_usage``), so a later call can be charged what its tenant's
         calls use (:meth:`fleetgate.observed.TokenUsage.estimate`).
         """
@@ -102,7 +101,7 @@ class Reporting:
         usage = None
         if tokens is not None:
             validate_tokens(tokens)
-            usage = (self._tokens, tokens, self.tenant)
+            usage = (self.ask.tokens, tokens, self.ask.tenant)
         if latency is None:
             latency = time.monotonic() - self._granted_at
         elif (

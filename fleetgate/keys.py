@@ -7,20 +7,23 @@ share the group's slot. The registry of gates and the leadership
 keys are outside any gate's slot and are written by separate commands.
 
     {prefix}:{G}:cfg       hash    floor, ceiling, max_queued, lease_ms, waiter_ms,
-                                   max_queued_per_tenant, shed_below, schema; fence
+                                   max_queued_per_tenant, shed_below, token_limit,
+                                   token_ceiling, schema; fence
                                    (server ms: the recovery fence's end, lua/lib_fence.lua)
     {prefix}:{G}:target    hash    value, epoch, expires_at (server ms)
     {prefix}:{G}:holders   zset    lease id  -> lease expiry (server ms); a lease of weight
-                                   W > 1 is '<pod>:<n>w<W>'
+                                   W > 1 is '<pod>:<n>w<W>', one holding T tokens ends 't<T>'
     {prefix}:{G}:queue     string  a fence against fleetgate 0.1 (schema 1 kept its FIFO here)
     {prefix}:{G}:lanes     zset    every waiter '<tenant>}<R>}<seq20>}<id>', scores 0: FIFO
                                    per (band, tenant) lane by bytes (docs/admission.md)
     {prefix}:{G}:waiters   zset    waiter member -> waiter expiry (server ms)
     {prefix}:{G}:fair      zset    eligible lanes in service order '<R>}<F20>}<tenant>'
     {prefix}:{G}:big       zset    lane -> head weight, for heads heavier than the limit
-    {prefix}:{G}:adm       hash    extra units, virtual times, lane tags, reservations
+    {prefix}:{G}:adm       hash    extra units, tokens held (tok), virtual times, lane tags,
+                                   reservations
     {prefix}:{G}:tw        hash    tenant -> weight
-    {prefix}:{G}:evicted   zset    waiter id -> until (evicted by a higher band)
+    {prefix}:{G}:evicted   zset    waiter id -> until (evicted by a higher band; '<id>=c'
+                                   refused by a ceiling; '<id>=r' a lease id resized away)
     {prefix}:{G}:seq       string  counter for lane order and fencing tokens (never below
                                    server ms x 1000)
     {prefix}:{G}:stats     hash    granted, rejected, expired_leases, abandoned_waiters, ...
@@ -29,7 +32,8 @@ keys are outside any gate's slot and are written by separate commands.
     {prefix}:{G}:obs       hash    client-observed counters, written by the release path:
                                    ok, overloaded, timeout, error (outcomes reported),
                                    lat_n, lat_us (count and sum in µs of ok latencies),
-                                   b<i> (ok calls in latency bucket i; fleetgate.observed)
+                                   b<i> (ok calls in latency bucket i; fleetgate.observed),
+                                   tn/ta/tu:<tenant> (token reports, tokens asked, used)
     {prefix}:{G}:wake:<pod> list   ids granted by hand-off, popped by the owner pod
     {prefix}:{G}:rearm:<pod> list  a token the pod pushes to re-arm its blocking pop over
                                    several wake lists when it adds one (short TTL)

@@ -9,8 +9,8 @@ callers see. Every release may carry its call's report (``lease.report(outcome, 
     ok, overloaded, timeout, error   calls reported with that outcome
     lat_n, lat_us                    count and sum (microseconds) of ``ok`` latencies
     b<i>                             ``ok`` calls whose latency fell in bucket i (BOUNDS)
-    tn:<tenant> tb:<tenant> tu:<tenant>  reports that said the tokens a call used, the tokens
-                                     those calls held (budgeted) and used, per tenant ('' the
+    tn:<tenant> ta:<tenant> tu:<tenant>  reports that said the tokens a call used, the tokens
+                                     those calls asked for and used, per tenant ('' the
                                      default one): how far the estimates miss (TokenUsage)
 
 Every field is a monotonic counter. The coordinator reads the hash once per poll
@@ -103,14 +103,16 @@ def encode_report(
 ) -> str:
     """One call's report as it travels with its release: ``"<outcome>:<latency µs>"`` (the
     latency only for ``ok``; empty when unknown), then, when the call said what it used,
-    ``";<tokens held>;<tokens used>;<tenant>"`` (``tokens`` = (held, used, tenant)).
+    ``";<tokens asked>;<tokens used>;<tenant>"`` (``tokens`` = (asked, used, tenant)).
     ``outcome`` is validated by the caller."""
-    text = f"{outcome}:" if outcome != "ok" or latency_s is None else (
-        f"ok:{max(0, round(latency_s * 1e6))}"
+    text = (
+        f"{outcome}:"
+        if outcome != "ok" or latency_s is None
+        else (f"ok:{max(0, round(latency_s * 1e6))}")
     )
     if tokens is not None:
-        held, used, tenant = tokens
-        text += f";{held};{used};{tenant or ''}"
+        asked, used, tenant = tokens
+        text += f";{asked};{used};{tenant or ''}"
     return text
 
 
@@ -123,8 +125,8 @@ def tally(reports: Iterable[str]) -> list[str | int]:
             continue
         report, _, usage = report.partition(";")
         if usage:
-            held, used, tenant = usage.split(";", 2)
-            for kind, n in (("tn", 1), ("tb", int(held)), ("tu", int(used))):
+            asked, used, tenant = usage.split(";", 2)
+            for kind, n in (("tn", 1), ("ta", int(asked)), ("tu", int(used))):
                 field = f"{kind}:{tenant}"
                 counts[field] = counts.get(field, 0) + n
         outcome, _, micros = report.partition(":")
@@ -266,23 +268,23 @@ def median_error(window: Reading) -> float:
 
 
 class TokenUsage(msgspec.Struct, frozen=True):
-    """What the calls of one tenant that reported their tokens held and used, fleet-wide (the
-    obs hash's ``tn``/``tb``/``tu`` counters): how far the tokens asked miss what the calls
+    """What the calls of one tenant that reported their tokens asked for and used, fleet-wide
+    (the obs hash's ``tn``/``ta``/``tu`` counters): how far the tokens asked miss what the calls
     used, so a caller that knows only its upper bound (``max_tokens``) can be charged what its
     tenant's calls use (:meth:`estimate`)."""
 
     reports: int = 0
-    held: int = 0
+    asked: int = 0
     used: int = 0
 
     @property
     def ratio(self) -> float | None:
-        """Tokens used per token held (None before any report)."""
-        return self.used / self.held if self.held > 0 else None
+        """Tokens used per token asked (None before any report)."""
+        return self.used / self.asked if self.asked > 0 else None
 
     def estimate(self, asked: int, *, least_reports: int = 20) -> int:
         """The tokens to charge a call that asks ``asked`` at most: ``asked`` scaled by what
-        this tenant's calls used of what they held, never above ``asked``; ``asked`` itself
+        this tenant's calls used of what they asked, never above ``asked``; ``asked`` itself
         until ``least_reports`` calls have reported. A call that needs more than its charge
         grows with ``lease.resize``."""
         ratio = self.ratio
@@ -308,4 +310,4 @@ class TokenUsage(msgspec.Struct, frozen=True):
         return {tenant: cls(**fields) for tenant, fields in acc.items()}
 
 
-_USAGE_FIELDS = {"tn": "reports", "tb": "held", "tu": "used"}
+_USAGE_FIELDS = {"tn": "reports", "ta": "asked", "tu": "used"}

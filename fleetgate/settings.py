@@ -37,6 +37,7 @@ __all__ = [
     "MAX_PERMITS",
     "MAX_QUEUED",
     "MAX_TTL_MS",
+    "TOKEN_FIELDS",
     "Ceiling",
     "Floor",
     "GateSettings",
@@ -45,7 +46,6 @@ __all__ = [
     "MaxQueued",
     "MaxQueuedPerTenant",
     "ShedBelow",
-    "TOKEN_FIELDS",
     "TokenCeiling",
     "TokenLimit",
     "WaiterMs",
@@ -372,8 +372,11 @@ def check_tokens(token_limit: object, token_ceiling: object) -> None:
             f"token_ceiling: {token_ceiling} without a token_limit (a gate without a token "
             "budget has no token ceiling)"
         )
-    if token_ceiling is not None and token_ceiling < token_limit:  # type: ignore[operator]
-        raise ConfigError(f"token_ceiling: expected >= token_limit ({token_limit}), got {token_ceiling}")
+    both = isinstance(token_limit, int) and isinstance(token_ceiling, int)
+    if both and token_ceiling < token_limit:  # type: ignore[operator]
+        raise ConfigError(
+            f"token_ceiling: expected >= token_limit ({token_limit}), got {token_ceiling}"
+        )
 
 
 def validate_gate_settings(name: str, values: dict[str, Any]) -> dict[str, Any]:

@@ -104,5 +104,5 @@ local function heartbeat_gate(A)
   return {lim, live, r.lost, r.granted, r.lost_waiters,
     redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
     r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling,
-    cfg.tlim or -1, tokens_held()}
+    cfg.tlim or -1, cfg.tlim and tokens_held() or 0}
 end

@@ -14,7 +14,9 @@ from fleetgate.client import Fleet
 FLOOR, TOKEN_LIMIT = 8, 1000
 
 
-def token_hammer(url: str, prefix: str, gate: str, calls: int, seed: int, probe: str) -> dict[str, int]:
+def token_hammer(
+    url: str, prefix: str, gate: str, calls: int, seed: int, probe: str
+) -> dict[str, int]:
     """Run ``calls`` permits, 6 at a time, of random tokens (some shrink half-way, some try to
     grow); return the peaks of units and tokens the probe saw at once across the fleet.
 

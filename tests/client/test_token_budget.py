@@ -101,7 +101,7 @@ async def test_token_reports_are_learnt_per_tenant_without_changing_what_is_held
         lease.report("ok", tokens=300)
     await gate.flush()
     usage = (await gate.snapshot()).token_usage
-    assert (usage["chat"].reports, usage["chat"].held, usage["chat"].used) == (20, 8000, 2000)
+    assert (usage["chat"].reports, usage["chat"].asked, usage["chat"].used) == (20, 8000, 2000)
     assert usage["chat"].estimate(1000) == 250  # what the tenant's calls use of what they ask
     assert usage[""].reports == 1 and usage[""].estimate(1000) == 1000  # too few reports yet
 

@@ -138,6 +138,8 @@ def test_as_cfg_shape() -> None:
         "max_queued_per_tenant": "",
         "shed_below": 0,
         "tenant_weights": "",
+        "token_limit": "",
+        "token_ceiling": "",
     }
     s = GateSettings(max_queued_per_tenant=50, shed_below=5, tenant_weights={"b": 2, "a": 9})
     assert s.as_cfg() == {
@@ -145,7 +147,11 @@ def test_as_cfg_shape() -> None:
         "max_queued_per_tenant": 50,
         "shed_below": 5,
         "tenant_weights": "a}9}b}2",
+        "token_limit": "",
+        "token_ceiling": "",
     }
+    budget = GateSettings(token_limit=4_000).as_cfg()
+    assert (budget["token_limit"], budget["token_ceiling"]) == (4_000, "")
     assert list(s.as_cfg())[:5] == list(FIELDS)
 
 

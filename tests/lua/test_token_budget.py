@@ -41,9 +41,7 @@ class TokenGate:
         triples = []
         for base, tokens in reqs:
             triples += [weighted_id(base, 1, tokens), LONG_MS, lane_class(0, None)]
-        reply = self.call(
-            "acquire", *self.defaults, 0, len(releases), *releases, 0, *triples
-        )
+        reply = self.call("acquire", *self.defaults, 0, len(releases), *releases, 0, *triples)
         return [int(x) for x in reply[5::4]]
 
     def release(self, *ids: str) -> int:
@@ -104,9 +102,7 @@ def test_tokens_are_freed_by_release_reap_and_the_counter_never_outlives_the_lea
 
 def test_more_tokens_than_the_token_ceiling_are_refused_at_once(r: redis.Redis) -> None:
     g = TokenGate(r, floor=4, token_limit=100, token_ceiling=150)
-    reply = g.call(
-        "acquire", *g.defaults, 0, 0, 0, weighted_id("p:1", 1, 151), LONG_MS, ""
-    )
+    reply = g.call("acquire", *g.defaults, 0, 0, 0, weighted_id("p:1", 1, 151), LONG_MS, "")
     assert (int(reply[5]), int(reply[7])) == (TOO_MANY_TOKENS, 150)
     assert g.held()[0] == set() and g.waiting() == []
 
