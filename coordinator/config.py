@@ -63,7 +63,7 @@ from fleetgate.configfile import (
 )
 from fleetgate.errors import ConfigError
 from fleetgate.keys import validate_gate_name
-from fleetgate.settings import DEFAULT_CEILING, Floor, GateSettings, check_ceiling
+from fleetgate.settings import DEFAULT_CEILING, Floor, GateSettings, check_ceiling, check_tokens
 
 from .scrape.adapters import ADAPTERS, AUTO, validate_server
 from .scrape.signals import derive_metrics_url, validate_metrics_url
@@ -185,6 +185,7 @@ class GateConfig(GateSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     def __post_init__(self) -> None:
         checked("name", validate_gate_name, self.name)
         check_ceiling(self.floor, self.ceiling)
+        check_tokens(self.token_limit, self.token_ceiling)
         # The errors name the entry: tenant_weights['a b{']: tenant 'a b{' contains '{': ...
         msgspec.structs.force_setattr(
             self, "tenant_weights", validate_tenant_weights(self.tenant_weights)

@@ -84,6 +84,9 @@ class GateStatus(msgspec.Struct, kw_only=True):
     abandoned_waiters: int
     #: units held (the holders' weights); ``in_flight`` counts the leases
     units: int = 0
+    #: the token budget in force (None: none) and the tokens held
+    token_limit: int | None = None
+    tokens: int = 0
     #: the schema of the gate's state (``fg:{G}:cfg`` field ``schema``; 0: no configuration yet)
     schema: int = 0
     max_queued_per_tenant: int = 0
@@ -186,6 +189,8 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         expired_leases=snap.stat("expired_leases"),
         abandoned_waiters=snap.stat("abandoned_waiters"),
         units=snap.units,
+        token_limit=snap.token_limit,
+        tokens=snap.tokens,
         schema=_int(snap.cfg.get("schema")) or 0,
         max_queued_per_tenant=snap.max_queued_per_tenant,
         shed_below=snap.shed_below,
@@ -263,6 +268,8 @@ def format_status(status: FleetStatus, now: float) -> str:
             f"{g.queued:>7} {'yes' if g.saturated else 'no':>4} {running:>8} {age:>9} "
             f"{g.server or '-':<8} {g.schema or '-':>6}"
         )
+        if g.token_limit is not None:
+            lines.append(f"  tokens held: {g.tokens}/{g.token_limit}")
         lines.extend(_observed_lines(g))
         lines.extend(_queue_lines(g))
     if not status.gates:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from fleetgate.client import ConfigError, Fleet, LeaseLost, SyncFleet
 from fleetgate.keys import GateKeys
+from fleetgate.status import format_status, gather_status
 
 from ..conftest import RedisUnderTest
 from . import _token_workers
@@ -114,3 +115,18 @@ def test_the_blocking_twin_asks_and_resizes_tokens(rut: RedisUnderTest) -> None:
             assert lease.tokens == 10
         with gate.permit(tokens=50) as lease:
             assert lease.tokens == 50
+
+
+async def test_status_shows_the_tokens_held_of_a_gate_with_a_budget(
+    rut: RedisUnderTest, fleet: Fleet
+) -> None:
+    gate = fleet.gate("kv", floor=4, token_limit=100)
+    plain = fleet.gate("plain", floor=4)
+    await fleet.redis.sadd(f"{rut.prefix}:gates", "kv", "plain")
+    async with gate.permit(tokens=30), plain.permit():
+        status = await gather_status(fleet.redis, rut.prefix)
+    rows = {g.name: g for g in status.gates}
+    assert (rows["kv"].tokens, rows["kv"].token_limit) == (30, 100)
+    assert rows["plain"].token_limit is None
+    text = format_status(status, 0.0)
+    assert "  tokens held: 30/100" in text and text.count("tokens held") == 1

@@ -32,7 +32,20 @@ def test_admission_keys_decode_and_reach_the_settings() -> None:
     s = gate.settings
     assert (s.max_queued_per_tenant, s.shed_below) == (200, -10)
     assert s.as_cfg()["tenant_weights"] == "batch}1}search}3}weird name/with space}1000"
-    assert s.argv()[5:] == [200, -10, "batch}1}search}3}weird name/with space}1000"]
+    assert s.argv()[5:] == [200, -10, "", "", "batch}1}search}3}weird name/with space}1000"]
+
+
+def test_a_token_budget_decodes_and_reaches_the_settings() -> None:
+    gate = parse(BASE + "token_limit = 120000\ntoken_ceiling = 200000\n").gates[-1]
+    assert (gate.settings.token_limit, gate.settings.token_ceiling) == (120_000, 200_000)
+    assert gate.settings.as_cfg()["token_limit"] == 120_000
+    assert parse(BASE).gates[0].settings.as_cfg()["token_limit"] == ""  # unset: deleted
+    with pytest.raises(ConfigError, match="token_ceiling: 5 without a token_limit"):
+        parse(BASE + "token_ceiling = 5\n")
+    with pytest.raises(ConfigError, match=r"token_ceiling: expected >= token_limit \(50\)"):
+        parse(BASE + "token_limit = 50\ntoken_ceiling = 5\n")
+    with pytest.raises(ConfigError, match="token_limit"):
+        parse(BASE + "token_limit = 0\n")
 
 
 def test_admission_keys_default() -> None:
