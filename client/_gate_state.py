@@ -15,6 +15,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from fleetgate.admission import resized_id
 from fleetgate.ask import DEFAULT_ASK, Ask
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import HeartbeatReply
@@ -204,6 +205,14 @@ class GateState:
     def _fleet_units(self) -> int:
         """Units of the fleet leases this pod still holds (they count against the local bound)."""
         return sum(lease.weight for lease in self.leases.values())
+
+    def _resize_local(self, lease: Lease, tokens: int) -> int:
+        """A local permit's new tokens: its id says them, as a fleet lease's does, so the
+        adoption when Redis is back counts what it holds now."""
+        if self.local_leases.pop(lease.id, None) is not None:
+            lease._resized(resized_id(lease.id, tokens), tokens)
+            self.local_leases[lease.id] = lease
+        return lease.tokens
 
     def _release_local(self, lease: Lease) -> None:
         if self.local_leases.pop(lease.id, None) is not None:

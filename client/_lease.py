@@ -37,6 +37,8 @@ class LeaseHolder(Protocol):
 
     async def _resize_fleet(self, lease: Lease, tokens: int) -> int: ...
 
+    def _resize_local(self, lease: Lease, tokens: int) -> int: ...
+
 
 class Lease(Reporting):
     """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
@@ -96,8 +98,9 @@ class Lease(Reporting):
         holds ``tokens``; otherwise nothing changes (no partial growth, no waiting) and the old
         amount is returned. More than the gate's ``token_ceiling`` is a :class:`ConfigError`;
         a released or lost lease raises :class:`LeaseLost`. A lease granted locally while Redis
-        was unreachable just records the new amount (the local bound counts units only), as
-        does a resize while Redis is unreachable (it returns the tokens held, unchanged).
+        was unreachable just records the new amount (the local bound counts units only; the
+        lease is counted with it when Redis is back); a resize that cannot reach Redis changes
+        nothing and returns the tokens held.
         """
         validate_tokens(tokens)
         if self._released or self._is_lost:
@@ -105,8 +108,7 @@ class Lease(Reporting):
         if tokens == self._tokens:
             return tokens
         if self.local:
-            self._tokens = tokens
-            return tokens
+            return self.gate._resize_local(self, tokens)
         return await self.gate._resize_fleet(self, tokens)
 
     def _resized(self, lease_id: str, tokens: int) -> None:

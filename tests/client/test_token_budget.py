@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from fleetgate.client import ConfigError, Fleet, LeaseLost, SyncFleet
 from fleetgate.keys import GateKeys
 from fleetgate.status import format_status, gather_status
+from fleetgate.tools.redisproc import RedisProcess
 
 from ..conftest import RedisUnderTest
 from . import _token_workers
@@ -130,3 +131,38 @@ async def test_status_shows_the_tokens_held_of_a_gate_with_a_budget(
     assert rows["plain"].token_limit is None
     text = format_status(status, 0.0)
     assert "  tokens held: 30/100" in text and text.count("tokens held") == 1
+
+
+async def test_tokens_of_work_resized_during_an_outage_are_counted_when_redis_returns(
+    own_redis: RedisProcess,
+) -> None:
+    """A fleet lease grown before Redis restarts empty, and a local permit shrunk while it was
+    down, are adopted with the tokens they hold now (their ids say them), so a newcomer that
+    would overrun the budget parks."""
+    async with Fleet(
+        own_redis.url, prefix="fg", registry=CollectorRegistry(), heartbeat_interval=0.2
+    ) as fleet:
+        gate = fleet.gate("kv", floor=4, token_limit=100)
+        grown = await gate.acquire(tokens=30)
+        assert await grown.resize(60) == 60
+        for _ in range(100):  # a trusted heartbeat counts this pod: the local share is known
+            if gate.last_live_pods == 1:
+                break
+            await asyncio.sleep(0.05)
+        own_redis.kill()
+        local = await gate.acquire(deadline=5, tokens=40)
+        assert local.local and await local.resize(30) == 30 and local.id.endswith("t30")
+        own_redis.start()  # empty: the grown lease is gone from Redis
+        for _ in range(100):
+            if not fleet.fallback_active:
+                break
+            await asyncio.sleep(0.05)
+        assert not fleet.fallback_active
+        assert (await gate.snapshot()).tokens == 90
+        newcomer = asyncio.create_task(gate.acquire(deadline=5, tokens=20))
+        await asyncio.sleep(0.3)
+        assert not newcomer.done()  # 90 + 20 > 100
+        await local.release()
+        lease = await asyncio.wait_for(newcomer, 2)
+        for held in (lease, grown):
+            await held.release()
