@@ -12,7 +12,8 @@
 --       then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
 --       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>',
---       '<pod>:<n>w<W>' for weight W, then 't<T>' for T tokens: lib_order.lua), wait_ms (time the caller is willing to park, > 0),
+--       '<pod>:<n>w<W>' for weight W, then 't<T>' for T tokens: lib_order.lua), wait_ms (time
+--       the caller is willing to park, > 0),
 --       class ('' = priority 0 of the default tenant, else '<R>}<tenant>' with R = 100 - priority
 --       as three digits)
 -- Returns {limit, lease_ms, waiter_ms, released, fence_ms, then per request: status, token, n,
@@ -31,8 +32,9 @@
 --   lease_ms, waiter_ms: the TTLs in force, so the caller paces its first renewal by them.
 --   expires_at: server time (ms) at which the granted lease (or the parked entry) expires.
 -- A call is granted at once only if nobody eligible waits in its band or above and its own
--- lane is empty (no passing), and its weight fits the limit and its tokens the token budget. A full wait list evicts the newest waiter of
--- the lowest band below the arrival's (from that band's most-served tenant; it gets Overloaded).
+-- lane is empty (no passing), and its weight fits the limit and its tokens the token budget. A
+-- full wait list evicts the newest waiter of the lowest band below the arrival's (from that
+-- band's most-served tenant; it gets Overloaded).
 -- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.

@@ -12,8 +12,8 @@
 -- accounts for it; a lease whose renewal time has passed is reported lost and never revived.
 -- Renew id's lease to r.expiry if it still holds an unexpired one; one that expired is removed,
 -- never revived, unless the pod knows it was renewed to a time still ahead (known > now): then
--- it is counted again (its weight and tokens too, before it is added) and listed in r.adopted. Returns
--- whether id holds a lease now.
+-- it is counted again (its weight and tokens too, before it is added) and listed in r.adopted.
+-- Returns whether id holds a lease now.
 local function renew_lease(id, known, now, r)
   local expiry = tonumber(redis.call('ZSCORE', K_HOLDERS, id))
   if expiry == nil or expiry <= now then

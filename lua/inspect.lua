@@ -35,7 +35,8 @@ local function lane_info(lane, tag)
   local lo, hi = lane_range(lane)
   local r = lane_band(lane)
   local t = lane_tenant(lane)
-  local info = {priority = 100 - tonumber(r), tenant = t, queued = redis.call('ZLEXCOUNT', K_LANES, lo, hi)}
+  local info = {priority = 100 - tonumber(r), tenant = t,
+    queued = redis.call('ZLEXCOUNT', K_LANES, lo, hi)}
   if tag then info.tag = string.format('%.0f', tag) else info.oversize = true end
   local rsv = adm_get('rsv:' .. r)
   if rsv and member_lane(rsv) == lane then info.reserved = member_id(rsv) end
@@ -58,7 +59,8 @@ if n > 0 then
     for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, n - #head)) do
       local id = member_id(m)
       head[#head + 1] = {id = id, token = string.match(m, '}0*(%d+)}[^}]*$'),
-        weight = weight_of(id), tokens = tokens_asked(id), priority = l.priority, tenant = l.tenant,
+        weight = weight_of(id), tokens = tokens_asked(id), priority = l.priority,
+        tenant = l.tenant,
         expires_at = tonumber(redis.call('ZSCORE', K_WAITERS, m))}
     end
   end

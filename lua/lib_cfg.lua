@@ -100,8 +100,9 @@ end
 
 -- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
 -- floor, ceiling, max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below,
--- token_limit, token_ceiling, tenant_weights), then DEFAULT; values below LOWEST are raised to it, and the ceiling to the
--- floor: half-written or garbled configuration never fails a call. Checks the schema first.
+-- token_limit, token_ceiling, tenant_weights), then DEFAULT; values below LOWEST are raised to
+-- it, and the ceiling to the floor: half-written or garbled configuration never fails a call.
+-- Checks the schema first.
 -- register: a gate with no configuration at all gets the caller's defaults stored (a client may
 -- register defaults only where none exist; the coordinator's publish overwrites them).
 local function load_cfg(d, register)

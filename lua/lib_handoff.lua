@@ -53,11 +53,12 @@ local function too_heavy(cfg, id)
 end
 
 -- Serve the turn's lane from heads[1 .. last] (alive: their waiter entries' expiry) into the
--- pass h (free units and tokens, grants, gone, extra, tokens, dropped, granted_units). Moves turn.f (the tag of the
--- lane's next head) and, shared with other lanes, the band's virtual time vt. Returns the index
--- of the first head not taken, how the turn ended ('open': the lane may be served again, 'big':
--- that head weighs more than the limit or asks more tokens than the budget, 'reserved': the free units wait for that head, 'full':
--- no free units or grants left for the pass; the last two end the pass), and vt.
+-- pass h (free units and tokens, grants, gone, extra, tokens, dropped, granted_units). Moves
+-- turn.f (the tag of the lane's next head) and, shared with other lanes, the band's virtual time
+-- vt. Returns the index of the first head not taken, how the turn ended ('open': the lane may be
+-- served again, 'big': that head weighs more than the limit or asks more tokens than the budget,
+-- 'reserved': the free units and tokens wait for that head, 'full': no free units or grants left
+-- for the pass; the last two end the pass), and vt.
 local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
   local t, bound = turn.t, turn.bound
   -- Alone in its band (no other eligible lane), a lane is served without moving the band's

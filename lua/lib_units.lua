@@ -17,8 +17,8 @@ end
 
 -- Tokens held (the token budget's count, lib_cfg.lua token_budget): adm 'tok', the sum of the
 -- tokens of the holders, each in its id (a resized lease gets a new id: resize.lua). tok: HGET
--- adm tok if the caller read it already; n: ZCARD holders if known. As extra: raised before a lease is added, lowered after it is removed, dropped once no
--- lease is left.
+-- adm tok if the caller read it already; n: ZCARD holders if known. As extra: raised before a
+-- lease is added, lowered after it is removed, dropped once no lease is left.
 local function tokens_held(tok, n)
   if tok == nil then tok = redis.call('HGET', K_ADM, 'tok') end
   tok = num(tok, 0)
