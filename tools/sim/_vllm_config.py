@@ -37,6 +37,13 @@ class VllmSimConfig:
     max_concurrent_requests: int | None = None
     #: the status of a request refused past ``max_waiting`` (503, or 429 as API gateways do)
     overload_status: int = 503
+    #: KV-cache tokens (vLLM's GPU blocks x block size; None: no KV limit, slots alone):
+    #: sequences are admitted while their blocks fit, and preempted when decoding runs out
+    kv_tokens: int | None = None
+    block_size: int = 16
+    #: decode time per output token in ms (None: the service time does not depend on the
+    #: output length)
+    ms_per_token: float | None = None
 
     @property
     def concurrency_limit(self) -> int | None:
@@ -68,3 +75,11 @@ class VllmSimConfig:
             raise ValueError("embedding_dim must be >= 1")
         if self.overload_status not in (429, 503):
             raise ValueError("overload_status must be 429 or 503")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.kv_tokens is not None and (
+            self.flavor != "vllm" or self.kv_tokens < self.block_size
+        ):
+            raise ValueError("kv_tokens is vLLM's (flavor vllm) and must be >= block_size")
+        if self.ms_per_token is not None and self.ms_per_token < 0:
+            raise ValueError("ms_per_token must be >= 0")

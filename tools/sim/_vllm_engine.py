@@ -18,6 +18,7 @@ from typing import Any
 
 from fleetgate.tools.sim._server import FifoLimiter, QueueFull
 from fleetgate.tools.sim._vllm_config import LOGNORMAL_SIGMA, VllmSimConfig
+from fleetgate.tools.sim._vllm_kv import KvScheduler
 from fleetgate.tools.sim._vllm_metrics import VllmMetrics
 from fleetgate.tools.sim.flavors import make_exposition
 
@@ -35,6 +36,15 @@ class VllmSim:
         """Build the engine state for ``config`` (no event loop needed yet)."""
         self.config = config
         self.limiter = FifoLimiter(config.capacity, config.max_waiting)
+        #: with ``kv_tokens``: the KV-limited scheduler that admits instead of ``limiter``
+        self.kv = (
+            None
+            if config.kv_tokens is None
+            else KvScheduler(
+                config.capacity, config.kv_tokens, config.block_size, config.max_waiting
+            )
+        )
+        self._preempted = 0  # preemptions already counted in the metrics
         self.metrics = (
             VllmMetrics(config)
             if config.flavor == "vllm"
@@ -47,9 +57,12 @@ class VllmSim:
         self.created = int(time.time())
         self._next_engine = 0
 
-    def service_seconds(self) -> float:
-        """Sample one service time, stretched by batch occupancy if configured."""
+    def service_seconds(self, gen_tokens: int = 0) -> float:
+        """Sample one service time (``ms_per_token`` x ``gen_tokens`` when configured),
+        stretched by batch occupancy if configured."""
         mean = self.config.service_ms / 1000.0
+        if self.config.ms_per_token is not None:
+            mean = self.config.ms_per_token * gen_tokens / 1000.0
         if mean <= 0:
             return 0.0
         if self.config.service_dist == "exp":
@@ -59,7 +72,8 @@ class VllmSim:
             base = self.rng.lognormvariate(mu, LOGNORMAL_SIGMA)
         else:
             base = mean
-        occupancy = self.limiter.running / max(self.limiter.capacity, 1)
+        lim = self.kv or self.limiter
+        occupancy = lim.running / max(lim.capacity, 1)
         return base * (1.0 + self.config.occupancy_slowdown * occupancy)
 
     async def execute(self, prompt_tokens: int, gen_tokens: int, reason: str) -> None:
@@ -68,8 +82,48 @@ class VllmSim:
         Raises :class:`QueueFull` when the waiting cap is exceeded (the caller answers 503) and
         :class:`Overloaded` when TGI/TEI's concurrency limit is reached (the caller answers 429).
         """
+        if self.kv is not None:
+            await self._execute_kv(self.kv, prompt_tokens, gen_tokens, reason)
+            return
         async with self._slot(prompt_tokens, gen_tokens, reason) as service_s:
             await asyncio.sleep(self.config.prefill_ms / 1000.0 + service_s)
+
+    async def _execute_kv(self, kv: KvScheduler, prompt: int, gen: int, reason: str) -> None:
+        """:meth:`execute` under the KV cache (``kv_tokens``): admitted while the prompt's
+        blocks fit, preempted (and run anew) when decoding runs out of blocks. A sequence
+        larger than the whole cache is refused (ValueError: the caller answers 400)."""
+        if not kv.fits_ever(prompt, gen):
+            raise ValueError(
+                f"{prompt + gen} tokens are more than the KV cache holds ({kv.total_blocks} "
+                f"blocks of {kv.block_size})"
+            )
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        try:
+            await kv.run(prompt, gen, self.service_seconds(gen))
+        except QueueFull:
+            self.rejected += 1
+            raise
+        except asyncio.CancelledError:
+            self.aborted += 1
+            self.metrics.aborted(0)
+            raise
+        finally:
+            self._count_preemptions(kv)
+        self.served += 1
+        self.metrics.finished(0, prompt, gen, reason, loop.time() - arrived, 0.0)
+
+    def _count_preemptions(self, kv: KvScheduler) -> None:
+        if isinstance(self.metrics, VllmMetrics) and kv.preemptions > self._preempted:
+            self.metrics.preempted(0, kv.preemptions - self._preempted)
+            self._preempted = kv.preemptions
+
+    def render_metrics(self) -> bytes:
+        """The flavour's metrics text, from the KV scheduler's counts when there is one."""
+        if self.kv is not None and isinstance(self.metrics, VllmMetrics):
+            self._count_preemptions(self.kv)
+            return self.metrics.render(self.kv, kv=self.kv)
+        return self.metrics.render(self.limiter)
 
     async def stream(
         self, prompt_tokens: int, gen_tokens: int, reason: str, pieces: int
@@ -82,6 +136,11 @@ class VllmSim:
         early (the caller gone) aborts the request and frees its slot.
         """
         loop = asyncio.get_running_loop()
+        if self.kv is not None:  # under the KV cache the pieces come when the sequence is done
+            await self._execute_kv(self.kv, prompt_tokens, gen_tokens, reason)
+            for i in range(pieces):
+                yield i
+            return
         async with self._slot(prompt_tokens, gen_tokens, reason) as service_s:
             first = loop.time() + self.config.prefill_ms / 1000.0
             interval = service_s / max(gen_tokens - 1, 1)
@@ -111,7 +170,7 @@ class VllmSim:
         try:
             await self.limiter.acquire()
             admitted = loop.time()
-            yield self.service_seconds()
+            yield self.service_seconds(gen_tokens)
         except QueueFull:
             self.rejected += 1
             raise
@@ -129,9 +188,19 @@ class VllmSim:
         )
 
     def stats(self) -> dict[str, Any]:
-        """The ``/admin/stats`` body."""
-        lim = self.limiter
+        """The ``/admin/stats`` body (with ``kv_tokens``: the blocks and preemptions too)."""
+        lim = self.kv or self.limiter
+        kv: dict[str, int] = {}
+        if self.kv is not None:
+            kv = {
+                "kv_blocks": self.kv.total_blocks,
+                "kv_blocks_used": self.kv.used_blocks,
+                "kv_peak_blocks": self.kv.peak_blocks,
+                "block_size": self.kv.block_size,
+                "preemptions": self.kv.preemptions,
+            }
         return {
+            **kv,
             "model": self.config.model,
             "flavor": self.config.flavor,
             "capacity": lim.capacity,

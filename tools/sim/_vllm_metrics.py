@@ -3,14 +3,29 @@ with the scheduler gauges filled from the engine's limiter at scrape time."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from fleetgate.tools.sim._flavor_base import split
-from fleetgate.tools.sim._server import TEXT_PLAIN, FifoLimiter
+from fleetgate.tools.sim._server import TEXT_PLAIN
 from fleetgate.tools.sim._vllm_config import VllmSimConfig
+from fleetgate.tools.sim._vllm_kv import KvScheduler
+
+
+class Occupancy(Protocol):
+    """What the scheduler gauges are set from: a FifoLimiter, or the KV scheduler."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
 
 __all__ = ["VllmMetrics"]
 
@@ -112,6 +127,16 @@ class VllmMetrics:
             "Histogram of time spent in WAITING phase for request.",
             **hist,
         )
+        if config.kv_tokens is not None:
+            # vLLM states its cache as an info gauge (value 1) whose labels are the settings
+            info = Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                ["block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching"],
+                registry=reg,
+            )
+            blocks = config.kv_tokens // config.block_size
+            info.labels(str(config.block_size), "auto", str(blocks), "False").set(1)
         self._create_series(_LEGACY_FINISH_REASONS if legacy else _FINISH_REASONS)
 
     def _create_series(self, finish_reasons: tuple[str, ...]) -> None:
@@ -145,6 +170,10 @@ class VllmMetrics:
         self.e2e.labels(self.model, eng).observe(e2e_s)
         self.queue.labels(self.model, eng).observe(queue_s)
 
+    def preempted(self, engine: int, n: int) -> None:
+        """Record ``n`` preemptions on ``engine`` (the KV cache ran out while decoding)."""
+        self.preemptions.labels(self.model, self.engines[engine]).inc(n)
+
     def aborted(self, engine: int) -> None:
         """Record one request the client abandoned."""
         self.success.labels(self.model, self.engines[engine], "abort").inc()
@@ -155,8 +184,9 @@ class VllmMetrics:
     def arrived(self) -> None:
         """vLLM's gauges exist from the start."""
 
-    def render(self, limiter: FifoLimiter) -> bytes:
-        """Set the scheduler gauges from ``limiter`` and return the text exposition."""
+    def render(self, limiter: Occupancy, *, kv: KvScheduler | None = None) -> bytes:
+        """Set the scheduler gauges from ``limiter`` (the KV cache usage from ``kv`` when the
+        engine has one, else running / capacity) and return the text exposition."""
         k = len(self.engines)
         runs, waits = split(limiter.running, k), split(limiter.waiting, k)
         caps = split(limiter.capacity, k)
@@ -164,6 +194,8 @@ class VllmMetrics:
             self.running.labels(self.model, eng).set(runs[i])
             self.waiting.labels(self.model, eng).set(waits[i])
             usage = min(1.0, runs[i] / caps[i]) if caps[i] else (1.0 if runs[i] else 0.0)
+            if kv is not None:
+                usage = kv.usage
             self.kv.labels(self.model, eng).set(usage)
             if self.by_reason is not None:
                 self.by_reason.labels(self.model, eng, "capacity").set(waits[i])

@@ -132,6 +132,8 @@ def _endpoint(kind: str, sim: VllmSim) -> Callable[[Request], Awaitable[Response
             return error_response(503, f"server overloaded: {exc}", "ServiceUnavailableError")
         except Overloaded:
             return _overloaded(cfg.flavor)
+        except ValueError as exc:  # larger than the KV cache can ever hold
+            return error_response(400, str(exc), "BadRequestError")
 
     return handle
 
@@ -191,7 +193,7 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
             *common_routes(
                 sim.limiter,
                 sim.stats,
-                lambda: sim.metrics.render(sim.limiter),
+                sim.render_metrics,
                 metrics_path=cfg.metrics_path,
                 metrics_type=sim.metrics.content_type,
             ),
@@ -259,6 +261,31 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="time from admission to the first token, before the service time: a stream's "
         "time to first token beyond its queueing (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ms-per-token",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="decode time per output token: the service time is max_tokens x MS instead of "
+        "--service-ms (default: off)",
+    )
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's KV cache in tokens (GPU blocks x --block-size): a sequence is admitted "
+        "when a slot and its prompt's blocks are free, takes a block each --block-size output "
+        "tokens, and when none is free the newest running sequence is preempted (recomputed "
+        "from the start later); counted in vllm:num_preemptions_total, stated in "
+        "vllm:cache_config_info (default: off, slots alone)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per KV block with --kv-tokens (default: %(default)s)",
     )
     p.add_argument(
         "--service-dist",
