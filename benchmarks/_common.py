@@ -43,6 +43,7 @@ BENCHMARKS = (
     "proxy",
     "proxy_workers",
     "redis_memory",
+    "tokens",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]

@@ -101,3 +101,20 @@ def test_without_kv_tokens_the_engine_is_slots_alone() -> None:
         VllmSimConfig(kv_tokens=8, block_size=16)
     with pytest.raises(ValueError, match="kv_tokens"):
         VllmSimConfig(kv_tokens=1024, flavor="tgi")
+
+
+async def test_a_preempted_sequence_is_recomputed_from_what_it_had_made() -> None:
+    """vLLM's recompute: the preempted sequence keeps its generated tokens, pays a prefill of
+    its prompt and them when it runs again, and goes on from there."""
+    kv = KvScheduler(
+        capacity=8, kv_tokens=64, block_size=16, max_waiting=None, prefill_ms_per_token=2.0
+    )
+    t0 = time.monotonic()
+    runs = [asyncio.create_task(kv.run(prompt=15, gen=33, service_s=0.2)) for _ in range(2)]
+    await asyncio.wait_for(asyncio.gather(*runs), 5)
+    elapsed = time.monotonic() - t0
+    assert kv.preemptions >= 1
+    # prefill 30 ms + 200 ms of decode for the first; the second waits, then is recomputed
+    # (prefill of 15 + the tokens it had) and finishes the rest: well under two full runs
+    assert 0.25 <= elapsed < 0.75, elapsed
+    assert (kv.running, kv.waiting, kv.used_blocks) == (0, 0, 0)

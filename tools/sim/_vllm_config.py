@@ -44,6 +44,9 @@ class VllmSimConfig:
     #: decode time per output token in ms (None: the service time does not depend on the
     #: output length)
     ms_per_token: float | None = None
+    #: with ``kv_tokens``: prefill time per token a sequence holds when it is admitted (its
+    #: prompt; after a preemption its prompt and what it had generated: the recompute)
+    prefill_ms_per_token: float = 0.0
 
     @property
     def concurrency_limit(self) -> int | None:
@@ -81,5 +84,7 @@ class VllmSimConfig:
             self.flavor != "vllm" or self.kv_tokens < self.block_size
         ):
             raise ValueError("kv_tokens is vLLM's (flavor vllm) and must be >= block_size")
-        if self.ms_per_token is not None and self.ms_per_token < 0:
-            raise ValueError("ms_per_token must be >= 0")
+        if (self.ms_per_token is not None and self.ms_per_token < 0) or (
+            self.prefill_ms_per_token < 0
+        ):
+            raise ValueError("ms_per_token and prefill_ms_per_token must be >= 0")

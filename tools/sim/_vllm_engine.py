@@ -41,7 +41,11 @@ class VllmSim:
             None
             if config.kv_tokens is None
             else KvScheduler(
-                config.capacity, config.kv_tokens, config.block_size, config.max_waiting
+                config.capacity,
+                config.kv_tokens,
+                config.block_size,
+                config.max_waiting,
+                config.prefill_ms_per_token,
             )
         )
         self._preempted = 0  # preemptions already counted in the metrics

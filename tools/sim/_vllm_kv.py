@@ -4,10 +4,12 @@ vLLM admits a waiting sequence when a slot is free (``max_num_seqs``) and the KV
 prompt fit; a running sequence needs one more block each time its tokens cross a block
 boundary while it decodes. When no block is free, vLLM preempts the newest running sequence:
 its blocks are freed, it goes back to the front of the waiting queue, and when it runs again
-it is computed anew (recompute preemption; its progress is lost). That is what this models,
+its KV is computed anew from its prompt and the tokens it had generated (recompute
+preemption: a prefill of all of them), then it goes on decoding. That is what this models,
 FIFO and in whole blocks (``ceil(tokens / block_size)``).
 
-A sequence decodes its output tokens evenly over its service time. The scheduler has the
+A sequence's prefill takes ``prefill_ms_per_token`` per token it holds when admitted; then it
+decodes its output tokens evenly over its service time. The scheduler has the
 attributes of :class:`~fleetgate.tools.sim._server.FifoLimiter` that the engine's counters
 and metrics read (running, waiting, in flight, peaks), plus the blocks in use and the
 preemptions.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ class _Seq:
     prompt: int
     gen: int
     order: int = 0  # admission order (the newest running one is preempted first)
+    done: int = 0  # output tokens generated (kept through a preemption: recomputed)
     blocks: int = 0
     preempted: bool = False
     kicked: asyncio.Event = field(default_factory=asyncio.Event)
@@ -40,9 +44,15 @@ class KvScheduler:
     """Slots and KV blocks, FIFO admission, recompute preemption of the newest sequence."""
 
     def __init__(
-        self, capacity: int, kv_tokens: int, block_size: int, max_waiting: int | None
+        self,
+        capacity: int,
+        kv_tokens: int,
+        block_size: int,
+        max_waiting: int | None,
+        prefill_ms_per_token: float = 0.0,
     ) -> None:
         self.capacity = capacity
+        self.prefill_s_per_token = prefill_ms_per_token / 1000.0
         self.block_size = block_size
         self.total_blocks = kv_tokens // block_size
         self.free_blocks = self.total_blocks
@@ -113,8 +123,17 @@ class KvScheduler:
     async def _decode(self, seq: _Seq, service_s: float) -> bool:
         """Decode; False when preempted (it waits at the head of the queue again)."""
         loop = asyncio.get_running_loop()
-        start, per_token = loop.time(), service_s / max(seq.gen, 1)
-        done = 0
+        per_token = service_s / max(seq.gen, 1)
+        # the prefill: its prompt and, after a preemption, the tokens it had made
+        prefill = (seq.prompt + seq.done) * self.prefill_s_per_token
+        start = loop.time() + prefill - seq.done * per_token
+        done = seq.done
+        if prefill > 0:
+            seq.kicked.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(seq.kicked.wait(), prefill)
+            if seq.preempted:
+                return False
         while done < seq.gen:
             # the next token that needs a new block (or the last token)
             room = seq.blocks * self.block_size - seq.prompt
@@ -122,13 +141,11 @@ class KvScheduler:
             seq.kicked.clear()
             wait = start + nxt * per_token - loop.time()
             if wait > 0:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(seq.kicked.wait(), wait)
-                except TimeoutError:
-                    pass
             if seq.preempted:
                 return False
-            done = nxt
+            done = seq.done = nxt
             if seq.prompt + done > seq.blocks * self.block_size and not self._grow(seq):
                 return False
         return True
@@ -169,7 +186,7 @@ class KvScheduler:
         """Admit waiting sequences in order while a slot and their prompt's blocks are free."""
         while self._waiting and len(self._running) < self.capacity:
             head = self._waiting[0]
-            need = self.blocks_for(head.prompt + 1)
+            need = self.blocks_for(head.prompt + head.done + 1)
             if need > self.free_blocks:
                 break
             self._waiting.popleft()

@@ -282,6 +282,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "vllm:cache_config_info (default: off, slots alone)",
     )
     p.add_argument(
+        "--prefill-ms-per-token",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="with --kv-tokens: prefill time per token of a sequence when it is admitted, and "
+        "when a preempted one is recomputed (its prompt and what it had generated) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--block-size",
         type=int,
         default=16,
