@@ -66,7 +66,9 @@ class GateMachine(RuleBasedStateMachine):
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
 
     def defaults(self) -> list[object]:
-        return [FLOOR, CEILING, MAX_QUEUED, LONG_MS, LONG_MS, MAX_QUEUED_PER_TENANT, 0, "", "", "a}2"]
+        no_budget = ["", ""]  # token_limit, token_ceiling
+        settings = [FLOOR, CEILING, MAX_QUEUED, LONG_MS, LONG_MS, MAX_QUEUED_PER_TENANT, 0]
+        return [*settings, *no_budget, "a}2"]
 
     def step(self, *, handed_off: bool) -> None:
         """After a script: whether it handed off, and whether it granted anything."""

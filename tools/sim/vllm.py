@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_server_args(p, default_port=8000)
     _add_engine_args(p)
+    _add_kv_args(p)
     _add_server_kind_args(p)
     p.add_argument(
         "--seed", type=int, default=None, help="seed of the service time sampler (default: random)"
@@ -271,6 +272,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--service-ms (default: off)",
     )
     p.add_argument(
+        "--service-dist",
+        choices=["fixed", "exp", "lognormal"],
+        default="fixed",
+        help="service time distribution around the mean; lognormal uses sigma "
+        f"{LOGNORMAL_SIGMA} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--occupancy-slowdown",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="service time x (1 + F * running/capacity) at admission, as a fuller "
+        "batch runs slower (default: %(default)s)",
+    )
+
+
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    """The KV cache (vLLM's GPU blocks): off unless --kv-tokens is given."""
+    p.add_argument(
         "--kv-tokens",
         type=int,
         default=None,
@@ -295,21 +315,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="tokens per KV block with --kv-tokens (default: %(default)s)",
-    )
-    p.add_argument(
-        "--service-dist",
-        choices=["fixed", "exp", "lognormal"],
-        default="fixed",
-        help="service time distribution around the mean; lognormal uses sigma "
-        f"{LOGNORMAL_SIGMA} (default: %(default)s)",
-    )
-    p.add_argument(
-        "--occupancy-slowdown",
-        type=float,
-        default=0.0,
-        metavar="F",
-        help="service time x (1 + F * running/capacity) at admission, as a fuller "
-        "batch runs slower (default: %(default)s)",
     )
 
 
