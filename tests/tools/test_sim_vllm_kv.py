@@ -118,3 +118,19 @@ async def test_a_preempted_sequence_is_recomputed_from_what_it_had_made() -> Non
     # (prefill of 15 + the tokens it had) and finishes the rest: well under two full runs
     assert 0.25 <= elapsed < 0.75, elapsed
     assert (kv.running, kv.waiting, kv.used_blocks) == (0, 0, 0)
+
+
+async def test_a_prefill_stalls_the_whole_batch() -> None:
+    """A step that prefills decodes nothing: a sequence admitted while another decodes delays
+    the other by its prefill."""
+    kv = KvScheduler(
+        capacity=8, kv_tokens=4096, block_size=16, max_waiting=None, prefill_ms_per_token=1.0
+    )
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    first = asyncio.create_task(kv.run(prompt=10, gen=10, service_s=0.3))  # 10 ms prefill
+    await asyncio.sleep(0.1)
+    second = asyncio.create_task(kv.run(prompt=200, gen=1, service_s=0.0))  # 200 ms prefill
+    await first
+    assert loop.time() - t0 >= 0.5  # 0.01 + 0.3 of its own, + 0.2 of the other's prefill
+    await second

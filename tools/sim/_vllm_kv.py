@@ -8,7 +8,10 @@ its KV is computed anew from its prompt and the tokens it had generated (recompu
 preemption: a prefill of all of them), then it goes on decoding. That is what this models,
 FIFO and in whole blocks (``ceil(tokens / block_size)``).
 
-A sequence's prefill takes ``prefill_ms_per_token`` per token it holds when admitted; then it
+A sequence's prefill takes ``prefill_ms_per_token`` per token it holds when admitted, and the
+whole batch decodes nothing meanwhile (as a step that prefills without chunking): prefills
+queue behind each other and every running sequence's next token moves by as much, so a
+recompute after a preemption costs the server, not only the sequence. Then the sequence
 decodes its output tokens evenly over its service time. The scheduler has the
 attributes of :class:`~fleetgate.tools.sim._server.FifoLimiter` that the engine's counters
 and metrics read (running, waiting, in flight, peaks), plus the blocks in use and the
@@ -22,6 +25,7 @@ import collections
 import contextlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetgate.tools.sim._server import QueueFull
@@ -64,6 +68,8 @@ class KvScheduler:
         self.peak_running = 0
         self.peak_in_flight = 0
         self.peak_blocks = 0
+        self._stalled_until = 0.0  # loop time the prefills scheduled so far end
+        self._stalled_total = 0.0  # seconds of prefill so far: decoding is late by as much
 
     # -- what the engine's counters and metrics read --------------------------------------
 
@@ -121,34 +127,53 @@ class KvScheduler:
             await seq.kicked.wait()
 
     async def _decode(self, seq: _Seq, service_s: float) -> bool:
-        """Decode; False when preempted (it waits at the head of the queue again)."""
+        """Prefill, then decode; False when preempted (it waits at the head of the queue)."""
         loop = asyncio.get_running_loop()
         per_token = service_s / max(seq.gen, 1)
-        # the prefill: its prompt and, after a preemption, the tokens it had made
+        # the prefill: its prompt and, after a preemption, the tokens it had made; it stalls
+        # the whole batch (a step that prefills decodes nothing), after any prefill before it
         prefill = (seq.prompt + seq.done) * self.prefill_s_per_token
-        start = loop.time() + prefill - seq.done * per_token
-        done = seq.done
         if prefill > 0:
-            seq.kicked.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(seq.kicked.wait(), prefill)
-            if seq.preempted:
+            self._stall(loop.time(), prefill)
+            if not await self._sleep_until(seq, lambda: self._stalled_until):
                 return False
+        start, stalls = loop.time() - seq.done * per_token, self._stalled_total
+        done = seq.done
         while done < seq.gen:
             # the next token that needs a new block (or the last token)
             room = seq.blocks * self.block_size - seq.prompt
             nxt = min(seq.gen, room + 1) if room < seq.gen else seq.gen
-            seq.kicked.clear()
-            wait = start + nxt * per_token - loop.time()
-            if wait > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(seq.kicked.wait(), wait)
-            if seq.preempted:
+            # due after the decode steps, moved by every prefill since (the batch stalled)
+            def due(n: int = nxt) -> float:
+                return start + n * per_token + self._stalled_total - stalls
+
+            if not await self._sleep_until(seq, due):
                 return False
             done = seq.done = nxt
             if seq.prompt + done > seq.blocks * self.block_size and not self._grow(seq):
                 return False
         return True
+
+    async def _sleep_until(self, seq: _Seq, due: Callable[[], float]) -> bool:
+        """Sleep until ``due()`` (read again whenever ``seq`` is kicked: a stall moved it);
+        False when ``seq`` was preempted meanwhile."""
+        loop = asyncio.get_running_loop()
+        while not seq.preempted:
+            wait = due() - loop.time()
+            if wait <= 0:
+                return True
+            seq.kicked.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(seq.kicked.wait(), wait)
+        return False
+
+    def _stall(self, now: float, seconds: float) -> None:
+        """A prefill of ``seconds``: the batch decodes nothing meanwhile (after the prefills
+        already scheduled); every running sequence's next token moves by as much."""
+        self._stalled_until = max(now, self._stalled_until) + seconds
+        self._stalled_total += seconds
+        for other in self._running:
+            other.kicked.set()
 
     def _grow(self, seq: _Seq) -> bool:
         """One more block for ``seq``, preempting the newest running sequences while none is
