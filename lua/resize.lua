@@ -2,7 +2,8 @@
 -- ('...t<T>', lib_order.lua), so a resized lease gets a new id: the old one leaves the holders,
 -- the new one takes its expiry, and the old one is remembered in fg:{G}:evicted as '<old>=r'
 -- for 2 x lease_ms, so a heartbeat already on its way with the old id neither renews nor counts
--- it again (heartbeat_lib.lua renew_lease).
+-- it again (heartbeat_lib.lua renew_lease); a lease resized back to an id it had loses that
+-- id's tombstone.
 -- Shrinking frees the tokens at once: they go to the waiters in this call. Growing takes only
 -- tokens nobody waits for: it fits the token budget, no eligible waiter is parked (every free
 -- token is owed to the head of the wait list), and the gate is not behind its recovery fence;
@@ -25,6 +26,8 @@ if cfg.token_ceiling and want > cfg.token_ceiling then return {-2, id, cfg.token
 local new_id = string.gsub(id, 't%d+$', '')
 if want > 0 then new_id = new_id .. 't' .. string.format('%.0f', want) end
 local tombstone = {now + 2 * cfg.lease_ms, id .. '=r'}
+-- a lease resized back to a size it had holds an id that is tombstoned: it is live again
+redis.call('ZREM', K_EVICTED, new_id .. '=r')
 if want > have then
   local fits = cfg.fence <= now
     and (cfg.tlim == nil or tokens_held() + want - have <= cfg.tlim)

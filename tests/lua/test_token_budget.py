@@ -174,3 +174,18 @@ def test_a_gate_without_a_token_budget_counts_tokens_but_never_limits_by_them(
     assert g.acquire(("p:1", 10**9), ("p:2", 10**9)) == [GRANTED, GRANTED]
     assert g.acquire(("p:3", 1)) == [PARKED]  # the units limit still holds
     assert g.held()[2] == 2 * 10**9
+
+
+def test_a_lease_resized_back_to_an_earlier_size_is_adopted_again_when_lost(
+    r: redis.Redis,
+) -> None:
+    """Found by the token model: resized back, a lease has its old id again, whose tombstone
+    (kept so a heartbeat in flight with the old id does not count it twice) must not stop the
+    heartbeat from counting it again once Redis loses it."""
+    g = TokenGate(r, floor=4, token_limit=100)
+    assert g.acquire(("p:1", 0)) == [GRANTED]
+    assert g.resize("p:1", 10) == (1, "p:1t10", 10)
+    assert g.resize("p:1t10", 0) == (1, "p:1", 0)
+    r.zrem(g.keys.holders, "p:1")  # lost while the work runs
+    reply = g.heartbeat("p", [("p:1", 10**15)])
+    assert reply.adopted == ["p:1"] and "p:1" in g.held()[0]

@@ -1,0 +1,230 @@
+"""Property-based test of the token budget: random transitions against the real scripts, on a
+real redis-server, with the two budgets' rules checked after every step.
+
+The machine draws requests of several weights, priorities, tenants and token sizes (some above
+the token budget, some above the token ceiling), releases, cancels, resizes (shrinks and
+growths), heartbeats, expiries (a lease's or a waiter's entry set in the past), Redis losing a
+lease while its work runs (adopted again by the heartbeat), and publishes that lower or restore
+the ceilings. It keeps only what callers know (their leases, by the ids the replies name) and
+checks against Redis:
+
+  * tokens held (adm ``tok``) = the sum of the holders' tokens, units = their weights;
+  * units <= limit and tokens <= token budget whenever the step granted anything, and a resize
+    never grows a lease past the budget nor while anyone eligible waits;
+  * FIFO inside a lane: a waiter is never granted while an older waiter of its lane waits;
+  * nothing is granted above the token ceiling in force (a waiter above a lowered ceiling is
+    refused when it reaches the head of its lane, as one above a lowered weight ceiling);
+  * every non-empty lane is in exactly one of fair / big.
+
+The exact state machine of the units (``test_transitions_model.py``) mirrors the library; this
+one checks the rules the token budget adds, whatever the library chose.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from fleetgate.admission import lane_class, member_id, tokens_of, weight_of, weighted_id
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import SCRIPT_NAMES, script_source
+
+from ..conftest import RedisUnderTest
+
+LIMIT, TOKEN_LIMIT, TOKEN_CEILING = 4, 100, 150
+LONG_MS = 600_000
+TOKENS = (0, 10, 25, 40, 60, 100, 120, 160)  # 120: above the budget; 160: above the ceiling
+PODS = ("pa", "pb")
+EXAMPLES = int(os.environ.get("FLEETGATE_MODEL_EXAMPLES", "400"))
+
+
+class TokenGateMachine(RuleBasedStateMachine):
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.keys = GateKeys.of(f"k{uuid.uuid4().hex[:8]}", "model")
+        self.scripts = {n: self.r.register_script(script_source(n)) for n in SCRIPT_NAMES}
+        self.ids = itertools.count(1)
+        self.granted_now = False
+        self.token_ceiling = TOKEN_CEILING
+        self.members: dict[str, str] = {}  # parked id -> its waiter member
+
+    def call(self, name: str, *args: object) -> Any:
+        return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
+
+    def defaults(self) -> list[object]:
+        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, "a}2"]
+
+    # -- what Redis holds -----------------------------------------------------------------
+
+    def holders(self) -> list[str]:
+        return list(self.r.zrange(self.keys.holders, 0, -1))
+
+    def lanes(self) -> list[str]:
+        return list(self.r.zrange(self.keys.lanes, 0, -1))
+
+    def held(self) -> tuple[int, int]:
+        ids = self.holders()
+        return sum(weight_of(i) for i in ids), sum(tokens_of(i) for i in ids)
+
+    def step(self, before: set[str], waiting_before: list[str]) -> None:
+        """After a script: what it granted, checked against FIFO inside each lane."""
+        granted = set(self.holders()) - before
+        self.granted_now = bool(granted)
+        for lid in granted:  # a waiter above a lowered token ceiling is refused, never granted
+            assert tokens_of(lid) <= self.token_ceiling, f"{lid} granted above the token ceiling"
+        still = set(self.lanes())
+        for m in waiting_before:
+            if member_id(m) in granted:
+                lane = m.rsplit("}", 2)[0]
+                older = [w for w in waiting_before if w < m and w.startswith(lane + "}")]
+                assert not (set(older) & still), f"{m} granted before an older waiter of its lane"
+
+    # -- transitions ------------------------------------------------------------------------
+
+    @rule(
+        pod=st.sampled_from(PODS),
+        weight=st.sampled_from((1, 1, 2)),
+        priority=st.sampled_from((0, 0, 5)),
+        tenant=st.sampled_from((None, "a", "b")),
+        tokens=st.sampled_from(TOKENS),
+        n=st.integers(1, 3),
+    )
+    def acquire(self, pod: str, weight: int, priority: int, tenant: str | None, tokens: int,
+                n: int) -> None:
+        before, waiting = set(self.holders()), self.lanes()
+        args: list[object] = [*self.defaults(), 0, 0, 0]
+        ids = []
+        for _ in range(n):
+            lid = weighted_id(f"{pod}:{next(self.ids)}", weight, tokens)
+            ids.append(lid)
+            args += [lid, LONG_MS, lane_class(priority, tenant)]
+        reply = self.call("acquire", *args)
+        for k, lid in enumerate(ids):
+            status = int(reply[5 + 4 * k])
+            if tokens > self.token_ceiling:
+                assert status == 6, (lid, status)
+            if status == 2:
+                self.members[lid] = next(m for m in self.lanes() if m.endswith("}" + lid))
+        self.step(before, waiting)
+
+    @precondition(lambda self: self.r.zcard(self.keys.holders) > 0)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        before, waiting = set(self.holders()), self.lanes()
+        lid = data.draw(st.sampled_from(sorted(before)))
+        assert int(self.call("release", 0, lid)) == 1
+        self.step(before - {lid}, waiting)
+
+    @precondition(lambda self: self.r.zcard(self.keys.holders) > 0)
+    @rule(data=st.data(), tokens=st.sampled_from(TOKENS))
+    def resize(self, data: st.DataObject, tokens: int) -> None:
+        before, waiting = set(self.holders()), self.lanes()
+        lid = data.draw(st.sampled_from(sorted(before)))
+        units, held = self.held()
+        eligible = self.r.zcard(self.keys.fair) > 0
+        status, new_id, now_held = self.call("resize", lid, tokens)
+        grow = tokens > tokens_of(lid)
+        if tokens > self.token_ceiling:
+            assert int(status) == -2
+        elif grow and (eligible or held + tokens - tokens_of(lid) > TOKEN_LIMIT):
+            assert (int(status), new_id) == (0, lid)  # no growth into owed or missing tokens
+        else:
+            assert int(status) == 1 and tokens_of(new_id) == tokens == int(now_held)
+        after = set(self.holders())
+        renamed = after - before
+        self.step(before - {lid} | ({new_id} if new_id in after else set()), waiting)
+        assert len(renamed - {new_id}) == len(after - before - {new_id})
+
+    @precondition(lambda self: bool(self.members))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        before, waiting = set(self.holders()), self.lanes()
+        lid = data.draw(st.sampled_from(sorted(self.members)))
+        self.call("cancel", lid, self.members.pop(lid))
+        self.step(before - {lid}, waiting)
+
+    @precondition(lambda self: self.r.zcard(self.keys.holders) > 0)
+    @rule(data=st.data(), lost=st.booleans())
+    def expire_or_lose_a_lease(self, data: st.DataObject, lost: bool) -> None:
+        """A lease lapses (its expiry set in the past: reaped with its tokens), or Redis loses
+        it while its work runs (the heartbeat adopts it again, counting its tokens)."""
+        lid = data.draw(st.sampled_from(sorted(self.holders())))
+        if lost:
+            self.r.zrem(self.keys.holders, lid)
+            tok = tokens_of(lid)
+            if tok:
+                self.r.hincrby(self.keys.adm, "tok", -tok)
+            if weight_of(lid) > 1:
+                self.r.hincrby(self.keys.adm, "extra", 1 - weight_of(lid))
+            pod = lid.rpartition(":")[0]
+            before, waiting = set(self.holders()), self.lanes()
+            self.call("heartbeat", pod, 10_000, 1, lid, 10**15, 0, 0, 0, *self.defaults())
+            assert lid in self.holders()
+            self.step(before | {lid}, waiting)
+        else:
+            self.r.zadd(self.keys.holders, {lid: 1})
+            before, waiting = set(self.holders()) - {lid}, self.lanes()
+            self.call("heartbeat", "", 1000, 0, 0)
+            self.step(before, waiting)
+
+    @rule(ceiling=st.sampled_from((TOKEN_CEILING, TOKEN_CEILING, TOKEN_LIMIT)))
+    def publish_token_ceiling(self, ceiling: int) -> None:
+        """The coordinator's config lowers or restores the token ceiling (the budget stays)."""
+        before, waiting = set(self.holders()), self.lanes()
+        cfg = {"token_limit": TOKEN_LIMIT, "token_ceiling": ceiling}
+        flat = [x for kv in cfg.items() for x in kv]
+        assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
+        self.token_ceiling = ceiling
+        self.step(before, waiting)
+
+    # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def counters_match_the_holders(self) -> None:
+        ids = self.holders()
+        tok = int(self.r.hget(self.keys.adm, "tok") or 0)
+        extra = int(self.r.hget(self.keys.adm, "extra") or 0)
+        assert tok == sum(tokens_of(i) for i in ids), (tok, ids)
+        assert len(ids) + extra == sum(weight_of(i) for i in ids)
+
+    @invariant()
+    def both_caps_hold_after_a_grant(self) -> None:
+        if self.granted_now:
+            units, tokens = self.held()
+            assert units <= LIMIT and tokens <= TOKEN_LIMIT, (units, tokens, self.holders())
+
+    @invariant()
+    def every_lane_is_scheduled_once(self) -> None:
+        lanes = {m.rsplit("}", 2)[0] for m in self.lanes()}
+        fair = {f"{f.split('}')[2]}}}{f.split('}')[0]}" for f in self.r.zrange(self.keys.fair, 0, -1)}
+        big = set(self.r.zrange(self.keys.big, 0, -1))
+        assert lanes == fair | big and not (fair & big), (lanes, fair, big)
+        self.members = {k: v for k, v in self.members.items() if v in set(self.lanes())}
+
+    def teardown(self) -> None:
+        self.r.delete(*self.keys.all_keys()) if hasattr(self.keys, "all_keys") else None
+        self.r.close()
+
+
+@pytest.mark.timeout(600)
+def test_random_transitions_keep_both_budgets(rut: RedisUnderTest) -> None:
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(
+        lambda: TokenGateMachine(rut.url),
+        settings=settings(
+            max_examples=max(50, EXAMPLES // 2),
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
