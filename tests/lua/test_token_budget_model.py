@@ -98,8 +98,9 @@ class TokenGateMachine(RuleBasedStateMachine):
         tokens=st.sampled_from(TOKENS),
         n=st.integers(1, 3),
     )
-    def acquire(self, pod: str, weight: int, priority: int, tenant: str | None, tokens: int,
-                n: int) -> None:
+    def acquire(
+        self, pod: str, weight: int, priority: int, tenant: str | None, tokens: int, n: int
+    ) -> None:
         before, waiting = set(self.holders()), self.lanes()
         args: list[object] = [*self.defaults(), 0, 0, 0]
         ids = []
@@ -129,7 +130,7 @@ class TokenGateMachine(RuleBasedStateMachine):
     def resize(self, data: st.DataObject, tokens: int) -> None:
         before, waiting = set(self.holders()), self.lanes()
         lid = data.draw(st.sampled_from(sorted(before)))
-        units, held = self.held()
+        held = self.held()[1]
         eligible = self.r.zcard(self.keys.fair) > 0
         status, new_id, now_held = self.call("resize", lid, tokens)
         grow = tokens > tokens_of(lid)
@@ -140,9 +141,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         else:
             assert int(status) == 1 and tokens_of(new_id) == tokens == int(now_held)
         after = set(self.holders())
-        renamed = after - before
         self.step(before - {lid} | ({new_id} if new_id in after else set()), waiting)
-        assert len(renamed - {new_id}) == len(after - before - {new_id})
 
     @precondition(lambda self: bool(self.members))
     @rule(data=st.data())
@@ -205,14 +204,14 @@ class TokenGateMachine(RuleBasedStateMachine):
     @invariant()
     def every_lane_is_scheduled_once(self) -> None:
         lanes = {m.rsplit("}", 2)[0] for m in self.lanes()}
-        fair = {f"{f.split('}')[2]}}}{f.split('}')[0]}" for f in self.r.zrange(self.keys.fair, 0, -1)}
+        entries = self.r.zrange(self.keys.fair, 0, -1)
+        fair = {f"{f.split('}')[2]}}}{f.split('}')[0]}" for f in entries}
         big = set(self.r.zrange(self.keys.big, 0, -1))
         assert lanes == fair | big and not (fair & big), (lanes, fair, big)
         self.members = {k: v for k, v in self.members.items() if v in set(self.lanes())}
 
     def teardown(self) -> None:
-        self.r.delete(*self.keys.all_keys()) if hasattr(self.keys, "all_keys") else None
-        self.r.close()
+        self.r.close()  # the gate's keys stay under this example's own prefix
 
 
 @pytest.mark.timeout(600)
