@@ -266,6 +266,7 @@ class Gate(GateAcquirer):
         """Apply the reply to the heartbeat that carried ``sent``, sent at ``sent_at`` (loop
         time)."""
         self.last_limit = reply.limit
+        self.last_token_limit = reply.token_limit
         self.note_ttls(reply.lease_ms, reply.waiter_ms)
         self._count_live_pods(reply, sent_at)
         self._renewed(reply, sent)
@@ -329,15 +330,16 @@ class Gate(GateAcquirer):
         self._end_parking(None)
 
     async def _acquire_local(self, ask: Ask = DEFAULT_ASK) -> Lease | None:
-        """``ask.weight`` units under the local bound, by ``ask.priority``; None if fleet mode
-        came back meanwhile. A weight above :meth:`fair_share` raises :class:`Overloaded` at
+        """``ask.weight`` units (and ``ask.tokens``) under the local bound, by
+        ``ask.priority``; None if fleet mode came back meanwhile. A weight above
+        :meth:`fair_share` (or tokens above :meth:`token_share`) raises :class:`Overloaded` at
         once.
 
         No new permit starts while Redis is back and running work is being adopted
         (``recovering``): it would be uncounted when another pod resumes fleet mode.
         """
         try:
-            if not await self._local.acquire(ask.weight, ask.priority):
+            if not await self._local.acquire(ask.weight, ask.priority, ask.tokens):
                 return None
         except Overloaded:
             self.series.of(ask).rejected.inc()
@@ -376,7 +378,7 @@ class Gate(GateAcquirer):
                 continue
             lease.local = False
             self.leases[lease.id] = lease
-            self._local.release(lease.weight)  # counted as a fleet lease from now on
+            self._local.release(lease.weight, lease.tokens)  # a fleet lease from now on
 
     def __repr__(self) -> str:
         return f"Gate({self.name!r}, limit≈{self.last_limit})"

@@ -99,6 +99,8 @@ class GateState:
         #: this gate's series of the client metrics
         self.series = GateMetrics(runtime.metrics, name, tenants=defaults.tenant_weights)
         self.last_limit = defaults.floor
+        # The token budget in force as last seen (None: none), from every heartbeat reply.
+        self.last_token_limit = defaults.token_limit
         # Live pods of this gate as last counted by a heartbeat this pod trusts (0: none yet,
         # the fair share is then 1): see _count_live_pods.
         self.last_live_pods = 0
@@ -117,10 +119,13 @@ class GateState:
         self.local_leases: dict[str, Lease] = {}
         # Listed in the fleet's gate registry (`fg:gates`, for `fleetgate status`).
         self.in_registry = False
-        # The local bound while Redis is unreachable: units by priority (see _local.py).
+        # The local bound while Redis is unreachable: units (and tokens) by priority (see
+        # _local.py).
         self._local = LocalPermits(
             self.fair_share,
             in_use=self._fleet_units,
+            token_budget=self.token_share,
+            tokens_in_use=self._fleet_tokens,
             allowed=lambda: not runtime.recovering,
             active=lambda: runtime.fallback_active,
             gate=name,
@@ -202,14 +207,30 @@ class GateState:
             return 1
         return max(1, math.ceil(self.last_limit / self.last_live_pods))
 
+    def token_share(self) -> int | None:
+        """Local bound in tokens while Redis is unreachable (None: the gate has no token
+        budget): ceil(last token budget / live pods), counted as :meth:`fair_share` counts
+        units (1 while the live pods are not counted yet)."""
+        if self.last_token_limit is None:
+            return None
+        if self.last_live_pods <= 0:
+            return 1
+        return max(1, math.ceil(self.last_token_limit / self.last_live_pods))
+
     def _fleet_units(self) -> int:
         """Units of the fleet leases this pod still holds (they count against the local bound)."""
         return sum(lease.weight for lease in self.leases.values())
 
+    def _fleet_tokens(self) -> int:
+        """Tokens of the fleet leases this pod still holds (likewise)."""
+        return sum(lease.tokens for lease in self.leases.values())
+
     def _resize_local(self, lease: Lease, tokens: int) -> int:
-        """A local permit's new tokens: its id says them, as a fleet lease's does, so the
-        adoption when Redis is back counts what it holds now."""
-        if self.local_leases.pop(lease.id, None) is not None:
+        """A local permit's new tokens, under the local bound (see LocalPermits.resize): its
+        id says them, as a fleet lease's does, so the adoption when Redis is back counts what
+        it holds now."""
+        if lease.id in self.local_leases and self._local.resize(lease.tokens, tokens):
+            del self.local_leases[lease.id]
             lease._resized(resized_id(lease.id, tokens), tokens)
             self.local_leases[lease.id] = lease
         return lease.tokens
@@ -217,7 +238,7 @@ class GateState:
     def _release_local(self, lease: Lease) -> None:
         if self.local_leases.pop(lease.id, None) is not None:
             lease.series().drop(lease.weight)
-            self._local.release(lease.weight)
+            self._local.release(lease.weight, lease.tokens)
 
     async def wake_local(self) -> None:
         """Let callers waiting for a local permit look again (the mode or the bound changed)."""

@@ -98,8 +98,8 @@ class Lease(Reporting):
         holds ``tokens``; otherwise nothing changes (no partial growth, no waiting) and the old
         amount is returned. More than the gate's ``token_ceiling`` is a :class:`ConfigError`;
         a released or lost lease raises :class:`LeaseLost`. A lease granted locally while Redis
-        was unreachable just records the new amount (the local bound counts units only; the
-        lease is counted with it when Redis is back); a resize that cannot reach Redis changes
+        was unreachable resizes under the pod's local share of the token budget by the same
+        rules (its new amount is counted when Redis is back); a resize that cannot reach Redis changes
         nothing and returns the tokens held.
         """
         validate_tokens(tokens)

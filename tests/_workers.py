@@ -222,13 +222,21 @@ def hammer_with(
     heartbeat_interval: float = 1.0,
     barrier: tuple[str, int] | None = None,
     after_probe: int = 0,
+    tokens: int = 0,
+    token_limit: int | None = None,
+    live_pods: int = 0,
+    go: str | None = None,
 ) -> int:
     """``hammer`` with the knobs the fault tests need; returns the probe's highest reading.
 
     Each of ``tasks`` tasks takes ``loops`` permits in turn. The probe (INCR on entry, DECR on
-    exit) lives on ``probe_url``, which may be another server than the gate's (whose Redis may
-    be down). ``barrier`` = (key, n): start once n processes have arrived (INCR on probe_url);
-    ``after_probe``: start once the probe reads at least that (another process holds permits).
+    exit; by ``tokens`` when the permits ask tokens, so it reads tokens in use) lives on
+    ``probe_url``, which may be another server than the gate's (whose Redis may be down).
+    ``live_pods``: first wait until the gate's trusted count of live pods reaches it.
+    ``barrier`` = (key, n): start once n processes have arrived (INCR on probe_url); ``go``:
+    then wait until that key exists on probe_url (the test does something first, say kill
+    Redis); ``after_probe``: start once the probe reads at least that (another process holds
+    permits).
     """
 
     async def main() -> int:
@@ -241,22 +249,26 @@ def hammer_with(
             heartbeat_interval=heartbeat_interval,
             registry=CollectorRegistry(),
         ) as fleet:
-            g = fleet.gate(gate, floor=floor)
+            g = fleet.gate(gate, floor=floor, token_limit=token_limit)
+            while g.last_live_pods < live_pods:
+                await asyncio.sleep(0.01)
             if barrier is not None:
                 await probe_client.incr(barrier[0])
                 while int(await probe_client.get(barrier[0]) or 0) < barrier[1]:
                     await asyncio.sleep(0.01)
+            while go is not None and not await probe_client.exists(go):
+                await asyncio.sleep(0.01)
             while int(await probe_client.get(probe) or 0) < after_probe:
                 await asyncio.sleep(0.01)
 
             async def one() -> None:
                 nonlocal peak
                 for _ in range(loops):
-                    async with g.permit(deadline=60):
-                        now = await probe_client.incr(probe)
+                    async with g.permit(deadline=60, tokens=tokens):
+                        now = await probe_client.incrby(probe, tokens or 1)
                         peak = max(peak, now)
                         await asyncio.sleep(hold_s)
-                        await probe_client.decr(probe)
+                        await probe_client.decrby(probe, tokens or 1)
 
             await asyncio.gather(*(one() for _ in range(tasks)))
         await probe_client.aclose()

@@ -332,6 +332,42 @@ async def test_random_weights_priorities_and_cancels_never_exceed_budget(seed: i
     assert permits.held == 0 and permits.waiting == 0 and running == 0
 
 
+async def test_tokens_bound_grants_and_resizes_with_no_passing() -> None:
+    permits = LocalPermits(Budget(8), token_budget=lambda: 100, tokens_in_use=lambda: 10)
+    with pytest.raises(Overloaded, match="101 tokens exceed the local fair-share bound of 100"):
+        await permits.acquire(1, tokens=101)
+    assert await permits.acquire(1, tokens=60)  # 10 in use outside + 60
+    log: list[str] = []
+    big = start_tokens(permits, 40, log, "big")  # 110 > 100: waits, units are free
+    small = start_tokens(permits, 5, log, "small")  # would fit, but may not pass the head
+    await settle()
+    assert log == [] and permits.waiting == 2
+    assert not permits.resize(60, 61)  # someone waits: no growth
+    assert permits.resize(60, 40)  # a shrink frees 20: the head fits now, then the next
+    await settle()
+    assert log == ["big", "small"] and permits.tokens == 85
+    assert not permits.resize(40, 46)  # 10 + 85 + 6 > 100
+    assert permits.resize(40, 45) and permits.tokens == 90
+    permits.release(1, 45)
+    permits.release(1, 40)
+    permits.release(1, 5)
+    assert (permits.held, permits.tokens) == (0, 0)
+    assert await big and await small
+
+
+def start_tokens(
+    permits: LocalPermits, tokens: int, log: list[str], name: str
+) -> asyncio.Task[bool]:
+    """A task that acquires ``tokens`` (1 unit, priority 0) and then logs ``name``."""
+
+    async def run() -> bool:
+        ok = await permits.acquire(1, 0, tokens)
+        log.append(name)
+        return ok
+
+    return asyncio.create_task(run(), name=name)
+
+
 async def test_random_cancel_right_after_grant() -> None:
     """Right after each release some waiters are granted but their tasks have not run yet;
     cancelling a random waiter then often hits such a grant: nothing may leak."""

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from fleetgate.client import ConfigError, Fleet, LeaseLost, SyncFleet
+from fleetgate.client import ConfigError, Fleet, LeaseLost, Overloaded, SyncFleet
 from fleetgate.keys import GateKeys
 from fleetgate.status import format_status, gather_status
 from fleetgate.tools.redisproc import RedisProcess
 
+from .. import _workers
 from ..conftest import RedisUnderTest
 from . import _token_workers
 from ._token_workers import FLOOR, TOKEN_LIMIT
@@ -165,4 +168,66 @@ async def test_tokens_of_work_resized_during_an_outage_are_counted_when_redis_re
         await local.release()
         lease = await asyncio.wait_for(newcomer, 2)
         for held in (lease, grown):
+            await held.release()
+
+
+def test_the_fallback_bounds_tokens_across_processes(
+    own_redis: RedisProcess, rut: RedisUnderTest
+) -> None:
+    """Redis dies under 2 pods of a gate of 8 units and 1,000 tokens: each pod serves under
+    ceil(1,000 / 2) tokens as it does under ceil(8 / 2) units, so calls of 300 tokens run one
+    per pod (600 in all), not four per pod (2,400: the units' share alone)."""
+    probe, ready, go = (f"{rut.prefix}:{k}" for k in ("probe", "ready", "go"))
+    kwargs = dict(
+        url=own_redis.url, prefix="fg", gate="kvout", probe_url=rut.url, probe=probe,
+        tasks=4, loops=3, hold_s=0.1, floor=8, heartbeat_interval=0.2, tokens=300,
+        token_limit=1000, live_pods=2, barrier=(ready, 2), go=go,
+    )  # fmt: skip
+    import redis
+
+    r = redis.Redis.from_url(rut.url)
+    with ProcessPoolExecutor(2, mp_context=ctx) as ex:
+        futs = [ex.submit(_workers.hammer_with, **kwargs) for _ in range(2)]
+        for _ in range(600):
+            if int(r.get(ready) or 0) == 2 or any(f.done() for f in futs):
+                break
+            time.sleep(0.05)
+        own_redis.kill()
+        r.set(go, 1)
+        peaks = [f.result(timeout=120) for f in futs]
+    r.close()
+    print(f"[fault] outage under a token budget: peak tokens {max(peaks)} (pods' {peaks})")
+    assert 300 <= max(peaks) <= 1000, peaks
+
+
+async def test_the_local_share_of_tokens_refuses_and_limits_growth(
+    own_redis: RedisProcess,
+) -> None:
+    """While Redis is unreachable a pod holds at most its share of the token budget: a call
+    asking more is Overloaded at once, a local lease grows only into the share's free tokens,
+    and a fleet lease still running counts against it."""
+    async with Fleet(
+        own_redis.url, prefix="fg", registry=CollectorRegistry(), heartbeat_interval=0.2
+    ) as fleet:
+        gate = fleet.gate("kv", floor=4, token_limit=100)
+        running = await gate.acquire(tokens=30)
+        for _ in range(100):
+            if gate.last_live_pods == 1:
+                break
+            await asyncio.sleep(0.05)
+        own_redis.kill()
+        with pytest.raises(Overloaded, match="tokens"):
+            await gate.acquire(deadline=5, tokens=101)
+        local = await gate.acquire(deadline=5, tokens=50)
+        assert local.local
+        assert await local.resize(80) == 50  # 30 + 80 > 100: nothing changes
+        assert await local.resize(70) == 70  # 30 + 70 fits
+        waiting = asyncio.create_task(gate.acquire(deadline=5, tokens=10))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # 30 + 70 + 10 > 100
+        await running.release()
+        second = await asyncio.wait_for(waiting, 2)
+        assert second.local
+        assert await local.resize(95) == 70  # free, but only 20 of the share
+        for held in (second, local):
             await held.release()
