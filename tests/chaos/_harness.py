@@ -43,6 +43,8 @@ from typing import Any
 import httpx
 import redis
 
+from fleetgate.admission import tokens_of
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -145,7 +147,8 @@ class Sim:
 
     Its own concurrency is effectively unlimited, so a call starts running the moment it
     arrives: what runs at the simulator is exactly what the fleet let through. Each call carries
-    the caller's lease id as its query text, so an over-limit instant can be attributed.
+    the caller's lease id as its query text, so an over-limit instant can be attributed, and
+    the tokens of the permits running calls here are counted from their ids (``tokens``).
     Service time: ``base_ms + per_passage_ms × passages``.
     """
 
@@ -166,10 +169,12 @@ class Sim:
         self.tags: Counter[str] = Counter()
         self.times: list[float] = []  # monotonic time of each change
         self.values: list[int] = []  # running after that change
+        self.tokens = 0  # tokens of the permits running calls (each permit once, by its id)
+        self.tvalues: list[int] = []  # tokens after each change
         self.calls = 0
         # Over a watermark: who ran (one tag per running call: a permit of weight w runs w).
         self.snapshots: list[tuple[float, int, list[str]]] = []
-        self.watermark = 1 << 30
+        self.watermark = self.token_watermark = 1 << 30
         self._cm: contextlib.AbstractContextManager[Any] | None = None
         self.url = ""
         self._wrap()
@@ -192,13 +197,18 @@ class Sim:
             if delta > 0:
                 self.calls += 1
                 self.tags[tag] += 1
+                if self.tags[tag] == 1:
+                    self.tokens += tokens_of(tag)
             else:
                 self.tags[tag] -= 1
                 if self.tags[tag] <= 0:
                     del self.tags[tag]
+                    self.tokens -= tokens_of(tag)
             self.times.append(time.monotonic())
             self.values.append(self.running)
-            if delta > 0 and self.running > self.watermark and len(self.snapshots) < 10_000:
+            self.tvalues.append(self.tokens)
+            over = self.running > self.watermark or self.tokens > self.token_watermark
+            if delta > 0 and over and len(self.snapshots) < 10_000:
                 self.snapshots.append((self.times[-1], self.running, list(self.tags.elements())))
 
     def __enter__(self) -> Sim:
@@ -215,9 +225,9 @@ class Sim:
 
     # -- reading the timeline ------------------------------------------------------------------
 
-    def _at(self, t: float) -> int:
+    def _at(self, t: float, values: list[int] | None = None) -> int:
         i = bisect.bisect_right(self.times, t) - 1
-        return self.values[i] if i >= 0 else 0
+        return (self.values if values is None else values)[i] if i >= 0 else 0
 
     def max_between(self, t0: float, t1: float | None = None) -> int:
         """Most calls running at once at any instant in [t0, t1]."""
@@ -227,12 +237,17 @@ class Sim:
             j = bisect.bisect_right(self.times, t1)
             return max([self._at(t0), *self.values[i:j]])
 
-    def series(self, t0: float, t1: float | None = None) -> list[tuple[float, int]]:
+    def series(
+        self, t0: float, t1: float | None = None, *, tokens: bool = False
+    ) -> list[tuple[float, int]]:
+        """(time, calls running) at every change in [t0, t1]; with ``tokens``, the tokens of
+        the permits running calls."""
+        values = self.tvalues if tokens else self.values
         with self._lock:
             t1 = time.monotonic() if t1 is None else t1
             i = bisect.bisect_left(self.times, t0)
             j = bisect.bisect_right(self.times, t1)
-            return [(t0, self._at(t0)), *zip(self.times[i:j], self.values[i:j], strict=True)]
+            return [(t0, self._at(t0, values)), *zip(self.times[i:j], values[i:j], strict=True)]
 
     def violations(
         self, bound: Callable[[float], float], t0: float, t1: float | None = None
@@ -370,14 +385,18 @@ class LimitSampler:
         i = bisect.bisect_right(times, t) - 1
         return self.samples[i].limit if i >= 0 else default
 
-    def held(self, pods: list[str], t0: float, t1: float) -> dict[str, int]:
-        """Per pod, the most units (the weights of its leases) it held in any sample in
-        [t0, t1] (what a pod held when a fault struck; a window rather than one sample, so a
-        grant made between the last sample and the fault is not missed)."""
+    def held(
+        self, pods: list[str], t0: float, t1: float, *, tokens: bool = False
+    ) -> dict[str, int]:
+        """Per pod, the most units (the weights of its leases; with ``tokens``, their tokens)
+        it held in any sample in [t0, t1] (what a pod held when a fault struck; a window rather
+        than one sample, so a grant made between the last sample and the fault is not
+        missed)."""
         out = dict.fromkeys(pods, 0)
         for smp in self.samples:
             if t0 <= smp.t <= t1:
-                held = list(zip(smp.ids, smp.weights, strict=True))
+                sizes = [tokens_of(i) for i in smp.ids] if tokens else smp.weights
+                held = list(zip(smp.ids, sizes, strict=True))
                 for pod in pods:
                     n = sum(w for i, w in held if owned_by(i, pod))
                     out[pod] = max(out[pod], n)

@@ -137,15 +137,19 @@ class Worker:
         spec, gate = self.spec, self.gate
         assert gate is not None
         rng = random.Random()
-        # Mixed admission (the soak's --mixed): each permit draws a weight, a band and a tenant,
-        # and runs ``weight`` calls at once, so the calls running at the simulator are the
-        # units in use.
+        # Mixed admission (the soak's --mixed): each permit draws a weight, a band, a tenant
+        # and tokens, and runs ``weight`` calls at once, so the calls running at the simulator
+        # are the units in use; its id (the calls' query text) says its tokens. Some resize
+        # their tokens before a call (the calls running at any instant carry one id).
         weights, priorities = spec.get("weights") or [1], spec.get("priorities") or [0]
-        tenants = spec.get("tenants") or [None]
+        tenants, sizes = spec.get("tenants") or [None], spec.get("tokens") or [0]
         while not self.stopping.is_set():
             t0 = time.monotonic()
             weight = rng.choice(weights)
-            ask = dict(weight=weight, priority=rng.choice(priorities), tenant=rng.choice(tenants))
+            ask = dict(
+                weight=weight, priority=rng.choice(priorities), tenant=rng.choice(tenants),
+                tokens=rng.choice(sizes),
+            )  # fmt: skip
             try:
                 try:
                     async with gate.permit(deadline=spec.get("deadline", 30.0), **ask) as lease:
@@ -157,6 +161,10 @@ class Worker:
                                 if lease.is_lost:
                                     self.stats["lost_stop"] += 1
                                     break
+                                if lease.tokens and rng.random() < spec.get("resizes", 0.0):
+                                    asked = rng.choice(sizes)
+                                    done = await lease.resize(asked) == asked
+                                    self.stats["resized" if done else "resize_kept"] += 1
                                 passages = spec.get("passages", 4)
                                 await asyncio.gather(
                                     *(self.call(http, lease, passages) for _ in range(weight))
@@ -259,6 +267,7 @@ class Worker:
                 max_queued=spec.get("max_queued", 100_000),
                 lease_ms=spec.get("lease_ms", 10_000),
                 waiter_ms=spec.get("waiter_ms", 5_000),
+                token_limit=spec.get("token_limit"),
             )
             watcher = asyncio.create_task(self.watch_fallback())
             limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)

@@ -24,11 +24,16 @@ Faults, one every ``--every`` seconds (uniform in [every/2, 3·every/2]), chosen
   connections, a gate it never used): the recovery fence must keep it from being granted the
   work the wipe forgot. After a FLUSHALL no pod sees an outage, so no allowance applies at all.
 
-With ``--mixed`` every permit draws a weight (1-3 units), a band (priority 0 or 10) and a tenant
-(one of three) and runs ``weight`` simulator calls at once, so what runs at the simulator is the
-units in use and the invariant below is the admission order's "units held <= limit" under the
-same faults. (In the fair-share fallback a permit heavier than its pod's share is refused at
-once, by design: with ``--redis-restarts`` those ``Overloaded`` are expected, not errors.)
+With ``--mixed`` every permit draws a weight (1-3 units), a band (priority 0 or 10), a tenant
+(one of three) and tokens (40, 100 or 200, under a token budget of ``token_limit``, 300) and
+runs ``weight`` simulator calls at once, so what runs at the simulator is the units in use and
+the invariant below is the admission order's "units held <= limit" under the same faults; 30 %
+of its calls are preceded by a resize of its tokens to another draw (grown only when it fits).
+The tokens running at the simulator (each permit's, from the lease id its calls carry, counted
+once) are checked the same way against the token budget, with the same allowances counted in
+tokens. (In the fair-share fallback a permit heavier than its pod's share, in units or tokens,
+is refused at once, by design: with ``--redis-restarts`` those ``Overloaded`` are expected, not
+errors.)
 
 The invariant: at every admission at the simulator, the calls running there are at most the
 published limit plus the documented allowance -- the permits held by workers frozen past their
@@ -60,6 +65,7 @@ from typing import Any
 
 import redis
 
+from fleetgate.admission import tokens_of
 from fleetgate.keys import GateKeys
 from fleetgate.tools.redisproc import RedisProcess
 
@@ -83,6 +89,7 @@ class SoakConfig:
     logdir: str = ""
     redis_restarts: bool = False
     mixed: bool = False
+    token_limit: int = 300  # the token budget of --mixed
     weights: dict[str, float] = field(
         default_factory=lambda: {
             "kill": 0.3,
@@ -95,13 +102,15 @@ class SoakConfig:
 
 @dataclass
 class Window:
-    """An allowance: ``extra`` permits may run over the limit in [start, end]."""
+    """An allowance: ``extra`` units (``textra`` tokens) may run over the limit (the token
+    budget) in [start, end]."""
 
     start: float
     end: float
     extra: int
     why: str
     pod: str
+    textra: int = 0
 
 
 def _coordinator_config(path: Path, url: str, prefix: str, gate: str, cfg: SoakConfig) -> None:
@@ -124,6 +133,7 @@ max_queued = 100000
 lease_ms = {cfg.lease_ms}
 waiter_ms = {cfg.waiter_ms}
 """
+        + (f"token_limit = {cfg.token_limit}\n" if cfg.mixed else "")
     )
 
 
@@ -163,6 +173,45 @@ class _Coordinators:
         self.procs.clear()
 
 
+def _running(tags: list[str], units: bool) -> int:
+    """What the calls ``tags`` (one per call, its lease id) hold: units (one per call: a permit
+    of weight w runs w calls), or tokens (each permit's once)."""
+    return len(tags) if units else sum(tokens_of(tag) for tag in set(tags))
+
+
+def _check(
+    series: list[tuple[float, int]],
+    snapshots: list[tuple[float, list[str]]],
+    windows: list[Window],
+    t_start: float,
+    cap: int,
+    *,
+    units: bool,
+) -> tuple[list[tuple[float, int, float]], int, list[tuple[float, int, list[str]]]]:
+    """Over-admissions of units (or tokens) at the simulator: the changes of ``series`` above
+    ``cap`` plus the allowances in force (violations), the instants above ``cap`` snapped
+    (``snapshots``: who ran then), and those of them not explained by the pods that had an
+    allowance then (unexplained). Times relative to ``t_start``."""
+
+    def bound(t: float) -> float:
+        active = [w for w in windows if w.start <= t <= w.end]
+        return cap + sum(w.extra if units else w.textra for w in active)
+
+    violations = [(t - t_start, n, bound(t)) for t, n in series if n > bound(t)]
+    over = [(t, tags) for t, tags in snapshots if _running(tags, units) > cap]
+    unexplained = []
+    for t, tags in over:
+        active = [w for w in windows if w.start <= t <= w.end]
+        if any(w.why == "redis" for w in active):
+            continue  # an outage's allowance is a count (checked above), not per pod
+        allowed_pods = {w.pod for w in active}
+        paused = [tag for tag in tags if any(owned_by(tag, p) for p in allowed_pods)]
+        n = _running(tags, units)
+        if n - cap > _running(paused, units):
+            unexplained.append((round(t - t_start, 3), n, sorted(tags)))
+    return violations, len(over), unexplained
+
+
 def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the soak for ``cfg.seconds``; return the summary (see :func:`main`)."""
     rng = random.Random(cfg.seed)
@@ -178,7 +227,10 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
     windows: list[Window] = []
     mixed: dict[str, Any] = {}
     if cfg.mixed:
-        mixed = dict(weights=[1, 2, 3], priorities=[0, 10], tenants=["a", "b", "c"])
+        mixed = dict(
+            weights=[1, 2, 3], priorities=[0, 10], tenants=["a", "b", "c"],
+            tokens=[40, 100, 200], resizes=0.3, token_limit=cfg.token_limit,
+        )  # fmt: skip
     with RedisProcess() as red, RedisProcess() as ctl_server, Sim(20, 1) as sim:
         control = Control(ctl_server.url)
         r = redis.Redis.from_url(red.url, decode_responses=True)
@@ -213,15 +265,25 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                 busy_at = cfg.limit - max(mixed.get("weights", [1])) + 1
                 poll(lambda: sim.running >= busy_at, 30, 0.01, "gate busy")
                 sim.watermark = cfg.limit
+                if cfg.mixed:
+                    sim.token_watermark = cfg.token_limit
                 t_start = time.monotonic()
                 t_stop = t_start + cfg.seconds
                 pending_resume: list[tuple[float, WorkerProc, Window | None]] = []
                 pending_spawn: list[float] = []
                 next_action = t_start + rng.uniform(cfg.every / 2, 1.5 * cfg.every)
 
-                def held_by(pod: str) -> int:
+                def held_by(pod: str, tokens: bool = False) -> int:
                     now = time.monotonic()
-                    return sampler.held([pod], now - 0.2, now)[pod]
+                    return sampler.held([pod], now - 0.2, now, tokens=tokens)[pod]
+
+                def thawed(win: Window, w: WorkerProc, now: float) -> None:
+                    # A waiter of the frozen worker may have been handed a slot during the
+                    # freeze: it is a frozen holder too.
+                    win.extra = max(win.extra, sampler.held([w.pod], win.start, now)[w.pod])
+                    held = sampler.held([w.pod], win.start, now, tokens=True)[w.pod]
+                    win.textra = max(win.textra, held)
+                    win.end = time.monotonic() + 2.0
 
                 def restart_redis(
                     now: float, answered: Callable[[], None] = lambda: None
@@ -230,11 +292,13 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                     to be back."""
                     pods = [w for w in live if w.alive() and not w.paused]
                     st = control.statuses([w.pod for w in pods])
-                    total = 0
+                    total = tokens = 0
                     for w in pods:
                         n = max(1, int(st[w.pod].get("live_pods", 1) or 1))
                         total += max(held_by(w.pod), -(-cfg.limit // n))
+                        tokens += max(held_by(w.pod, True), -(-cfg.token_limit // n))
                     win = Window(now, float("inf"), max(0, total - cfg.limit), "redis", "*")
+                    win.textra = max(0, tokens - cfg.token_limit) if cfg.mixed else 0
                     red.kill()
                     time.sleep(rng.uniform(1.0, 2.0))
                     red.start()
@@ -281,10 +345,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                         if w.alive():
                             w.resume()
                         if win is not None:
-                            # A waiter of the frozen worker may have been handed a slot during
-                            # the freeze: it is a frozen holder too.
-                            win.extra = max(win.extra, sampler.held([w.pod], win.start, now)[w.pod])
-                            win.end = time.monotonic() + 2.0
+                            thawed(win, w, now)
                     for t in [t for t in pending_spawn if t <= now]:
                         pending_spawn.remove(t)
                         live.append(spawn())
@@ -306,9 +367,9 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                             pending_resume.append((now + rng.uniform(0.2, 1.0), w, None))
                         elif kind == "pause_long":
                             w = rng.choice(candidates)
-                            extra = held_by(w.pod)
+                            extra, tokens = held_by(w.pod), held_by(w.pod, True)
                             w.pause()
-                            win = Window(now, float("inf"), extra, "pause_long", w.pod)
+                            win = Window(now, float("inf"), extra, "pause_long", w.pod, tokens)
                             windows.append(win)
                             pending_resume.append((now + ttl + rng.uniform(0.5, 1.5), w, win))
                         elif kind == "redis_restart":
@@ -329,9 +390,7 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                     if w.alive():
                         w.resume()
                     if win is not None:
-                        now = time.monotonic()
-                        win.extra = max(win.extra, sampler.held([w.pod], win.start, now)[w.pod])
-                        win.end = now + 2.0
+                        thawed(win, w, time.monotonic())
                 t_end = time.monotonic()
                 time.sleep(2.0)  # let the last allowances run out before the checker's end
                 t_checked = time.monotonic()
@@ -348,21 +407,16 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
             r.close()
             control.close()
 
-        def bound(t: float) -> float:
-            return cfg.limit + sum(w.extra for w in windows if w.start <= t <= w.end)
-
         series = sim.series(t_start, t_checked)
-        violations = [(t - t_start, n, bound(t)) for t, n in series if n > bound(t)]
-        over = [(t, n, tags) for t, n, tags in sim.snapshots if t_start <= t <= t_checked]
-        unexplained = []
-        for t, n, tags in over:
-            active = [w for w in windows if w.start <= t <= w.end]
-            if any(w.why == "redis" for w in active):
-                continue  # an outage's allowance is a count (checked above), not per pod
-            allowed_pods = {w.pod for w in active}
-            from_paused = sum(1 for tag in tags if any(owned_by(tag, p) for p in allowed_pods))
-            if n - cfg.limit > from_paused:
-                unexplained.append((round(t - t_start, 3), n, sorted(tags)))
+        snapshots = [(t, tags) for t, _, tags in sim.snapshots if t_start <= t <= t_checked]
+        violations, over, unexplained = _check(
+            series, snapshots, windows, t_start, cfg.limit, units=True
+        )
+        tseries = sim.series(t_start, t_checked, tokens=True)
+        tviolations, tover, tunexplained = _check(
+            tseries, snapshots, windows, t_start, cfg.token_limit if cfg.mixed else 1 << 62,
+            units=False,
+        )  # fmt: skip
         errors: Counter[str] = Counter()
         expected: Counter[str] = Counter()
         for s in statuses.values():
@@ -382,10 +436,18 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
             "admissions_checked": len(series),
             "max_running": max(n for _, n in series),
             "max_over_limit": max(n for _, n in series) - cfg.limit,
-            "over_limit_instants": len(over),
-            "over_limit_within_allowance": len(over) - len(unexplained),
+            "over_limit_instants": over,
+            "over_limit_within_allowance": over - len(unexplained),
             "violations": len(violations),
             "unexplained": unexplained[:5],
+            "token_limit": cfg.token_limit if cfg.mixed else None,
+            "max_tokens_running": max(n for _, n in tseries),
+            "over_budget_instants": tover,
+            "over_budget_within_allowance": tover - len(tunexplained),
+            "token_violations": len(tviolations),
+            "tokens_unexplained": tunexplained[:5],
+            "resizes": sum(int(st.get("resized", 0)) for st in statuses.values()),
+            "resizes_kept": sum(int(st.get("resize_kept", 0)) for st in statuses.values()),
             "caller_errors": dict(errors),
             "expected_refusals": dict(expected),
             "max_exit_s": round(max(exits.values(), default=0.0), 2),
@@ -398,6 +460,8 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
         }
         if violations:
             summary["first_violations"] = violations[:5]
+        if tviolations:
+            summary["first_token_violations"] = tviolations[:5]
         return summary
 
 
@@ -420,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--mixed",
         action="store_true",
-        help="weights 1-3, two priority bands and three tenants; the cap is checked in units",
+        help=(
+            "weights 1-3, two priority bands, three tenants, tokens and resizes under a token "
+            "budget; both caps are checked at the simulator"
+        ),
     )
     ns = p.parse_args(argv)
     seconds = ns.minutes * 60 if ns.minutes else (ns.seconds or 60.0)
@@ -430,11 +497,22 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     summary = run_soak(cfg)
     print(json.dumps(summary, indent=2))
-    ok = summary["violations"] == 0 and not summary["unexplained"] and not summary["caller_errors"]
+    ok = (
+        summary["violations"] == summary["token_violations"] == 0
+        and not summary["unexplained"]
+        and not summary["tokens_unexplained"]
+        and not summary["caller_errors"]
+    )
+    tokens = (
+        f", max tokens {summary['max_tokens_running']} (budget {summary['token_limit']}, "
+        f"{summary['token_violations']} over it beyond the bound, {summary['resizes']} resizes)"
+        if summary["token_limit"]
+        else ""
+    )
     print(f"soak {'PASSED' if ok else 'FAILED'}: {summary['violations']} over-admissions beyond "
           f"the documented bound in {summary['admissions_checked']} checked changes, "
           f"{sum(summary['actions'].values())} faults, max running {summary['max_running']} "
-          f"(limit {summary['limit']})")  # fmt: skip
+          f"(limit {summary['limit']}){tokens}")  # fmt: skip
     return 0 if ok else 1
 
 
