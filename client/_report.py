@@ -101,7 +101,7 @@ class Reporting:
         usage = None
         if tokens is not None:
             validate_tokens(tokens)
-            usage = (self.ask.tokens, tokens, self.ask.tenant)
+            usage = (self.ask.tokens, tokens, self.ask.lane)
         if latency is None:
             latency = time.monotonic() - self._granted_at
         elif (

@@ -13,6 +13,10 @@ callers see. Every release may carry its call's report (``lease.report(outcome, 
                                      those calls asked for and used, per tenant ('' the
                                      default one): how far the estimates miss (TokenUsage)
 
+and, not stored, ``vc:<lane class>`` = tokens used - tokens asked, summed: the settlement that
+moves the lane's virtual time in the fair order by what its calls really used
+(``lua/lib_lanes.lua``, ``settle_tags``).
+
 Every field is a monotonic counter. The coordinator reads the hash once per poll
 (:meth:`Reading.parse`) and works on the difference of two readings (:func:`delta`); a counter
 that went down (the key was deleted, Redis restarted or lost it) gives no difference that poll.
@@ -30,6 +34,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
+from fleetgate.admission import parse_lane_class
 from fleetgate.errors import ConfigError
 
 __all__ = [
@@ -99,36 +104,42 @@ def validate_outcome(outcome: object) -> str:
 def encode_report(
     outcome: str,
     latency_s: float | None,
-    tokens: tuple[int, int, str | None] | None = None,
+    tokens: tuple[int, int, str] | None = None,
 ) -> str:
     """One call's report as it travels with its release: ``"<outcome>:<latency µs>"`` (the
     latency only for ``ok``; empty when unknown), then, when the call said what it used,
-    ``";<tokens asked>;<tokens used>;<tenant>"`` (``tokens`` = (asked, used, tenant)).
-    ``outcome`` is validated by the caller."""
+    ``";<tokens asked>;<tokens used>;<lane class>"`` (``tokens`` = (asked, used, the lane
+    class of :func:`fleetgate.admission.lane_class`: its band and tenant)). ``outcome`` is
+    validated by the caller."""
     text = (
         f"{outcome}:"
         if outcome != "ok" or latency_s is None
         else (f"ok:{max(0, round(latency_s * 1e6))}")
     )
     if tokens is not None:
-        asked, used, tenant = tokens
-        text += f";{asked};{used};{tenant or ''}"
+        asked, used, cls = tokens
+        text += f";{asked};{used};{cls}"
     return text
 
 
 def tally(reports: Iterable[str]) -> list[str | int]:
     """The ``(field, increment)`` pairs, flattened, that add ``reports`` (:func:`encode_report`
-    strings; empty ones are skipped) to the obs hash. Empty when there is nothing to add."""
+    strings; empty ones are skipped) to the obs hash, with the settlements of the calls that
+    asked tokens. Empty when there is nothing to add."""
     counts: dict[str, int] = {}
     for report in reports:
         if not report:
             continue
         report, _, usage = report.partition(";")
         if usage:
-            asked, used, tenant = usage.split(";", 2)
+            asked, used, cls = usage.split(";", 2)
+            tenant = parse_lane_class(cls)[1] or ""
             for kind, n in (("tn", 1), ("ta", int(asked)), ("tu", int(used))):
                 field = f"{kind}:{tenant}"
                 counts[field] = counts.get(field, 0) + n
+            if int(asked) > 0:  # charged by its tokens at the grant: settled by what it used
+                field = f"vc:{cls}"
+                counts[field] = counts.get(field, 0) + int(used) - int(asked)
         outcome, _, micros = report.partition(":")
         counts[outcome] = counts.get(outcome, 0) + 1
         if micros:

@@ -56,6 +56,7 @@ if n_release > 0 then
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
 observe(ARGV, 14 + n_release, 13 + n_release + n_obs)
+settle_tags(ARGV, 14 + n_release, 13 + n_release + n_obs)
 
 local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],

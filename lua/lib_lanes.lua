@@ -61,6 +61,51 @@ local function lanes_touched(touched)
   end
 end
 
+-- A lane's tag fell to f by a settlement: a reservation of its band held by a lane with a
+-- larger tag goes (the next hand-off, in this call when there are free units, chooses by tags
+-- again and the head it chooses reserves); arrivals never take reserved units anyway, they park
+-- behind the band's waiters.
+local function unreserve_behind(lane, f)
+  local key = 'rsv:' .. lane_band(lane)
+  local rsv = adm_get(key)
+  local rlane = rsv and member_lane(rsv)
+  local rf = rlane and rlane ~= lane and num(adm_get('f:' .. rlane), nil)
+  if rf and f < rf then
+    ADM[key] = false
+    redis.call('HDEL', K_ADM, key)
+  end
+end
+
+-- Settlement (lease.report(tokens=used), fleetgate/observed.py): a grant charged its lane the
+-- tokens the call asked; its release brings what the call used, summed per class as the pair
+-- ('vc:<class>', used - asked) among args[i..j]. While the lane is in the fair order its tag
+-- moves by the difference at the tenant's weight -- later for a lane whose calls used more than
+-- they asked, sooner for one that asked too much -- never below its band's virtual time (no
+-- credit beyond what a lane joining now would get). A lane that left the fair order keeps
+-- nothing: it starts again from the band's time, as every idle lane does.
+local function settle_tags(args, i, j)
+  for k = i, j - 1, 2 do
+    local cls = string.match(args[k], '^vc:(.*)$')
+    local d = cls and num(args[k + 1], 0) or 0
+    if d ~= 0 and (cls == '' or string.match(cls, '^%d%d%d}[^}]*$')) then
+      local lane = class_lane(cls)
+      local f = num(adm_get('f:' .. lane), nil)
+      if f then
+        local c = cost(math.abs(d), lane_tenant(lane))
+        if d < 0 then c = -c end
+        local nf = math.max(num(adm_get('vt:' .. lane_band(lane)), 0), f + c)
+        redis.call('ZREM', K_FAIR, fair_member(lane, f))
+        redis.call('ZADD', K_FAIR, 0, fair_member(lane, nf))
+        -- written now, not at the script's end: an error later in the call (a script is not
+        -- rolled back) must not leave the fair order and the tag apart
+        ADM['f:' .. lane] = pad20(nf)
+        redis.call('HSET', K_ADM, 'f:' .. lane, ADM['f:' .. lane])
+        unreserve_behind(lane, nf)
+      end
+    end
+  end
+end
+
 -- Remove waiter members (from lanes and waiters) and repair their lanes.
 local function remove_waiters(members)
   if #members == 0 then return end

@@ -90,9 +90,12 @@ end
 -- The client-observed signal (fleetgate/observed.py): args[i..j] are (field, increment) pairs
 -- the client summed over the reports of the calls it releases in this script call (outcome
 -- counts, latency count and sum, latency buckets). Best effort: pcall, so a broken obs key
--- (wrong type, a value that is no integer) never fails the release it travels with.
+-- (wrong type, a value that is no integer) never fails the release it travels with. The
+-- settlement pairs ('vc:<class>', see settle_tags) are not counters: they are skipped here.
 local function observe(args, i, j)
   for k = i, j - 1, 2 do
-    redis.pcall('HINCRBY', K_OBS, args[k], args[k + 1])
+    if string.sub(args[k], 1, 3) ~= 'vc:' then
+      redis.pcall('HINCRBY', K_OBS, args[k], args[k + 1])
+    end
   end
 end

@@ -12,6 +12,7 @@
 -- same in every schema (a future one that counts leases differently renames the key).
 local m = tonumber(ARGV[1])
 observe(ARGV, 2, 1 + m)
+settle_tags(ARGV, 2, 1 + m)
 local released = remove_leases(ARGV, 2 + m, #ARGV)
 if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 if redis.call('ZCARD', K_WAITERS) > 0 then

@@ -111,6 +111,32 @@ async def test_token_reports_are_learnt_per_tenant_without_changing_what_is_held
     assert usage[""].reports == 1 and usage[""].estimate(1000) == 1000  # too few reports yet
 
 
+async def test_settled_tokens_move_a_tenants_turn_in_the_fair_order(fleet: Fleet) -> None:
+    """Two tenants of one band ask 100 tokens a call under a budget of 100 (one call at a
+    time); a's calls use 10, b's all 100. Charged what they asked, they would alternate; settled
+    by what they used (the report rides with the release), a gets about 10 turns to b's 1."""
+    gate = fleet.gate("vtc", floor=4, token_limit=100, max_queued=100)
+    blocker = await gate.acquire(tokens=100)
+    order: list[str] = []
+
+    async def call(tenant: str, used: int) -> None:
+        async with gate.permit(tokens=100, tenant=tenant, deadline=60) as lease:
+            order.append(tenant)
+            lease.report("ok", tokens=used)
+
+    tasks = []
+    for _ in range(20):
+        tasks += [asyncio.create_task(call("a", 10)), asyncio.create_task(call("b", 100))]
+    while (await gate.snapshot()).queued < 40:
+        await asyncio.sleep(0.02)
+    await blocker.release()
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    print(f"[tokens] settled fair order, first 22 grants: {''.join(order[:22])}")
+    assert order[:22].count("a") >= 17, order
+    snap = await gate.snapshot()
+    assert (snap.holders, snap.queued, snap.tokens) == (0, 0, 0)
+
+
 def test_the_blocking_twin_asks_and_resizes_tokens(rut: RedisUnderTest) -> None:
     with SyncFleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
         gate = fleet.gate("kv", floor=2, token_limit=50)

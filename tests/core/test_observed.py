@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from fleetgate.admission import lane_class
 from fleetgate.errors import ConfigError
 from fleetgate.observed import (
     BOUNDS,
@@ -86,23 +87,27 @@ def test_tally_sums_reports_into_hincrby_pairs() -> None:
 
 def test_token_reports_are_summed_per_tenant_and_read_back() -> None:
     reports = [
-        encode_report("ok", 0.1, (400, 100, "chat")),
-        encode_report("ok", None, (600, 300, "chat")),
-        encode_report("error", None, (50, 0, None)),
-        encode_report("ok", 0.1, (10, 10, "a;b")),  # a tenant name may hold the separator
+        encode_report("ok", 0.1, (400, 100, lane_class(0, "chat"))),
+        encode_report("ok", None, (600, 300, lane_class(10, "chat"))),
+        encode_report("error", None, (50, 0, lane_class(0, None))),
+        encode_report("ok", 0.1, (10, 10, lane_class(0, "a;b"))),  # a tenant may hold ';'
+        encode_report("ok", 0.1, (0, 30, lane_class(0, "free"))),  # asked none: not settled
     ]
     pairs = tally(reports)
     got = dict(zip(pairs[::2], pairs[1::2], strict=True))
     assert (got["tn:chat"], got["ta:chat"], got["tu:chat"]) == (2, 1000, 400)
     assert (got["tn:"], got["ta:"], got["tu:"]) == (1, 50, 0)
-    assert got["ta:a;b"] == 10 and got["ok"] == 3 and got["lat_n"] == 2
+    assert got["ta:a;b"] == 10 and got["ok"] == 4 and got["lat_n"] == 3
+    # settlements per lane class (band and tenant): used - asked of the calls that asked tokens
+    assert (got["vc:100}chat"], got["vc:090}chat"], got["vc:"]) == (-300, -300, -50)
+    assert got["vc:100}a;b"] == 0 and "vc:100}free" not in got
     usage = TokenUsage.parse({k: str(v) for k, v in got.items()} | {"tn:x": "garbage"})
     assert usage["chat"] == TokenUsage(reports=2, asked=1000, used=400)
     assert usage["chat"].ratio == 0.4 and usage["x"].reports == 0
     assert usage["chat"].estimate(1000, least_reports=2) == 400
     assert usage["chat"].estimate(1000) == 1000  # fewer than 20 reports: what is asked
     assert TokenUsage(reports=50, asked=100, used=900).estimate(100) == 100  # never above
-    assert Reading.parse({k: str(v) for k, v in got.items()}).ok == 3  # other fields ignored
+    assert Reading.parse({k: str(v) for k, v in got.items()}).ok == 4  # other fields ignored
 
 
 def test_validate_outcome() -> None:

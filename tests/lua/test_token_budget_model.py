@@ -14,7 +14,9 @@ checks against Redis:
   * FIFO inside a lane: a waiter is never granted while an older waiter of its lane waits;
   * nothing is granted above the token ceiling in force (a waiter above a lowered ceiling is
     refused when it reaches the head of its lane, as one above a lowered weight ceiling);
-  * every non-empty lane is in exactly one of fair / big.
+  * every non-empty lane is in exactly one of fair / big; each lane's tag in adm is its entry's
+    in the fair order, through settlements (releases that report the tokens a call used move
+    their lane's tag), and a band's reservation names a waiter of a lane in it.
 
 The exact state machine of the units (``test_transitions_model.py``) mirrors the library; this
 one checks the rules the token budget adds, whatever the library chose.
@@ -35,6 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fleetgate.admission import lane_class, member_id, tokens_of, weight_of, weighted_id
 from fleetgate.keys import GateKeys
+from fleetgate.observed import encode_report, tally
 from fleetgate.scripts import SCRIPT_NAMES, script_source
 
 from ..conftest import RedisUnderTest
@@ -56,6 +59,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         self.granted_now = False
         self.token_ceiling = TOKEN_CEILING
         self.members: dict[str, str] = {}  # parked id -> its waiter member
+        self.classes: dict[str, str] = {}  # lease id -> the lane class it asked in
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
@@ -108,6 +112,7 @@ class TokenGateMachine(RuleBasedStateMachine):
             lid = weighted_id(f"{pod}:{next(self.ids)}", weight, tokens)
             ids.append(lid)
             args += [lid, LONG_MS, lane_class(priority, tenant)]
+            self.classes[lid] = lane_class(priority, tenant)
         reply = self.call("acquire", *args)
         for k, lid in enumerate(ids):
             status = int(reply[5 + 4 * k])
@@ -118,11 +123,15 @@ class TokenGateMachine(RuleBasedStateMachine):
         self.step(before, waiting)
 
     @precondition(lambda self: self.r.zcard(self.keys.holders) > 0)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), used=st.sampled_from((None, 0, 5, 50, 400)))
+    def release(self, data: st.DataObject, used: int | None) -> None:
+        """A release, with a report of the tokens the call used (a settlement: its lane's
+        tag moves while the lane waits) or without."""
         before, waiting = set(self.holders()), self.lanes()
         lid = data.draw(st.sampled_from(sorted(before)))
-        assert int(self.call("release", 0, lid)) == 1
+        usage = None if used is None else (tokens_of(lid), used, self.classes.get(lid, ""))
+        pairs = tally([encode_report("ok", 0.01, usage)])
+        assert int(self.call("release", len(pairs), *pairs, lid)) == 1
         self.step(before - {lid}, waiting)
 
     @precondition(lambda self: self.r.zcard(self.keys.holders) > 0)
@@ -133,6 +142,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         held = self.held()[1]
         eligible = self.r.zcard(self.keys.fair) > 0
         status, new_id, now_held = self.call("resize", lid, tokens)
+        self.classes[new_id] = self.classes.get(lid, "")
         grow = tokens > tokens_of(lid)
         if tokens > self.token_ceiling:
             assert int(status) == -2
@@ -209,6 +219,19 @@ class TokenGateMachine(RuleBasedStateMachine):
         big = set(self.r.zrange(self.keys.big, 0, -1))
         assert lanes == fair | big and not (fair & big), (lanes, fair, big)
         self.members = {k: v for k, v in self.members.items() if v in set(self.lanes())}
+
+    @invariant()
+    def tags_and_reservations_match_the_fair_order(self) -> None:
+        """Each lane's tag in adm is its entry's in the fair order (settlements move both);
+        a band's reservation names a waiter of a lane in the fair order."""
+        adm = self.r.hgetall(self.keys.adm)
+        entries = self.r.zrange(self.keys.fair, 0, -1)
+        tags = {f"{e.split('}')[2]}}}{e.split('}')[0]}": e.split("}")[1] for e in entries}
+        assert {k[2:]: v for k, v in adm.items() if k.startswith("f:")} == tags, (adm, entries)
+        waiting = set(self.lanes())
+        for key, member in adm.items():
+            if key.startswith("rsv:"):
+                assert member in waiting and member.rsplit("}", 2)[0] in tags, (key, member)
 
     def teardown(self) -> None:
         self.r.close()  # the gate's keys stay under this example's own prefix
