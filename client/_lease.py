@@ -99,8 +99,8 @@ class Lease(Reporting):
         amount is returned. More than the gate's ``token_ceiling`` is a :class:`ConfigError`;
         a released or lost lease raises :class:`LeaseLost`. A lease granted locally while Redis
         was unreachable resizes under the pod's local share of the token budget by the same
-        rules (its new amount is counted when Redis is back); a resize that cannot reach Redis changes
-        nothing and returns the tokens held.
+        rules (its new amount is counted when Redis is back); a resize that cannot reach Redis
+        changes nothing and returns the tokens held.
         """
         validate_tokens(tokens)
         if self._released or self._is_lost:

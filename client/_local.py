@@ -180,7 +180,9 @@ class LocalPermits:
         """The error for a permit that could never be granted under the budgets now."""
         budget = self._budget()
         if weight > budget:
-            what = f"a weight of {weight} units exceeds the local fair-share bound of {budget} units"
+            what = (
+                f"a weight of {weight} units exceeds the local fair-share bound of {budget} units"
+            )
         else:
             tbudget = self._token_budget() if self._token_budget is not None else None
             if tbudget is None or tokens <= tbudget:
@@ -236,7 +238,8 @@ class LocalPermits:
         future = waiter.future
         if future.done() and not future.cancelled():
             if future.exception() is None and future.result():
-                self.release(waiter.weight, waiter.tokens)  # a grant raced the cancellation: give it back
+                # a grant raced the cancellation: give it back
+                self.release(waiter.weight, waiter.tokens)
             return
         if waiter.queued and not waiter.dead:
             waiter.dead = True
