@@ -1,4 +1,4 @@
-"""Today's AIMD controller, frozen as the ramp benchmark's baseline (issue 13 item 4).
+"""Today's AIMD controller, frozen as the ramp benchmark's baseline.
 
 A verbatim copy of ``coordinator/controller.py``'s rule as of commit ee27f4f (slow start x2 until
 the first saturation, +25 % probes after it, cut to the sustainable level), so

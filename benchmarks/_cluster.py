@@ -1,5 +1,5 @@
 """Where a benchmark runs: a private standalone redis-server or a private 3-master Redis Cluster
-(issue 25 item 4), both on free loopback ports, as one :class:`Target`.
+(to measure pod cost and hand-off on Cluster), both on free loopback ports, as one :class:`Target`.
 
 A benchmark takes a :class:`Target` and never asks which kind it has: the fleet connects to
 ``target.url`` (``?cluster=1`` on a Cluster), gate setup and sampling go to the node that owns

@@ -1,4 +1,4 @@
-"""fairness: weights, priority bands and tenants (issue 12 item 7), each figure beside plain FIFO.
+"""fairness: weights, priority bands and tenants, each figure beside plain FIFO.
 
 Five worker processes (spawned once, started at one instant) run a schedule of phases, one gate
 per phase, against a private redis-server; every scenario runs twice in the same run: once with

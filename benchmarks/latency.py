@@ -1,5 +1,5 @@
 """latency: the client-observed signal and its latency-gradient controller on a server without
-metrics (issue 13 item 3).
+metrics.
 
 A vLLM simulator without ``/metrics`` (``--no-metrics``): a FIFO of ``--capacity`` slots, so the
 latency grows with the queue beyond the capacity, and 429 once ``--max-waiting`` requests wait
@@ -14,7 +14,7 @@ the latency-gradient controller on the fleet's reports alone.
 2. **Adaptive**: the coordinator starts at the floor; ramp (15 polls) then steady state (30
    polls; quick: 10).
 
-Figures, against the issue's targets: polls until the target reaches 90 % of the capacity
+Figures, against their targets: polls until the target reaches 90 % of the capacity
 (<= 15); over the steady polls, the clients' p50 latency / the no-load latency (<= 1.3) and the
 overload responses / calls (<= 1 %). Also: goodput / the capacity's rate, the peak target.
 Service time 2 s lognormal (as ``ramp``: the Python clients stay far from their CPU limit).

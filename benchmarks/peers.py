@@ -75,7 +75,7 @@ PYPI_PACKAGE = ("redis-limiters", "0.7.0")
 SEMAPHORE_OPTIONS = {"lockTimeout": 10_000, "acquireTimeout": 600_000, "retryInterval": 10}
 LIMITERS_OPTIONS = {"max_sleep": 0, "expiry": 30}
 
-# Targets of issue 11 item 1, for fleetgate's figures in this run.
+# The hot path's targets, for fleetgate's figures in this run.
 CPU_TARGET_US, LUA_TARGET_US, CMDS_TARGET, P99_TARGET = 250.0, 40.0, 12.0, 1.2
 
 

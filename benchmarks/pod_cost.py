@@ -1,4 +1,4 @@
-"""pod_cost: what one pod costs Redis as its number of gates grows (issue 11 item 2).
+"""pod_cost: what one pod costs Redis as its number of gates grows.
 
 At 1 / 10 / 100 (/ 1,000 in full mode) gates of limit 1, against a private redis-server:
 
@@ -12,7 +12,7 @@ At 1 / 10 / 100 (/ 1,000 in full mode) gates of limit 1, against a private redis
   and does nothing else; "idle" = the leases released, the gates still known to the pod (no lease,
   no waiter).
 
-Targets (issue 11): connections at 100 gates <= the 1-gate count + 8; held <= 10 calls/s at 100
+Targets: connections at 100 gates <= the 1-gate count + 8; held <= 10 calls/s at 100
 gates; idle <= 2 calls/s at 100 gates; hand-off no worse than before (see README for the before
 figures, measured from main's code with the same file).
 """
@@ -320,7 +320,7 @@ def _headlines(rows: list[dict[str, Any]]) -> list[Headline]:
         top = by[max(g for g in by if g <= 100)]
         one = by.get(1, top)
         n = top["gates"]
-        # the targets are set at 100 gates: issue 11 (standalone), issue 25 (Cluster)
+        # the targets are set at 100 gates, on standalone and on Cluster
         targeted = n == 100
         cap = one["connections"] + 8 if mode == "standalone" else 30
         heads += [

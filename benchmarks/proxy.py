@@ -10,9 +10,9 @@ SIM --gate G``, access log on as deployed, to a file). Four parts:
 2. **requests/s per proxy process with the gate in the path**: 16 closed-loop callers for a fixed
    time, straight vs through one proxy (the gate's limit far above the load, so every request
    takes and returns a permit without waiting); the ratio, and the proxy's CPU per request;
-3. **the seed's burst through two proxies**: R requests (1000; ``--quick`` 200), each 10 rerank
-   calls at most 8 at once, all fired at one instant from two caller processes (one per proxy,
-   each with a pool of 256 connections as a Java service would have) at a reranker of
+3. **``burst``'s rerank burst through two proxies**: R requests (1000; ``--quick`` 200), each
+   10 rerank calls at most 8 at once, all fired at one instant from two caller processes (one per
+   proxy, each with a pool of 256 connections as a Java service would have) at a reranker of
    capacity 32 with a queue of 64 and a 5 s timeout (503/504 beyond: ``burst``'s server), the
    gate's limit 32. Failed calls must be 0; makespan vs the oracle = calls x 20 ms / 32. As in
    ``burst``, the same burst against a simulator that answers at once and never rejects gives

@@ -1,5 +1,5 @@
 """ramp: the adaptive gate against a vLLM simulator, from the floor to the capacity and back,
-today's controller and the frozen baseline side by side in one run (issue 13 item 4).
+today's controller and the frozen baseline side by side in one run.
 
 A vLLM simulator runs as its own process (``python -m fleetgate.tools.sim.vllm --service-ms 2000``);
 2 spawned worker processes x 200 closed-loop tasks do ``gate.permit()`` + ``POST
@@ -11,8 +11,8 @@ exactly, so 200 tests the overshoot honestly:
 1. **Static sweep** (no coordinator): floor = ceiling = L for L in 0.5, 0.75, 1, 1.25 x C
    (quick: 1, 1.25 x C); goodput = completed requests/s over a window after a warm-up. The best
    static L is the oracle.
-2. **Adaptive**, once with the baseline (:mod:`._aimd_baseline`, today's rule before issue 13)
-   and once with the current controller: floor 4, ceiling 512; once the fleet has drained to 4
+2. **Adaptive**, once with the baseline (:mod:`._aimd_baseline`, the rule as of commit ee27f4f) and
+   once with the current controller: floor 4, ceiling 512; once the fleet has drained to 4
    in flight, a coordinator (``fleetgate.coordinator.daemon.Coordinator``, an in-process task,
    poll interval 1 s, quick 0.5 s, no jitter; the baseline swapped in for
    ``controller.step``) starts. Ramp + steady state (10 + 30 polls; quick 10 + 10), then the
@@ -20,7 +20,7 @@ exactly, so 200 tests the overshoot honestly:
    the decision and the signals as scraped; a 10 Hz sampler records the limit clients see and
    the fleet in-flight.
 
-Figures, each against the issue's target: polls until the target reaches 90 % of C; peak fleet
+Figures, each against its target: polls until the target reaches 90 % of C; peak fleet
 in-flight / C during ramp + steady state (and the peak target / C); over the last 30 polls before
 the halving: the targets' coefficient of variation, the share of polls with capacity-waiting > 0
 and goodput / best static; polls until the target is at or below C/2 after the halving, and at
@@ -308,7 +308,7 @@ def figures(
     oracle: float,
     steady_polls: int,
 ) -> dict[str, Any]:
-    """The issue's figures of one adaptive run on capacity ``cap``."""
+    """The target figures of one adaptive run on capacity ``cap``."""
     targets = [p["target"] for p in polls]
     i_half, i_double = changes[1][0], changes[2][0]
     ramp_t = targets[:i_half]

@@ -19,7 +19,7 @@ over the pipelines (robust to the server being preempted by other processes). Gr
 µs at the largest n / µs at n=10 (target <= 1.5, i.e. O(log n)). At the largest n the heartbeat
 is timed too, carrying k of one pod's waiters (its cost is O(k log n)), and every round times
 ``inspect`` with n=0 per size, the read `fleetgate status` makes per gate (counts only, nothing
-listed: its growth must stay O(log n) as well, issue 9).
+listed: its growth must stay O(log n) as well).
 Server-side only: the parser/event-loop flavor does not change these figures.
 """
 

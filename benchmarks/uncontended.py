@@ -13,7 +13,7 @@ rounds so drift (CPU frequency, other load) hits them alike. Each adds one cost 
 * ``scripts only (real Lua)``: ``fleet.scripts.acquire`` + ``release`` (server-side Lua), two
   calls as a caller that awaited each would make them;
 * ``permit()``: ``async with gate.permit(): pass`` (the client logic: deadline, lease, metrics).
-  Since issue 11 a release leaves with the gate's next call, so sequential permits cost one
+  A release leaves with the gate's next call, so sequential permits cost one
   script call each (the release of one rides with the acquire of the next): ``permit()`` can be
   cheaper than "scripts only", and the gap between them no longer isolates the client logic.
 

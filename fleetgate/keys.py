@@ -103,7 +103,7 @@ _GROUPED = re.compile(r"\{([^{}]*)\}(.*)", re.DOTALL)
 def gate_group(name: str) -> str | None:
     """The group of a grouped gate name ``{group}rest``, or None for a plain name.
 
-    Opt-in naming rule (issue 25 item 2): every gate of one group shares the group's hash tag,
+    Opt-in naming rule: every gate of one group shares the group's hash tag,
     so on Redis Cluster they share one slot and a pod renews all of them in few
     ``heartbeat_many`` calls (and pops their wake lists together) -- at the price of one node
     serving every gate of the group (a hot slot: docs/pod-cost.md). A plain name is its own

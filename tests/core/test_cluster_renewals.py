@@ -1,7 +1,7 @@
-"""Redis Cluster renewals batched per node (issue 25 item 2): a round of heartbeats is one
-pipeline per node (calls as before, round trips one per node), and grouped gate names
-(``{group}name``) let a pod's gates share a slot, so they ride in few ``heartbeat_many`` calls.
-On a real 3-master cluster."""
+"""Redis Cluster renewals batched per node: a round of heartbeats is one pipeline per node
+(calls as before, round trips one per node), and grouped gate names (``{group}name``) let a
+pod's gates share a slot, so they ride in few ``heartbeat_many`` calls. On a real 3-master
+cluster."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ def test_non_string_gate_names() -> None:
 
 
 def test_grouped_names_share_their_group_slot() -> None:
-    """``{group}rest`` (issue 25 item 2): every key of every gate of a group in the group's
+    """``{group}rest`` (grouped gate names): every key of every gate of a group in the group's
     slot; plain names keep their own tag."""
     a, b = GateKeys.of("fg", "{pool}chat"), GateKeys.of("fg", "{pool}embed")
     assert a.base == "fg:{pool}chat" and a.holders == "fg:{pool}chat:holders"

@@ -37,7 +37,8 @@ POLL = 0.5
 #: tokens each call generates (ignore_eos: always this many, so every call costs the same):
 #: ~0.8 s a call at 4 busy slots here. With 16 (~0.2 s) the gate's fixed cost per call (a
 #: freed slot waits a Redis + HTTP round trip, and the client's CPU competes with the server's
-#: on 2 cores) is a larger share: adaptive 0.83 x no gate (docs/servers.md, issue 23 item 3)
+#: on 2 cores) is a larger share: adaptive 0.83 x no gate (docs/servers.md, "A real
+#: llama-server in the suite")
 N_PREDICT = 64
 COMPLETION = {"prompt": "fleet gate", "n_predict": N_PREDICT, "ignore_eos": True}
 #: a caller's total deadline per call, queue included (a call takes ~1 s; a stall fails fast)

@@ -1,9 +1,10 @@
 """Foreign load on a real llama-server: callers that bypass the gate saturate the server while
 the fleet holds nothing, then leave; the fleet's target must come back to the server's slots.
 
-Issue 23: the saturation the fleet did not cause (it holds nothing) may cut the target, but
-must not be stored as the server's capacity; after the foreign callers leave, a target that
-had learned "capacity 1" took 13-25 polls to get back to 0.8 N (a cold start takes 3).
+The rule under test: the saturation the fleet did not cause (it holds nothing) may cut the
+target, but must not be stored as the server's capacity; after the foreign callers leave, a
+target that had learned "capacity 1" took 13-25 polls to get back to 0.8 N (a cold start takes
+3).
 """
 
 from __future__ import annotations
@@ -92,5 +93,8 @@ async def _steady(record: PollRecord, timeout: float) -> None:
         if len(last) == 3 and all(0.8 * SLOTS <= (t or 0) <= 1.25 * SLOTS for t in last):
             return
         if time.monotonic() > end:
-            pytest.xfail(f"issue 23 item 2: never steady in [0.8 N, 1.25 N] first: {record}")
+            pytest.xfail(
+                f"known gap (a capacity learned from the overshoot's drain): never steady in"
+                f" [0.8 N, 1.25 N] first: {record}"
+            )
         await asyncio.sleep(0.05)

@@ -2,8 +2,8 @@
 real llama-server in one run (rounds interleaved A S G, G S A so that drift hits all alike).
 
 The same closed-loop callers (3 per slot) in each mode; a call generates N_PREDICT tokens. The
-bound asserted is loose (adaptive >= 0.9 x no gate: the machine is shared and noisy); issue 23's
-goal (>= 0.97 and >= the best static limit) is for the benchmark's medians, not for CI.
+bound asserted is loose (adaptive >= 0.9 x no gate: the machine is shared and noisy); the
+throughput goal (>= 0.97 and >= the best static limit) is for the benchmark's medians, not for CI.
 """
 
 from __future__ import annotations
