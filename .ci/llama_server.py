@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Build llama.cpp's llama-server and write a random-weight llama GGUF, both cached.
 
-CI and test plumbing for tests/real_server/ (issue 23), not product code.
+CI and test plumbing for tests/real_server/ (a real llama.cpp server under the coordinator and
+the client), not product code.
 
 * llama-server: built on CPU from the source the PyPI sdist of llama-cpp-python vendors under
   vendor/llama.cpp (pip download; cmake, Release, the llama-server target only, -j2), with
