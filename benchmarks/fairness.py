@@ -419,9 +419,9 @@ class TenantBench(Bench):
         self.n = 0
 
     def acq_args(self, wid: str, *more: str) -> list[Any]:  # type: ignore[override]
-        """acquire.lua's ARGV (10 default settings left to the stored config, no fence, no
+        """acquire.lua's ARGV (11 default settings left to the stored config, no fence, no
         releases, no reports)."""
-        args: list[Any] = ["", "", "", "", "", "", "", "", "", "", 0, 0, 0]
+        args: list[Any] = ["", "", "", "", "", "", "", "", "", "", "", 0, 0, 0]
         for i in (wid, *more):
             args += [i, HOUR_MS, self.cls()]
         return args

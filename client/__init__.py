@@ -14,6 +14,7 @@ from fleetgate.ask import Ask
 from fleetgate.errors import (
     ConfigError,
     DeadlineExceeded,
+    DeadlineUnreachable,
     FleetgateError,
     GateStateError,
     LeaseLost,
@@ -40,6 +41,7 @@ __all__ = [
     "Ask",
     "ConfigError",
     "DeadlineExceeded",
+    "DeadlineUnreachable",
     "Fleet",
     "FleetgateError",
     "FleetgateWarning",

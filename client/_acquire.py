@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import time
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from fleetgate._redis import error_text
 from fleetgate.ask import DEFAULT_ASK, Ask
-from fleetgate.errors import ConfigError, FleetgateError, Overloaded
+from fleetgate.errors import ConfigError, DeadlineUnreachable, FleetgateError, Overloaded
 from fleetgate.scripts import (
     GRANTED,
     MAX_BATCH,
@@ -31,6 +32,7 @@ from fleetgate.scripts import (
     RESIZED,
     SHED,
     TOO_HEAVY,
+    TOO_LATE,
     TOO_MANY_TOKENS,
     AcquireReply,
 )
@@ -110,7 +112,8 @@ class GateAcquirer(GateState):
             self.renewed_at = loop.time()
             rt.renew_by(self.renewed_at + self.renewal_period)
         try:
-            reply = await self._request(lease_id, waiter.remaining_ms(), ask)
+            wait_ms = waiter.remaining_ms()
+            reply = await self._request(lease_id, wait_ms, ask)
         except OUTAGE_ERRORS as exc:
             self.waiters.pop(lease_id, None)
             self._forget_later(lease_id)
@@ -136,12 +139,13 @@ class GateAcquirer(GateState):
             return self._granted(lease_id, reply.token, reply.expires_at, ask)
         if reply.status != PARKED:
             self.waiters.pop(lease_id, None)
-            raise self._refusal(reply, ask)
+            raise self._refusal(reply, ask, wait_ms)
         waiter.member = ask.member(reply.token, lease_id)
         return await self._park(waiter)
 
-    def _refusal(self, reply: AcquireReply, ask: Ask) -> FleetgateError:
-        """The error for an acquire the gate refused (counted in the metrics)."""
+    def _refusal(self, reply: AcquireReply, ask: Ask, wait_ms: int) -> FleetgateError:
+        """The error for an acquire the gate refused (counted in the metrics); ``wait_ms``:
+        what it said it could wait."""
         if reply.status == TOO_HEAVY:
             return ConfigError(
                 f"gate {self.name!r}: weight: {ask.weight} is above the gate's ceiling "
@@ -160,6 +164,14 @@ class GateAcquirer(GateState):
                 reason=f"tenant {ask.tenant!r} has max_queued_per_tenant={reply.max_queued} "
                 "calls waiting",
             )
+        if reply.status == TOO_LATE:
+            expected = reply.max_queued / 1000
+            deadline = wait_ms / 1000
+            self.series.deadline_unreachable.inc()
+            # Back by how much later the queue ahead is expected to have drained enough, spread
+            # (x1 to x1.5) so that callers refused together do not return together.
+            later = max(expected - deadline, 0.001) * random.uniform(1.0, 1.5)
+            return DeadlineUnreachable(self.name, expected, deadline, retry_after=later)
         if reply.status == SHED:
             return Overloaded(
                 self.name,

@@ -188,9 +188,7 @@ class LocalPermits:
             if tbudget is None or tokens <= tbudget:
                 return None
             what = f"{tokens} tokens exceed the local fair-share bound of {tbudget} tokens"
-        return Overloaded(
-            self.gate, 0, reason=f"{what} that applies while Redis is unreachable"
-        )
+        return Overloaded(self.gate, 0, reason=f"{what} that applies while Redis is unreachable")
 
     def _pop(self) -> _Waiter:
         waiter = heapq.heappop(self._heap)

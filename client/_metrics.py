@@ -56,6 +56,7 @@ class ClientMetrics:
     granted: Counter
     rejected: Counter
     deadline_exceeded: Counter
+    deadline_unreachable: Counter
     lease_lost: Counter
     fallback: Gauge
     retries: Counter
@@ -195,6 +196,10 @@ class GateMetrics:
         return self._metrics.deadline_exceeded.labels(self._gate)
 
     @cached_property
+    def deadline_unreachable(self) -> Counter:
+        return self._metrics.deadline_unreachable.labels(self._gate)
+
+    @cached_property
     def lease_lost(self) -> Counter:
         return self._metrics.lease_lost.labels(self._gate)
 
@@ -259,6 +264,13 @@ _SPECS: dict[str, tuple[type[Gauge | Counter | Histogram], str, tuple[str, ...],
         None,
     ),
     "deadline_exceeded": (Counter, "Total deadlines that fired", _G, None),
+    "deadline_unreachable": (
+        Counter,
+        "Acquires refused at once: by the gate's measured drain they would start after their "
+        "deadline (DeadlineUnreachable, also counted in rejected)",
+        _G,
+        None,
+    ),
     "lease_lost": (Counter, "Leases that could not be renewed", _G, None),
     "fallback": (
         Gauge,

@@ -2,6 +2,7 @@
 
     FleetgateError
      ├── Overloaded          the wait list is full; the work was never started (never retried)
+     │    └── DeadlineUnreachable  it would start after its deadline (refused at once)
      ├── DeadlineExceeded    the total deadline fired (also a TimeoutError)
      ├── LeaseLost           a held lease could not be renewed and expired in Redis
      ├── ConfigError         bad configuration or gate name (also a ValueError)
@@ -17,6 +18,7 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "DeadlineExceeded",
+    "DeadlineUnreachable",
     "FleetgateError",
     "GateStateError",
     "LeaseLost",
@@ -37,13 +39,48 @@ class Overloaded(FleetgateError):
     than the local fair-share bound while Redis is unreachable).
     """
 
-    def __init__(self, gate: str, max_queued: int, *, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        gate: str,
+        max_queued: int,
+        *,
+        reason: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         why = reason or f"its fleet-wide wait list is full (max_queued={max_queued})"
         super().__init__(f"gate {gate!r} is overloaded: {why}; the call was not started")
         self.gate = gate
         self.max_queued = max_queued
         #: what refused the call, when it was not the gate's full wait list
         self.reason = reason
+        #: seconds after which a call like this one is expected to be served in time (from the
+        #: gate's measured drain), None when unknown
+        self.retry_after = retry_after
+
+
+class DeadlineUnreachable(Overloaded):
+    """By the measured drain of its band the call would start after its deadline: refused at
+    once instead of waiting its deadline out (deadline-aware admission). Never retried, as every
+    ``Overloaded``.
+
+    ``expected_wait``: the wait the gate expected, ``deadline``: what the call could wait
+    (seconds); ``retry_after`` how much later a call would be expected to start in time.
+    """
+
+    def __init__(
+        self, gate: str, expected_wait: float, deadline: float, *, retry_after: float
+    ) -> None:
+        super().__init__(
+            gate,
+            0,
+            reason=(
+                f"the expected wait of {expected_wait:.3f} s is past the call's deadline of "
+                f"{deadline:.3f} s (by the gate's measured drain)"
+            ),
+            retry_after=retry_after,
+        )
+        self.expected_wait = expected_wait
+        self.deadline = deadline
 
 
 class DeadlineExceeded(FleetgateError, TimeoutError):

@@ -20,7 +20,7 @@ keys are outside any gate's slot and are written by separate commands.
     {prefix}:{G}:fair      zset    eligible lanes in service order '<R>}<F20>}<tenant>'
     {prefix}:{G}:big       zset    lane -> head weight, for heads heavier than the limit
     {prefix}:{G}:adm       hash    extra units, tokens held (tok), virtual times, lane tags,
-                                   reservations
+                                   reservations, each band's drain (dr:<R>)
     {prefix}:{G}:tw        hash    tenant -> weight
     {prefix}:{G}:evicted   zset    waiter id -> until (evicted by a higher band; '<id>=c'
                                    refused by a ceiling; '<id>=r' a lease id resized away)

@@ -1,6 +1,6 @@
 """A gate's settings -- floor, ceiling, max_queued, lease_ms, waiter_ms, the admission order's
-max_queued_per_tenant, shed_below, tenant_weights, and the token budget's token_limit and
-token_ceiling -- with their defaults and bounds, written once.
+max_queued_per_tenant, shed_below, tenant_weights, the token budget's token_limit and
+token_ceiling, and deadline_admission -- with their defaults and bounds, written once.
 
 :class:`GateSettings` is what the scripts are given (``argv()``),
 what a client registers for a gate that has no configuration yet, and what the coordinator's
@@ -37,6 +37,7 @@ __all__ = [
     "MAX_PERMITS",
     "MAX_QUEUED",
     "MAX_TTL_MS",
+    "TIME_FIELDS",
     "TOKEN_FIELDS",
     "Ceiling",
     "Floor",
@@ -52,6 +53,7 @@ __all__ = [
     "bounds",
     "check_admission",
     "check_ceiling",
+    "check_flag",
     "check_setting_names",
     "check_tokens",
     "settings_differing",
@@ -121,6 +123,10 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     token_limit: TokenLimit | None = None
     #: the most tokens one call may ask and a target may set the budget to (None: token_limit)
     token_ceiling: TokenCeiling | None = None
+    #: refuse at once a call whose expected start (from the gate's measured drain) is past its
+    #: deadline (:class:`~fleetgate.errors.DeadlineUnreachable`), instead of parking it; False:
+    #: every call that fits the queue bounds waits out its deadline
+    deadline_admission: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant_weights, TenantWeights):
@@ -129,10 +135,10 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
 
     def argv(self) -> list[int | str]:
-        """ARGV of the scripts that take a gate's settings, 10 values: floor, ceiling,
+        """ARGV of the scripts that take a gate's settings, 11 values: floor, ceiling,
         max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below, token_limit,
-        token_ceiling (each ``''`` when None), tenant_weights (encoded,
-        :func:`~fleetgate.admission.encode_tenant_weights`)."""
+        token_ceiling (each ``''`` when None), deadline_admission (1 or 0), tenant_weights
+        (encoded, :func:`~fleetgate.admission.encode_tenant_weights`)."""
         return [
             self.floor,
             self.ceiling,
@@ -143,6 +149,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.shed_below,
             _text(self.token_limit),
             _text(self.token_ceiling),
+            int(self.deadline_admission),
             self._tenant_weights.encoded,
         ]
 
@@ -151,13 +158,14 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``max_queued_per_tenant`` (``''`` when unset: publish.lua deletes the field, so a bound
         removed from the configuration is removed in Redis too), ``shed_below``,
         ``tenant_weights`` (encoded; the scripts keep it apart from ``cfg``), ``token_limit``
-        and ``token_ceiling`` (``''`` when unset, likewise)."""
+        and ``token_ceiling`` (``''`` when unset, likewise), ``deadline_admission`` (1 or 0)."""
         cfg: dict[str, int | str] = {name: getattr(self, name) for name in FIELDS}
         cfg["max_queued_per_tenant"] = _text(self.max_queued_per_tenant)
         cfg["shed_below"] = self.shed_below
         cfg["tenant_weights"] = self._tenant_weights.encoded
         cfg["token_limit"] = _text(self.token_limit)
         cfg["token_ceiling"] = _text(self.token_ceiling)
+        cfg["deadline_admission"] = int(self.deadline_admission)
         return cfg
 
     @property
@@ -176,7 +184,8 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problem = _field_problem(name, values.get(name))
             if problem:
                 raise ConfigError(f"gate {gate!r}: {name}: {problem}")
-        unknown = sorted(set(values) - set(FIELDS) - set(ADMISSION_FIELDS) - set(TOKEN_FIELDS))
+        known = {*FIELDS, *ADMISSION_FIELDS, *TOKEN_FIELDS, *TIME_FIELDS}
+        unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"gate {gate!r}: {unknown[0]}: unknown setting")
         try:
@@ -187,6 +196,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 values.get("tenant_weights", {}),
             )
             check_tokens(values.get("token_limit"), values.get("token_ceiling"))
+            check_flag("deadline_admission", values.get("deadline_admission", True))
         except ConfigError as exc:
             raise ConfigError(f"gate {gate!r}: {exc}") from None
         return cls(**values)
@@ -224,6 +234,7 @@ class GateSettingsKwargs(TypedDict, total=False):
     tenant_weights: Mapping[str, int] | None
     token_limit: int | None
     token_ceiling: int | None
+    deadline_admission: bool | None
 
 
 assert tuple(GateSettingsKwargs.__annotations__) == GateSettings.__struct_fields__
@@ -270,11 +281,14 @@ def check_setting_names(names: Iterable[str], caller: str) -> None:
 FIELDS: Final = GateSettings.__struct_fields__[:5]
 #: The admission order's settings (docs/admission.md), after :data:`FIELDS`.
 ADMISSION_FIELDS: Final = GateSettings.__struct_fields__[5:8]
-#: The token budget's settings (docs/admission.md "Token budgets"), last.
-TOKEN_FIELDS: Final = GateSettings.__struct_fields__[8:]
+#: The token budget's settings (docs/admission.md "Token budgets").
+TOKEN_FIELDS: Final = GateSettings.__struct_fields__[8:10]
+#: Admission that knows time (docs/admission.md "Deadline-aware admission"), last.
+TIME_FIELDS: Final = GateSettings.__struct_fields__[10:]
 assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
 assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
 assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
+assert TIME_FIELDS == ("deadline_admission",)
 
 
 def _text(value: int | None) -> int | str:
@@ -357,6 +371,12 @@ def check_admission(
         low, high = _BOUNDS["shed_below"]
         raise ConfigError(f"shed_below: expected int in [{low}, {high}], got {shed_below!r}")
     validate_tenant_weights(tenant_weights)
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise a :class:`ConfigError` naming ``name`` unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
 
 
 def check_tokens(token_limit: object, token_ceiling: object) -> None:

@@ -5,10 +5,11 @@
 -- releases and acquires again costs one call.
 -- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
---       7 shed_below  8 token_limit  9 token_ceiling  10 tenant weights ('name}w}...')
---       (defaults, registered only when the gate has no configuration yet), 11 fence_ms (the
+--       7 shed_below  8 token_limit  9 token_ceiling  10 deadline_admission (1/0)
+--       11 tenant weights ('name}w}...')
+--       (defaults, registered only when the gate has no configuration yet), 12 fence_ms (the
 --       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 for none),
---       12 n = leases to release, then n lease ids,
+--       13 n = leases to release, then n lease ids,
 --       then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
 --       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>',
@@ -25,7 +26,9 @@
 --   tenant's waiters reached max_queued_per_tenant (n = that bound), 4 = rejected because the
 --   priority is below shed_below and the call could not be granted at once (n = shed_below),
 --   5 = refused: the weight is above the ceiling and can never be granted (n = ceiling),
---   6 = refused: the tokens are above the token ceiling (n = token ceiling).
+--   6 = refused: the tokens are above the token ceiling (n = token ceiling),
+--   7 = refused: by the drain of its band it would start after its deadline (n = the expected
+--   wait in ms; deadline-aware admission, lib_drain.lua).
 --   token: granted = the fencing token (monotonic per gate in grant order); parked = the
 --   caller's seq, its place in its lane (waiter member '<tenant>}<R>}<seq20>}<id>'): its
 --   fencing token comes with the grant.
@@ -38,9 +41,9 @@
 -- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
-local n_release = tonumber(ARGV[12])
-local n_obs = tonumber(ARGV[13 + n_release])
-local first = 14 + n_release + n_obs  -- ARGV index of the first request
+local n_release = tonumber(ARGV[13])
+local n_obs = tonumber(ARGV[14 + n_release])
+local first = 15 + n_release + n_obs  -- ARGV index of the first request
 -- A class the client library would never send is refused before anything is written: it would
 -- make lane members that sort and parse wrongly.
 for i = first + 2, #ARGV, 3 do
@@ -52,16 +55,16 @@ for i = first + 2, #ARGV, 3 do
 end
 local released = 0
 if n_release > 0 then
-  released = remove_leases(ARGV, 13, 12 + n_release)
+  released = remove_leases(ARGV, 14, 13 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-observe(ARGV, 14 + n_release, 13 + n_release + n_obs)
-settle_tags(ARGV, 14 + n_release, 13 + n_release + n_obs)
+observe(ARGV, 15 + n_release, 14 + n_release + n_obs)
+settle_tags(ARGV, 15 + n_release, 14 + n_release + n_obs)
 
 local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
-  ARGV[9], ARGV[10]}, true)
-gate_birth(now, cfg, num(ARGV[11], 0))
+  ARGV[9], ARGV[10], ARGV[11]}, true)
+gate_birth(now, cfg, num(ARGV[12], 0))
 -- behind the recovery fence nothing is granted at once: every request parks (or is refused)
 local fenced = cfg.fence > now
 local lim = current_limit(now, cfg)
@@ -74,6 +77,7 @@ for i = first, #ARGV, 3 do
   if not asked[lane] then
     asked[lane] = true
     fields[#fields + 1] = 'f:' .. lane
+    if cfg.deadline_admission then fields[#fields + 1] = 'dr:' .. lane_band(lane) end
   end
 end
 local got = redis.call('HMGET', K_ADM, unpack(fields))
@@ -132,6 +136,24 @@ local function tenant_count(t)
   return n + (tenant_parked[t] or 0)
 end
 
+-- Deadline-aware admission (lib_drain.lua): whether the request at ARGV[i] (lane, band r), about
+-- to park, is expected to start after its deadline (its wait_ms; 24 h or more: none), by the
+-- drain of its band; the estimate is left in last_estimate. Never behind the recovery fence
+-- (its end, not the drain, says when grants start).
+local last_estimate = 0
+local function too_late(i, lane, r)
+  local wait_ms = tonumber(ARGV[i + 1])
+  if not cfg.deadline_admission or fenced or wait_ms >= NO_DEADLINE_MS then return false end
+  -- no command when even the whole wait list ahead would drain in time at its band's rate
+  local rate = drain_rate(now, r)
+  if rate == nil or (queued + 1) / rate <= wait_ms then return false end
+  local function count(l) return lane_count(l) + (parked_in[l] or 0) end
+  local est = expected_start(now, lane, r, lane_tenant(lane), count)
+  if est == nil or est <= wait_ms then return false end
+  last_estimate = est
+  return true
+end
+
 local wakes = new_wakes()
 local n_evicted = 0
 -- The newest waiter of the lowest band below band r leaves (Overloaded): the tail of that
@@ -159,7 +181,7 @@ end
 -- Decide each request in order (n: units held, waiters, or the bound that refused it).
 local status, n, lanes = {}, {}, {}
 local n_granted, n_parked, n_rejected, extra, granted_tokens = 0, 0, 0, 0, 0
-local rejected_by = {0, 0, 0, 0, 0, 0, 0}  -- by status + 1
+local rejected_by = {0, 0, 0, 0, 0, 0, 0, 0}  -- by status + 1
 for i = first, #ARGV, 3 do
   local id, cls = ARGV[i], ARGV[i + 2]
   local w, tk = weight_of(id), tokens_asked(id)
@@ -192,6 +214,8 @@ for i = first, #ARGV, 3 do
     elseif cfg.max_queued_per_tenant < cfg.max_queued
         and tenant_count(lane_tenant(lane)) >= cfg.max_queued_per_tenant then
       st, k = 3, cfg.max_queued_per_tenant
+    elseif too_late(i, lane, r) then
+      st, k = 7, last_estimate
     else
       if queued >= cfg.max_queued and not waiters_reaped then
         waiters_reaped = true
@@ -294,6 +318,7 @@ if rejected_by[5] > 0 then redis.call('HINCRBY', K_STATS, 'shed', rejected_by[5]
 if rejected_by[6] + rejected_by[7] > 0 then
   redis.call('HINCRBY', K_STATS, 'too_heavy', rejected_by[6] + rejected_by[7])
 end
+if rejected_by[8] > 0 then redis.call('HINCRBY', K_STATS, 'too_late', rejected_by[8]) end
 if n_evicted > 0 then
   send_wakes(wakes, cfg)
   redis.call('HINCRBY', K_STATS, 'evicted', n_evicted)

@@ -3,11 +3,12 @@
 -- ARGV: 1 how many head waiters and holders to list: 0 or less lists none (the counts are still
 --         exact), at most INSPECT_MAX, so one snapshot costs O(log n + listed), never O(queue)
 --       2.. optional defaults (GateSettings.argv(): floor, ceiling, max_queued, lease_ms,
---       waiter_ms, max_queued_per_tenant, shed_below, token_limit, token_ceiling) for a gate that
---       has no configuration yet: the snapshot shows what an acquire would register
+--       waiter_ms, max_queued_per_tenant, shed_below, token_limit, token_ceiling,
+--       deadline_admission) for a gate that has no configuration yet: the snapshot shows what an acquire would register
 -- Returns a JSON object: now, schema, cfg, target, limit, floor, ceiling, max_queued,
 --   max_queued_per_tenant, shed_below, tenant_weights, lease_ms, waiter_ms (the configuration
---   in force), token_limit and token_ceiling (the token budget in force, absent: none), obs
+--   in force), token_limit and token_ceiling (the token budget in force, absent: none),
+--   deadline_admission (on or off), obs
 --   (the client-observed counters, token usage included), holders
 --   (unexpired leases), units (units held, expired-but-unreaped included: what the next grant
 --   counts), tokens (tokens held, counted so), queued, live_pods, stats, util,
@@ -22,7 +23,7 @@ local n = math.floor(num(ARGV[1], 0))
 if n > INSPECT_MAX then n = INSPECT_MAX end
 local now = now_ms()
 local cfg = load_cfg({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], nil, nil, ARGV[9],
-  ARGV[10]})
+  ARGV[10], ARGV[11]})
 
 local function pairs_to_map(flat)
   local m = {}
@@ -82,6 +83,7 @@ local out = cjson.encode({
   ceiling = cfg.ceiling,
   token_limit = cfg.tlim,
   token_ceiling = cfg.token_ceiling,
+  deadline_admission = cfg.deadline_admission,
   tokens = redis.call('ZCARD', K_HOLDERS) > 0 and num(redis.call('HGET', K_ADM, 'tok'), 0) or 0,
   max_queued = cfg.max_queued,
   max_queued_per_tenant = cfg.max_queued_per_tenant,

@@ -15,7 +15,7 @@ local QUEUE_FENCE = 'fleetgate schema 2: the wait list is in :lanes; a fleetgate
 local DEFAULT = {floor = 1, ceiling = 512, max_queued = 1000, lease_ms = 10000, waiter_ms = 5000}
 local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_ms = 100}
 local CFG_FIELDS = {'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms',
-  'max_queued_per_tenant', 'shed_below', 'token_limit', 'token_ceiling'}
+  'max_queued_per_tenant', 'shed_below', 'token_limit', 'token_ceiling', 'deadline_admission'}
 local N_SETTINGS = #CFG_FIELDS
 -- What load_cfg reads in its one HMGET: the schema, the settings, and 'fence' (gate_birth).
 -- (Built by a loop: a Functions library's top level runs without unpack.)
@@ -100,7 +100,7 @@ end
 
 -- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
 -- floor, ceiling, max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below,
--- token_limit, token_ceiling, tenant_weights), then DEFAULT; values below LOWEST are raised to
+-- token_limit, token_ceiling, deadline_admission, tenant_weights), then DEFAULT; values below LOWEST are raised to
 -- it, and the ceiling to the floor: half-written or garbled configuration never fails a call.
 -- Checks the schema first.
 -- register: a gate with no configuration at all gets the caller's defaults stored (a client may
@@ -137,6 +137,8 @@ local function load_cfg(d, register)
   cfg.max_queued_per_tenant = math.max(0, math.floor(num(v[6], num(d[6], cfg.max_queued))))
   cfg.shed_below = math.floor(num(v[7], num(d[7], 0)))
   token_budget(cfg, num(v[8], num(d[8], nil)), num(v[9], num(d[9], nil)))
+  -- deadline-aware admission (lib_drain.lua): on unless the configuration says 0
+  cfg.deadline_admission = num(v[10], num(d[10], 1)) ~= 0
   -- the recovery fence (gate_birth): the server time until which nothing is granted; the field
   -- is absent until a client script has found the gate and marked it (born)
   cfg.born, cfg.fence = fence ~= false, num(fence, 0)

@@ -100,6 +100,7 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       h.tfree = h.tfree - k
       h.tokens = h.tokens + k
       h.granted_units = h.granted_units + w
+      h.served[turn.r] = (h.served[turn.r] or 0) + 1
       unreserve(turn, m)
       local nxt = i < #heads and head_cost(member_id(heads[i + 1]), t)
       if alone then
@@ -175,6 +176,9 @@ local function finish_pass(now, cfg, h)
     send_wakes(wakes, cfg)
     redis.call('HINCRBY', K_STATS, 'granted', #grants)
     redis.call('HINCRBY', K_STATS, 'handed_off', #grants)
+    if cfg.deadline_admission then
+      for r, k in pairs(h.served) do drain_note(now, r, k) end
+    end
   end
   if h.dropped > 0 then
     local refused = {}
@@ -205,8 +209,9 @@ local function handoff(now, cfg, lim, units, tokens)
   local tfree = math.huge
   if cfg.tlim then tfree = cfg.tlim - (tokens or tokens_held()) end
   local h = {free = free, tfree = tfree, grants = {}, gone = {}, extra = 0, tokens = 0,
-             dropped = 0, granted_units = 0,
-             gone_in = {}}  -- gone_in: lane -> members of it already removed (its head prefix)
+             dropped = 0, granted_units = 0, served = {},
+             gone_in = {}}  -- gone_in: lane -> members of it already removed (its head prefix);
+                            -- served: band -> its waiters granted (their drain, lib_drain.lua)
   local turns = 0
   while #h.grants < HANDOFF_MAX and h.dropped < DROP_MAX and turns < 2 * HANDOFF_MAX do
     turns = turns + 1

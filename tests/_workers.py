@@ -226,6 +226,7 @@ def hammer_with(
     token_limit: int | None = None,
     live_pods: int = 0,
     go: str | None = None,
+    deadline_admission: bool = True,
 ) -> int:
     """``hammer`` with the knobs the fault tests need; returns the probe's highest reading.
 
@@ -249,7 +250,9 @@ def hammer_with(
             heartbeat_interval=heartbeat_interval,
             registry=CollectorRegistry(),
         ) as fleet:
-            g = fleet.gate(gate, floor=floor, token_limit=token_limit)
+            g = fleet.gate(
+                gate, floor=floor, token_limit=token_limit, deadline_admission=deadline_admission
+            )
             while g.last_live_pods < live_pods:
                 await asyncio.sleep(0.01)
             if barrier is not None:

@@ -52,6 +52,7 @@ LIB_PARTS = (
     "lib_order",
     "lib_units",
     "lib_lanes",
+    "lib_drain",
     "lib_reap",
     "lib_wakes",
     "lib_tokens",

@@ -18,8 +18,9 @@ from fleetgate.util_hash import UtilHash
 
 GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
 # acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
-# granted at once, a weight above the ceiling, tokens above the token ceiling (never grantable).
-REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS = 3, 4, 5, 6
+# granted at once, a weight above the ceiling, tokens above the token ceiling (never grantable),
+# an expected start past the deadline (deadline-aware admission).
+REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS, TOO_LATE = 3, 4, 5, 6, 7
 # resize.lua's status: resized, growth refused (does not fit now), no such lease, tokens above
 # the token ceiling.
 RESIZED, RESIZE_REFUSED, RESIZE_LOST, RESIZE_TOO_MANY = 1, 0, -1, -2
@@ -31,13 +32,14 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     """``acquire.lua``'s reply. Of ``holders``, ``position`` and ``max_queued`` only the one of
     the outcome is set (the others are 0)."""
 
-    status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS
+    status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS,
+    # TOO_LATE
     token: int  # granted: the fencing token; parked: the seq of the waiter member
     limit: int
     holders: int  # granted: units held counting this one
     position: int  # parked: waiters counting this one
     #: refused: the bound that refused it (max_queued, per tenant, shed_below, ceiling or
-    #: token ceiling)
+    #: token ceiling), or for TOO_LATE the expected wait (ms)
     max_queued: int
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
@@ -194,6 +196,8 @@ class Snapshot(msgspec.Struct):
     token_ceiling: int | None = None
     #: tokens held, counted as ``units``
     tokens: int = 0
+    #: whether a call that would start after its deadline is refused at once
+    deadline_admission: bool = True
     schema: int = 0
     max_queued_per_tenant: int = 0
     shed_below: int = 0

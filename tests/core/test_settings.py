@@ -18,6 +18,7 @@ from fleetgate.scripts import GRANTED, SCHEMA, GateScripts
 from fleetgate.settings import (
     ADMISSION_FIELDS,
     FIELDS,
+    TIME_FIELDS,
     TOKEN_FIELDS,
     GateSettings,
     bounds,
@@ -79,7 +80,9 @@ async def test_acquire_registers_and_applies_the_struct(
     stored = await async_redis.hgetall(keys.cfg)
     assert stored.pop("schema") == str(SCHEMA)
     # max_queued_per_tenant None is not stored (the scripts read "same as max_queued")
-    assert {k: int(v) for k, v in stored.items()} == {**_int_fields(s), "shed_below": 0}
+    assert {k: int(v) for k, v in stored.items()} == {
+        **_int_fields(s), "shed_below": 0, "deadline_admission": 1
+    }  # fmt: skip
     assert _effective(await scripts.snapshot(keys, 0)) == _int_fields(s)
 
 
@@ -109,14 +112,15 @@ async def test_acquire_registers_the_admission_settings(
 
 
 def test_script_arguments_follow_the_field_order() -> None:
-    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, "", "", ""]
+    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, "", "", 1, ""]
     s = GateSettings(
         floor=2,
         max_queued_per_tenant=7,
         shed_below=-10,
         tenant_weights={"search": 3, "batch": 1},
     )
-    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "", "", "batch}1}search}3"]
+    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "", "", 1, "batch}1}search}3"]
+    assert GateSettings(deadline_admission=False).argv()[9] == 0
     tokens = GateSettings(token_limit=4_000, token_ceiling=8_000).argv()
     assert tokens[7:9] == [4_000, 8_000]
     assert GateSettings(max_queued_per_tenant=0).argv()[5] == 0  # 0 is a bound, not "unset"
@@ -126,7 +130,9 @@ def test_fields_are_the_int_fields_then_the_admission_ones_then_the_token_budget
     assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
     assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
     assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
-    assert FIELDS + ADMISSION_FIELDS + TOKEN_FIELDS == GateSettings.__struct_fields__
+    assert TIME_FIELDS == ("deadline_admission",)
+    fields = FIELDS + ADMISSION_FIELDS + TOKEN_FIELDS + TIME_FIELDS
+    assert fields == GateSettings.__struct_fields__
     assert set(bounds()) == set(FIELDS)
 
 
@@ -140,6 +146,7 @@ def test_as_cfg_shape() -> None:
         "tenant_weights": "",
         "token_limit": "",
         "token_ceiling": "",
+        "deadline_admission": 1,
     }
     s = GateSettings(max_queued_per_tenant=50, shed_below=5, tenant_weights={"b": 2, "a": 9})
     assert s.as_cfg() == {
@@ -149,6 +156,7 @@ def test_as_cfg_shape() -> None:
         "tenant_weights": "a}9}b}2",
         "token_limit": "",
         "token_ceiling": "",
+        "deadline_admission": 1,
     }
     budget = GateSettings(token_limit=4_000).as_cfg()
     assert (budget["token_limit"], budget["token_ceiling"]) == (4_000, "")

@@ -68,7 +68,7 @@ class GateMachine(RuleBasedStateMachine):
     def defaults(self) -> list[object]:
         no_budget = ["", ""]  # token_limit, token_ceiling
         settings = [FLOOR, CEILING, MAX_QUEUED, LONG_MS, LONG_MS, MAX_QUEUED_PER_TENANT, 0]
-        return [*settings, *no_budget, "a}2"]
+        return [*settings, *no_budget, 0, "a}2"]  # deadline admission off: FIFO waits
 
     def step(self, *, handed_off: bool) -> None:
         """After a script: whether it handed off, and whether it granted anything."""
@@ -92,6 +92,7 @@ class GateMachine(RuleBasedStateMachine):
                 "max_queued_per_tenant": MAX_QUEUED_PER_TENANT,
                 "shed_below": 0,
                 "tenant_weights": "a}2",
+                "deadline_admission": 0,  # FIFO waits: this model mirrors no drain
             }
             flat = [x for kv in cfg.items() for x in kv]
             assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1

@@ -25,7 +25,9 @@ class Gate:
         self.r = r
         self.keys = GateKeys.of(f"b{uuid.uuid4().hex[:8]}", "steps")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
-        self.defaults = [floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, "", "", ""]
+        self.defaults = [
+            floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, "", "", 0, ""
+        ]  # fmt: skip
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
@@ -79,7 +81,7 @@ def test_a_batch_leaves_no_idle_unit_when_its_parks_put_a_fitting_head_first(
     lane of fair then has a head that fits the free unit. An acquire that parked hands off
     before it returns, so the unit does not idle until some later call hands off."""
     g = Gate(r, max_queued=5)
-    g.defaults[7] = "a}2"  # tenant a weighs 2: its tags grow half as fast
+    g.defaults[-1] = "a}2"  # tenant a weighs 2: its tags grow half as fast
     assert g.call("set_target", 2, 1, LONG_MS)[0] == 1
     assert g.acquire(("pa:1", 0, "b")) == [1]  # 1 of 2 units held
     # pa:2w2 does not fit (parks, tag 0 + 2000); pa:3 of tenant a parks too (tag 0 + 500)

@@ -65,7 +65,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
 
     def defaults(self) -> list[object]:
-        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, "a}2"]
+        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, 0, "a}2"]
 
     # -- what Redis holds -----------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+-- Shared library (lib_*.lua, see lib_gate.lua): the drain of each band -- how fast its waiters
+-- are granted -- and what it says of when a new arrival would start (deadline-aware admission,
+-- docs/admission.md).
+--
+-- adm 'dr:<R>' = '<s>,<w>,<at>': s counts the grants to waiters of band R, each weighted by
+-- exp(-age / DRAIN_TAU_MS); w is the time they were counted over, weighted the same way (ms);
+-- at is when they were last moved (server ms). s / w is the band's recent rate of grants. The
+-- time between two hand-offs counts up to DRAIN_GAP_MS, or four mean intervals if that is
+-- longer: a longer gap is time with nobody of the band waiting, when no rate was measured (a
+-- drain that seems to stop while the band waits lowers the rate, within that bound).
+local DRAIN_TAU_MS = 10000
+local DRAIN_GAP_MS = 2000
+local DRAIN_STALE_MS = 3 * DRAIN_TAU_MS
+-- Weighted grants a band needs before its rate is used: no estimate (so no refusal) before.
+local DRAIN_HISTORY = 20
+-- A wait of this many ms or more is no deadline (the client sends 24 h for deadline=None).
+local NO_DEADLINE_MS = 86400000
+
+local function drain_parse(v)
+  if not v then return 0, 0, 0 end
+  local s, w, at = string.match(v, '^([^,]+),([^,]+),([^,]+)$')
+  return num(s, 0), num(w, 0), num(at, 0)
+end
+
+-- The band's (s, w) moved to now: the counted part of the time since at decays both.
+local function drain_aged(now, s, w, at)
+  local gap = math.max(DRAIN_GAP_MS, s > 0 and 4 * w / s or 0)
+  local dt = math.min(math.max(0, now - at), gap)
+  local d = math.exp(-dt / DRAIN_TAU_MS)
+  return s * d, w * d + DRAIN_TAU_MS * (1 - d)
+end
+
+-- k waiters of band r were granted at now. A history older than DRAIN_STALE_MS starts again.
+local function drain_note(now, r, k)
+  local key = 'dr:' .. r
+  local s, w, at = drain_parse(adm_get(key))
+  if now - at > DRAIN_STALE_MS then
+    s, w = 0, 0
+  else
+    s, w = drain_aged(now, s, w, at)
+  end
+  adm_set(key, string.format('%.6g,%.6g,%.0f', s + k, w, now))
+end
+
+-- Grants per ms to waiters of band r now; nil before DRAIN_HISTORY grants were counted, or when
+-- the band's last grant is older than DRAIN_STALE_MS (the load it measured may be gone).
+local function drain_rate(now, r)
+  local s, w, at = drain_parse(adm_get('dr:' .. r))
+  if s < DRAIN_HISTORY or w <= 0 or now - at > DRAIN_STALE_MS then return nil end
+  s, w = drain_aged(now, s, w, at)
+  return s / w
+end
+
+-- Expected ms until a new arrival of lane (band r, tenant t) starts: the waiters served before
+-- it over the grant rate of the bands at or above r. Ahead of it: every waiter of a higher band;
+-- of another lane j of its band, as many as fair queuing serves there while its own lane serves
+-- its q + 1 (q of its lane already wait: count(lane)), at the tenants' weights; nil without
+-- drain history for band r. count(lane) gives a lane's waiters (the caller caches them).
+local function expected_start(now, lane, r, t, count)
+  local rate = drain_rate(now, r)
+  if rate == nil or rate <= 0 then return nil end
+  local q = count(lane)
+  local ahead, seen = q + 1, {[r] = true}
+  local fair = redis.call('ZRANGEBYLEX', K_FAIR, '-', '(' .. r .. '~', 'LIMIT', 0, 64)
+  for _, e in ipairs(fair) do
+    local other, _, band = fair_parse(e)
+    if other ~= lane then
+      local n = count(other)
+      if band ~= r then
+        ahead = ahead + n
+        if not seen[band] then
+          seen[band] = true
+          rate = rate + (drain_rate(now, band) or 0)
+        end
+      else
+        local share = tenant_weight(lane_tenant(other)) / tenant_weight(t)
+        ahead = ahead + math.min(n, math.ceil((q + 1) * share))
+      end
+    end
+  end
+  return math.ceil(ahead / rate)
+end

@@ -1,0 +1,140 @@
+"""Deadline-aware admission through the scripts, on a real redis-server: each band's drain (how
+fast its waiters are granted) is measured by the hand-offs; an arrival that would park is
+refused at once (status 7, the expected wait in ms) when, by that drain and the waiters ahead of
+it, it would start after its deadline; never without history, behind the recovery fence, for a
+call without a deadline, or on a gate that turned it off.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from fleetgate.admission import lane_class
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import SCRIPT_NAMES, script_source
+
+LONG_MS = 600_000
+NO_DEADLINE_MS = 24 * 3600 * 1000
+GRANTED, PARKED, TOO_LATE = 1, 2, 7
+
+
+class Gate:
+    """One gate of ``floor`` units (deadline admission on unless ``admission`` is False)."""
+
+    def __init__(self, r: redis.Redis, floor: int = 1, admission: bool = True) -> None:
+        self.r = r
+        self.keys = GateKeys.of(f"d{uuid.uuid4().hex[:8]}", "deadline")
+        self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
+        self.defaults = [floor, 64, 100, LONG_MS, LONG_MS, 100, 0, "", "", int(admission), "a}3"]
+
+    def call(self, name: str, *args: object) -> Any:
+        return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
+
+    def acquire(
+        self, lease_id: str, wait_ms: int = LONG_MS, priority: int = 0, tenant: str | None = None
+    ) -> tuple[int, int]:
+        """One request; (status, n): n = the expected wait (ms) when refused as too late."""
+        cls = lane_class(priority, tenant)
+        reply = self.call("acquire", *self.defaults, 0, 0, 0, lease_id, wait_ms, cls)
+        return int(reply[5]), int(reply[7])
+
+    def release(self, *ids: str) -> int:
+        return int(self.call("release", 0, *ids))
+
+    def set_drain(self, band: str, grants: float, over_ms: float) -> None:
+        """Plant a band's drain history: ``grants`` counted over ``over_ms``, last moved now
+        (the shape lib_drain.lua keeps, so an estimate can be checked exactly)."""
+        now = self.r.time()
+        now_ms = now[0] * 1000 + now[1] // 1000
+        self.r.hset(self.keys.adm, f"dr:{band}", f"{grants},{over_ms},{now_ms}")
+
+    def drain(self, band: str = "100") -> tuple[float, float, int] | None:
+        v = self.r.hget(self.keys.adm, f"dr:{band}")
+        if v is None:
+            return None
+        s, w, at = v.split(",")
+        return float(s), float(w), int(at)
+
+
+def test_hand_offs_measure_the_band_drain(r: redis.Redis) -> None:
+    g = Gate(r)
+    assert g.acquire("p:0")[0] == GRANTED
+    holder = "p:0"
+    for i in range(1, 31):
+        assert g.acquire(f"p:{i}")[0] == PARKED
+        assert g.release(holder) == 1  # hands the unit to p:i
+        holder = f"p:{i}"
+    s, w, _ = g.drain() or (0, 0, 0)
+    assert 29 < s <= 30 and w > 0  # 30 hand-offs, a few ms of counted time
+    # nothing but grants to waiters is counted: a direct grant adds nothing
+    g.release(holder)
+    assert g.acquire("p:99")[0] == GRANTED
+    assert (g.drain() or (0,))[0] == s
+
+
+def test_an_arrival_that_would_start_after_its_deadline_is_refused_at_once(
+    r: redis.Redis,
+) -> None:
+    g = Gate(r)
+    assert g.acquire("p:0")[0] == GRANTED
+    for i in range(1, 5):
+        assert g.acquire(f"p:{i}")[0] == PARKED
+    g.set_drain("100", 100, 10_000)  # 10 grants/s
+    # 4 wait ahead: it starts with the 5th grant, ~500 ms from now
+    status, expected = g.acquire("p:5", wait_ms=400)
+    assert status == TOO_LATE and 490 <= expected <= 510
+    assert g.acquire("p:6", wait_ms=600)[0] == PARKED  # it can make it: it waits
+    assert r.hget(g.keys.stats, "too_late") == "1"
+    assert r.zcard(g.keys.waiters) == 5  # the refused one holds no place
+    # no deadline at all: never refused
+    assert g.acquire("p:7", wait_ms=NO_DEADLINE_MS)[0] == PARKED
+
+
+def test_higher_bands_wait_ahead_and_tenants_of_a_band_by_their_share(r: redis.Redis) -> None:
+    g = Gate(r)
+    assert g.acquire("p:0")[0] == GRANTED
+    for i in range(1, 5):  # 4 waiters of priority 10 ...
+        assert g.acquire(f"p:h{i}", priority=10)[0] == PARKED
+    for i in range(1, 7):  # ... and 6 of tenant b (weight 1) at priority 0
+        assert g.acquire(f"p:b{i}", tenant="b")[0] == PARKED
+    g.set_drain("090", 50, 10_000)  # band of priority 10: 5 grants/s
+    g.set_drain("100", 50, 10_000)  # band of priority 0: 5 grants/s
+    # priority 10 arrival: the 4 of its band ahead, at its band's rate: (4 + 1) / 5 per s
+    assert g.acquire("p:h5", wait_ms=1, priority=10) == (TOO_LATE, pytest.approx(1000, abs=10))
+    # tenant a (weight 3) at priority 0: the 4 of priority 10, and of b's 6 only what fair
+    # queuing serves there while a's lane serves its first: ceil(1 / 3) = 1; 6 grants at the
+    # two bands' 10 per s
+    assert g.acquire("p:a1", wait_ms=1, tenant="a") == (TOO_LATE, pytest.approx(600, abs=10))
+    # tenant b's next: 6 of its lane and the 4 above, plus itself: 11 at 10 per s
+    assert g.acquire("p:b7", wait_ms=1, tenant="b") == (TOO_LATE, pytest.approx(1100, abs=10))
+    # priority 0 alone, no higher band: a drain of its band only
+    assert g.acquire("p:b8", wait_ms=5000, tenant="b")[0] == PARKED
+
+
+@pytest.mark.parametrize("case", ["no history", "turned off", "stale history"])
+def test_no_refusal_without_a_measured_drain(r: redis.Redis, case: str) -> None:
+    g = Gate(r, admission=case != "turned off")
+    assert g.acquire("p:0")[0] == GRANTED
+    assert g.acquire("p:1")[0] == PARKED
+    if case == "no history":
+        g.set_drain("100", 19, 10_000)  # fewer than 20 grants counted
+    elif case == "turned off":
+        g.set_drain("100", 1000, 1000)
+    else:
+        g.set_drain("100", 1000, 1000)
+        s = r.hget(g.keys.adm, "dr:100").rsplit(",", 1)[0]
+        r.hset(g.keys.adm, "dr:100", f"{s},1")  # the last grant long ago
+    assert g.acquire("p:2", wait_ms=1)[0] == PARKED
+
+
+def test_the_recovery_fence_is_no_drain(r: redis.Redis) -> None:
+    """Behind the recovery fence of a gate found without state every request parks: the
+    fence's end, not the drain, says when grants start."""
+    g = Gate(r)
+    r.hset(g.keys.cfg, mapping={"floor": 1, "fence": 10**15, "schema": 2})
+    g.set_drain("100", 1000, 1000)
+    assert g.acquire("p:1", wait_ms=1)[0] == PARKED
