@@ -212,7 +212,7 @@ def _add_proxy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 #: route's ``gate_defaults`` (a coordinator's config, when one runs, is what counts).
 _ONE_ROUTE_GATE_FLAGS = (
     ("--floor", "cap without a coordinator's target (default 1: one call at a time)"),
-    ("--ceiling", "most a coordinator's target may set (default: the floor's default)"),
+    ("--ceiling", "most a coordinator's target may set (default 512, never below the floor)"),
     ("--max-queued", "fleet-wide wait list bound (default 1000; beyond it 429)"),
 )
 

@@ -21,7 +21,6 @@ import msgspec
 
 from fleetgate._redis import REDIS_ERRORS, connect
 from fleetgate.demo.children import Children
-from fleetgate.demo.interactive import InteractiveStats
 from fleetgate.demo.plan import LEADER_TTL, POLL_INTERVAL, Setup
 from fleetgate.demo.pods import read_worker_totals
 from fleetgate.demo.report import (
@@ -33,6 +32,7 @@ from fleetgate.demo.report import (
     progress_line,
     render_view,
 )
+from fleetgate.demo.search_contract import InteractiveStats
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.status import gather_status
 

@@ -14,10 +14,10 @@ from typing import Any
 import msgspec
 
 from fleetgate.demo.children import STARTUP_TIMEOUT, Children, wait_for
-from fleetgate.demo.interactive import SPEC_ENV as INTERACTIVE_ENV
-from fleetgate.demo.interactive import InteractiveSpec
 from fleetgate.demo.plan import GATES, INGEST_LOOPS, SEARCH_RATE, Setup
 from fleetgate.demo.report import worker_totals
+from fleetgate.demo.search_contract import SPEC_ENV as INTERACTIVE_ENV
+from fleetgate.demo.search_contract import InteractiveSpec
 from fleetgate.tools.load import SPEC_ENV, GateLoad, LoadSpec
 
 __all__ = [
