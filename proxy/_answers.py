@@ -155,7 +155,11 @@ class Answers:
         the gate unavailable (503)."""
         route = ex.route
         if isinstance(exc, Overloaded):
-            seconds = retry_after(route.retry_after_s)
+            # the gate's estimate when it made one (spread already), else the route's fixed value
+            estimate = exc.retry_after
+            seconds = retry_after(
+                route.retry_after_s if estimate is None else min(estimate, route.max_retry_after_s)
+            )
             await cls.error(
                 ex,
                 429,

@@ -10,7 +10,7 @@ Shape (``example.toml`` next to this module shows every key with its default)::
     [[routes]]   path, strip_path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
                  min_priority, max_priority, tenant, tenants, weight, max_weight,
                  stream_uploads, stream_timeout_s, connect_timeout_s, retry_after_s,
-                 gate_defaults
+                 max_retry_after_s, gate_defaults
 
 A request goes to the first route whose ``path`` is a prefix of its path (on a ``/`` boundary)
 and, when the route lists ``models``, whose JSON body names one of them in ``model``. Every
@@ -184,8 +184,11 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: a streamed (or any) response body must be complete this long after its headers
     stream_timeout_s: Seconds = 600.0
     connect_timeout_s: Seconds = 10.0
-    #: Retry-After of a 429 (integer seconds, at least 1)
+    #: Retry-After of a 429 (integer seconds, at least 1) when the gate gave no estimate
     retry_after_s: Annotated[int, Meta(ge=1, le=3600)] = 1
+    #: the most a Retry-After computed from the gate's estimate may say (a call refused for its
+    #: deadline: when the queue ahead is expected to have drained enough)
+    max_retry_after_s: Annotated[int, Meta(ge=1, le=3600)] = 60
     #: the gate's settings registered only if Redis has none (as Fleet.gate's keyword arguments)
     gate_defaults: dict[str, Any] = msgspec.field(default_factory=dict)
 

@@ -105,6 +105,45 @@ def test_429_when_the_wait_list_is_full(rut: RedisUnderTest, upstream: Served) -
     wait_idle(rut.url, rut.prefix, "g")
 
 
+@pytest.mark.parametrize("cap", [60, 3])
+async def test_429_at_once_for_a_deadline_the_queue_cannot_meet(
+    rut: RedisUnderTest, upstream: Served, fleet: Fleet, cap: int
+) -> None:
+    """A request whose deadline the gate's measured drain says it would miss gets 429 at once
+    (not a 504 after its deadline), not to be retried at once, with a Retry-After from the
+    estimate (spread, capped by the route's max_retry_after_s)."""
+    import redis
+
+    gate = fleet.gate("g", floor=1)
+    held = await gate.acquire()
+    parked = [asyncio.create_task(gate.acquire(deadline=60)) for _ in range(5)]
+    r = redis.Redis.from_url(rut.url, decode_responses=True)
+    while (await gate.snapshot()).queued < 5:
+        await asyncio.sleep(0.02)
+    sec, usec = r.time()
+    # a drain of 1 grant/s measured (100 over 100 s): the 6th in line starts in ~6 s
+    r.hset(gate.keys.adm, "dr:100", f"100,100000,{sec * 1000 + usec // 1000}")
+    r.close()
+    route = {"gate_defaults": {"floor": 1}, "max_retry_after_s": cap}
+    with serve_proxy(rut, upstream, **route) as url:
+        async with httpx.AsyncClient(base_url=url) as http:
+            t0 = time.monotonic()
+            resp = await http.post("/work", headers={"X-Fleetgate-Deadline-Ms": "2000"})
+            took = time.monotonic() - t0
+    assert resp.status_code == 429 and took < 1.0, (resp.status_code, took)
+    assert resp.headers["x-should-retry"] == "false"
+    error = resp.json()["error"]
+    assert "expected wait" in error["message"] and "deadline" in error["message"]
+    # (6 s - 2 s) x 1..1.5, at most the cap
+    seconds = int(resp.headers["retry-after"])
+    assert min(4, cap) <= seconds <= min(7, cap), seconds  # rounded up
+    await held.release()
+    for task in parked:  # each is granted once the one before it is released
+        await (await task).release()
+    await fleet.flush()
+    wait_idle(rut.url, rut.prefix, "g")
+
+
 async def test_504_when_the_deadline_expires_while_queued(
     rut: RedisUnderTest, upstream: Served, fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
