@@ -46,9 +46,7 @@ class Drain:
         """(s, w, grants/s at the last step, grants/s ``after_ms`` later; -1: no estimate),
         from no history."""
         self.r.delete(self.keys.adm)
-        out = self.script(
-            keys=self.keys.script_keys(), args=[t0, json.dumps(steps), after_ms]
-        )
+        out = self.script(keys=self.keys.script_keys(), args=[t0, json.dumps(steps), after_ms])
         s, w, rate, later = json.loads(out)
         return float(s), float(w), float(rate), float(later)
 
@@ -95,7 +93,7 @@ def test_idle_time_is_no_stalled_drain_and_an_old_history_starts_again(drain: Dr
     _, _, _, later = drain.run(steady(50, 30), after_ms=40_000)
     assert later == -1
     # and the next grants start a new history
-    s, _, _, _ = drain.run(steady(50, 30) + [(75_000.0, 1)])
+    s, _, _, _ = drain.run([*steady(50, 30), (75_000.0, 1)])
     assert s == 1
 
 
