@@ -44,6 +44,7 @@ BENCHMARKS = (
     "proxy_workers",
     "redis_memory",
     "tokens",
+    "flood",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]
