@@ -165,13 +165,7 @@ class GateAcquirer(GateState):
                 "calls waiting",
             )
         if reply.status == TOO_LATE:
-            expected = reply.max_queued / 1000
-            deadline = wait_ms / 1000
-            self.series.deadline_unreachable.inc()
-            # Back by how much later the queue ahead is expected to have drained enough, spread
-            # (x1 to x1.5) so that callers refused together do not return together.
-            later = max(expected - deadline, 0.001) * random.uniform(1.0, 1.5)
-            return DeadlineUnreachable(self.name, expected, deadline, retry_after=later)
+            return self._too_late(reply.max_queued, wait_ms)
         if reply.status == SHED:
             return Overloaded(
                 self.name,
@@ -365,6 +359,24 @@ class GateAcquirer(GateState):
             self.on_too_heavy(lease_id, int(token[1:]), tokens=True)
         elif lease_id and token.isdigit():
             self.on_granted(lease_id, int(token))
+
+    def _too_late(self, expected_ms: int, wait_ms: int) -> DeadlineUnreachable:
+        """The error of a call that would start ``expected_ms`` from now and may wait
+        ``wait_ms`` (counted in the metrics)."""
+        expected, deadline = expected_ms / 1000, wait_ms / 1000
+        self.series.deadline_unreachable.inc()
+        # Back by how much later the queue ahead is expected to have drained enough, spread (x1
+        # to x1.5) so that callers refused together do not return together.
+        later = max(expected - deadline, 0.001) * random.uniform(1.0, 1.5)
+        return DeadlineUnreachable(self.name, expected, deadline, retry_after=later)
+
+    def on_too_late(self, lease_id: str, expected_ms: int) -> None:
+        """By the drain, parked ``lease_id`` would now start after its deadline: the
+        heartbeat took it out of the wait list (deadline-aware admission)."""
+        waiter = self.waiters.get(lease_id)
+        if waiter is not None and not waiter.future.done():
+            self.series.of(waiter.ask).rejected.inc()
+            waiter.future.set_exception(self._too_late(expected_ms, waiter.remaining_ms()))
 
     def on_evicted(self, lease_id: str) -> None:
         """A higher band's arrival took ``lease_id``'s place in the full wait list."""

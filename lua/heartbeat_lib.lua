@@ -34,16 +34,28 @@ local function renew_lease(id, known, now, r)
 end
 
 -- The pod's n waiters, from A[i] on as (member, ms it may still wait) pairs: one still in the
--- wait list has its entry renewed; one granted while the pod missed the wake holds its lease
+-- wait list has its entry renewed, unless by the drain it would now start after its deadline:
+-- then it leaves (r.too_late, its estimate in r.too_late_ms; deadline-aware admission,
+-- lib_drain.lua late_waiter); one granted while the pod missed the wake holds its lease
 -- now (r.granted); else it was evicted by a higher band ('<id>' in evicted: r.evicted),
 -- refused as heavier than the ceiling ('<id>=c': r.too_heavy), or lost (r.lost_waiters).
 local function renew_waiters(A, i, n, now, cfg, r)
+  local late = {}
+  local queued = 0
+  if n > 0 and cfg.deadline_admission then queued = redis.call('ZCARD', K_WAITERS) end
   for _ = 1, n do
     local member, remaining = A[i], tonumber(A[i + 1])
     local id = member_id(member)
     i = i + 2
     if redis.call('ZSCORE', K_WAITERS, member) then
-      redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
+      local est = late_waiter(now, cfg, member, remaining, queued)
+      if est then
+        late[#late + 1] = member
+        r.too_late[#r.too_late + 1] = id
+        r.too_late_ms[#r.too_late_ms + 1] = est
+      else
+        redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
+      end
     elseif renew_lease(id, 0, now, r) then
       r.granted[#r.granted + 1] = id
     else
@@ -56,6 +68,10 @@ local function renew_waiters(A, i, n, now, cfg, r)
         r.lost_waiters[#r.lost_waiters + 1] = id
       end
     end
+  end
+  if #late > 0 then
+    remove_waiters(late)
+    redis.call('HINCRBY', K_STATS, 'too_late', #late)
   end
 end
 
@@ -78,7 +94,7 @@ local function heartbeat_gate(A)
   refuse_big(now, cfg)
 
   local r = {expiry = now + cfg.lease_ms, lost = {}, granted = {}, lost_waiters = {},
-             adopted = {}, evicted = {}, too_heavy = {}}
+             adopted = {}, evicted = {}, too_heavy = {}, too_late = {}, too_late_ms = {}}
   for i = 4, i_waiters - 1, 2 do
     if not renew_lease(A[i], num(A[i + 1], 0), now, r) then r.lost[#r.lost + 1] = A[i] end
   end
@@ -104,5 +120,5 @@ local function heartbeat_gate(A)
   return {lim, live, r.lost, r.granted, r.lost_waiters,
     redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
     r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling,
-    cfg.tlim or -1, cfg.tlim and tokens_held() or 0}
+    cfg.tlim or -1, cfg.tlim and tokens_held() or 0, r.too_late, r.too_late_ms}
 end

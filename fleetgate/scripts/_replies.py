@@ -100,6 +100,10 @@ class HeartbeatReply:
     ceiling: int = 0  # the ceiling in force
     token_limit: int | None = None  # the token budget in force (None: none)
     tokens: int = 0  # tokens held
+    #: waiters that left because by the drain they would now start after their deadline
+    #: (DeadlineUnreachable), and their expected waits (ms), in order
+    too_late: list[str] = field(default_factory=list)
+    too_late_ms: list[int] = field(default_factory=list)
 
     @classmethod
     def decode(cls, r: Any) -> HeartbeatReply:
@@ -123,6 +127,8 @@ class HeartbeatReply:
             ceiling=int(r[15]),
             token_limit=None if int(r[16]) < 0 else int(r[16]),
             tokens=int(r[17]),
+            too_late=[_s(x) for x in r[18]] if len(r) > 18 else [],
+            too_late_ms=[int(x) for x in r[19]] if len(r) > 19 else [],
         )
 
 

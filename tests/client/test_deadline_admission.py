@@ -13,6 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import redis
+import redis.asyncio
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import DeadlineExceeded, DeadlineUnreachable, Fleet, Overloaded
@@ -77,3 +78,37 @@ def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(
     else:
         assert isinstance(caught, DeadlineExceeded), caught  # it waited 0.05 s for nothing
         assert short >= 0.05
+
+
+async def test_a_parked_call_leaves_early_once_its_deadline_is_out_of_reach(
+    rut: RedisUnderTest,
+) -> None:
+    """Parked while the drain said it would make it; the drain then slows (planted here: 1
+    grant/s): its heartbeat re-estimates it and it gets DeadlineUnreachable well before its
+    deadline, out of the wait list; the calls without that problem stay."""
+    async with Fleet(
+        rut.url, prefix=rut.prefix, registry=CollectorRegistry(), heartbeat_interval=0.2
+    ) as fleet:
+        gate = fleet.gate("early", floor=1)
+        held = await gate.acquire()
+        patient = [asyncio.create_task(gate.acquire(deadline=60)) for _ in range(3)]
+        r = redis.asyncio.Redis.from_url(rut.url)
+        sec, usec = await r.time()
+        now_ms = sec * 1000 + usec // 1000
+        await r.hset(gate.keys.adm, "dr:100", f"1000,10000,{now_ms}")  # 100 grants/s
+        t0 = time.monotonic()
+        hurried = asyncio.create_task(gate.acquire(deadline=3))
+        while (await gate.snapshot()).queued < 4:
+            await asyncio.sleep(0.02)
+        assert not hurried.done()  # it parked: at 100/s it would start in ~40 ms
+        await r.hset(gate.keys.adm, "dr:100", f"100,100000,{now_ms + 100}")  # now 1/s
+        with pytest.raises(DeadlineUnreachable) as caught:
+            await asyncio.wait_for(hurried, 5)
+        took = time.monotonic() - t0
+        assert took < 1.5, took  # left at a heartbeat, not at its 3 s deadline
+        assert caught.value.expected_wait > caught.value.deadline
+        assert (await gate.snapshot()).queued == 3 and not any(t.done() for t in patient)
+        await held.release()
+        for task in patient:
+            await (await task).release()
+        await r.aclose()

@@ -138,3 +138,25 @@ def test_the_recovery_fence_is_no_drain(r: redis.Redis) -> None:
     r.hset(g.keys.cfg, mapping={"floor": 1, "fence": 10**15, "schema": 2})
     g.set_drain("100", 1000, 1000)
     assert g.acquire("p:1", wait_ms=1)[0] == PARKED
+
+
+def test_a_parked_waiter_whose_estimate_passes_its_deadline_leaves_at_its_heartbeat(
+    r: redis.Redis,
+) -> None:
+    g = Gate(r)
+    assert g.acquire("p:0")[0] == GRANTED
+    for i in range(1, 5):
+        assert g.acquire(f"p:{i}", wait_ms=LONG_MS)[0] == PARKED
+    members = {m.rsplit("}", 1)[1]: m for m in r.zrange(g.keys.lanes, 0, -1)}
+    g.set_drain("100", 100, 100_000)  # the drain slowed to 1 grant/s
+    # p:4 (3 before it) may wait 1 s more, p:1 (the head) 1.5 s; p:2 has no deadline
+    waiters = [(members["p:4"], 1000), (members["p:1"], 1500), (members["p:2"], NO_DEADLINE_MS)]
+    args: list[object] = ["p", 10_000, 1, "p:0", 0, len(waiters)]
+    for member, remaining in waiters:
+        args += [member, remaining]
+    reply = g.call("heartbeat", *args, 0, 0, *g.defaults)
+    too_late, too_late_ms = reply[18], reply[19]
+    assert too_late == ["p:4"] and 3990 <= int(too_late_ms[0]) <= 4010, (too_late, too_late_ms)
+    assert members["p:4"] not in r.zrange(g.keys.lanes, 0, -1)  # it left the wait list
+    assert r.hget(g.keys.stats, "too_late") == "1"
+    assert r.zcard(g.keys.waiters) == 3
