@@ -466,7 +466,7 @@ class TenantBench(Bench):
                 args = self.acq_args(wid)
                 reply = self.s["acquire"](keys=self.keys, args=args)
                 assert int(reply[5]) == 2, reply
-                self.s["cancel"](keys=self.keys, args=[wid, class_member(args[15], reply[6], wid)])
+                self.s["cancel"](keys=self.keys, args=[wid, class_member(args[-1], reply[6], wid)])
 
         usec, calls = self._lua(go)
         assert calls == 2 * m, f"a script call failed: {calls} calls, {m} cycles"
