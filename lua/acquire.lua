@@ -136,20 +136,14 @@ local function tenant_count(t)
   return n + (tenant_parked[t] or 0)
 end
 
--- Deadline-aware admission (lib_drain.lua): whether the request at ARGV[i] (lane, band r), about
--- to park, is expected to start after its deadline (its wait_ms; 24 h or more: none), by the
--- drain of its band; the estimate is left in last_estimate. Never behind the recovery fence
--- (its end, not the drain, says when grants start).
+-- Deadline-aware admission (lib_drain.lua late_estimate): whether the request at ARGV[i] (lane,
+-- band r), about to park, is expected to start after its deadline (its wait_ms); the estimate is
+-- left in last_estimate.
 local last_estimate = 0
 local function too_late(i, lane, r)
-  local wait_ms = tonumber(ARGV[i + 1])
-  if not cfg.deadline_admission or fenced or wait_ms >= NO_DEADLINE_MS then return false end
-  -- no command when even the whole wait list ahead would drain in time at its band's rate
-  local rate = drain_rate(now, r)
-  if rate == nil or (queued + 1) / rate <= wait_ms then return false end
   local function count(l) return lane_count(l) + (parked_in[l] or 0) end
-  local est = expected_start(now, lane, r, lane_tenant(lane), count)
-  if est == nil or est <= wait_ms then return false end
+  local est = late_estimate(now, cfg, lane, r, tonumber(ARGV[i + 1]), queued, count)
+  if est == nil then return false end
   last_estimate = est
   return true
 end

@@ -81,29 +81,38 @@ local function expected_start(now, lane, r, t, count)
   return math.ceil(ahead / rate)
 end
 
--- A parked waiter (its member, and the ms it may still wait) re-estimated by its pod's heartbeat:
--- its expected wait (ms) when that is past what it may still wait, else nil. Ahead of it: the
--- waiters of its lane before it, and the rest as for an arrival (expected_start). Nothing when
--- the gate does not admit by deadline, behind the recovery fence, for a waiter without a
+-- The expected wait (ms) of a call of lane (band r) that may wait wait_ms, when that is past
+-- wait_ms, else nil: the one rule of an arrival (acquire.lua) and of a parked waiter (the
+-- heartbeat). count(lane) gives the waiters ahead of it in its lane, count(other) another lane's;
+-- queued: the gate's waiters. Nothing when the gate does not admit by deadline, behind the
+-- recovery fence (its end, not the drain, says when grants start), for a call without a
 -- deadline, or while even the whole wait list would drain in time at its band's rate (no
 -- command then).
--- queued: the gate's waiters (read once per heartbeat by the caller).
-local function late_waiter(now, cfg, member, remaining, queued)
-  if not cfg.deadline_admission or cfg.fence > now or remaining >= NO_DEADLINE_MS then
+local function late_estimate(now, cfg, lane, r, wait_ms, queued, count)
+  if not cfg.deadline_admission or cfg.fence > now or wait_ms >= NO_DEADLINE_MS then
     return nil
   end
+  local rate = drain_rate(now, r)
+  if rate == nil or (queued + 1) / rate <= wait_ms then return nil end
+  local est = expected_start(now, lane, r, lane_tenant(lane), count)
+  if est ~= nil and est > wait_ms then return est end
+  return nil
+end
+
+-- A parked waiter (its member, and the ms it may still wait) re-estimated by its pod's heartbeat
+-- (late_estimate, with the waiters of its lane before it ahead of it); queued: the gate's
+-- waiters (read once per heartbeat by the caller).
+local function late_waiter(now, cfg, member, remaining, queued)
   local lane = member_lane(member)
   if lane == nil then return nil end
-  local r = lane_band(lane)
-  local rate = drain_rate(now, r)
-  if rate == nil or (queued + 1) / rate <= remaining then return nil end
-  local before = redis.call('ZLEXCOUNT', K_LANES, '[' .. lane .. '}', '(' .. member)
+  local before = nil
   local function count(l)
-    if l == lane then return before end
+    if l == lane then
+      before = before or redis.call('ZLEXCOUNT', K_LANES, '[' .. lane .. '}', '(' .. member)
+      return before
+    end
     local lo, hi = lane_range(l)
     return redis.call('ZLEXCOUNT', K_LANES, lo, hi)
   end
-  local est = expected_start(now, lane, r, lane_tenant(lane), count)
-  if est ~= nil and est > remaining then return est end
-  return nil
+  return late_estimate(now, cfg, lane, lane_band(lane), remaining, queued, count)
 end
