@@ -419,9 +419,9 @@ class TenantBench(Bench):
         self.n = 0
 
     def acq_args(self, wid: str, *more: str) -> list[Any]:  # type: ignore[override]
-        """acquire.lua's ARGV (11 default settings left to the stored config, no fence, no
+        """acquire.lua's ARGV (12 default settings left to the stored config, no fence, no
         releases, no reports)."""
-        args: list[Any] = ["", "", "", "", "", "", "", "", "", "", "", 0, 0, 0]
+        args: list[Any] = ["", "", "", "", "", "", "", "", "", "", "", "", 0, 0, 0]
         for i in (wid, *more):
             args += [i, HOUR_MS, self.cls()]
         return args
@@ -608,7 +608,9 @@ def run(opts: Options) -> list[Headline]:
         # 2. two tenants, 100:1 backlog
         ten: dict[str, Any] = {}
         share_targets: tuple[tuple[str, float | None], ...] = (
-            ("fifo", None), ("equal", 0.5), ("3to1", 0.75)
+            ("fifo", None),
+            ("equal", 0.5),
+            ("3to1", 0.75),
         )
         for v, share_target in share_targets:
             d = data[f"tenants_{v}"]

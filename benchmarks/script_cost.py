@@ -76,7 +76,7 @@ class Bench:
     @staticmethod
     def acq_args(wid: str) -> list[Any]:
         # 11 default settings, no fence, no release, no report, one request of the default class
-        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", "", 1, "", 0, 0, 0, wid, HOUR_MS, ""]
+        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", "", 1, "", "", 0, 0, 0, wid, HOUR_MS, ""]
 
     def note_parked(self, ids: list[str], replies: list[Any]) -> None:
         for wid, reply in zip(ids, replies, strict=True):

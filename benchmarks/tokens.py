@@ -121,9 +121,7 @@ async def _run_way(
                 if start <= now <= stop_at:
                     way.done.append((now, tenant, used))
 
-        callers = [
-            asyncio.create_task(caller(t)) for t in TENANTS for _ in range(CALLERS)
-        ]
+        callers = [asyncio.create_task(caller(t)) for t in TENANTS for _ in range(CALLERS)]
         await asyncio.sleep(warm)
         stats0 = (await http.get("/admin/stats")).json()
         await asyncio.sleep(window)

@@ -24,6 +24,7 @@ from fleetgate.errors import ConfigError, DeadlineUnreachable, FleetgateError, O
 from fleetgate.scripts import (
     GRANTED,
     MAX_BATCH,
+    OVER_SHARE,
     PARKED,
     REJECTED,
     REJECTED_TENANT,
@@ -56,9 +57,11 @@ CANCEL_WAIT_S = 0.25
 # The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.
 _EVICTED = "x"
 # The wake value of a waiter refused because it weighs more than the ceiling C, lowered after it
-# parked, starts so: '<id>=c<C>'; one that asks more tokens than the token ceiling K: '<id>=k<K>'.
+# parked, starts so: '<id>=c<C>'; one that asks more tokens than the token ceiling K: '<id>=k<K>';
+# one heavier than its band's share S of the ceiling: '<id>=s<S>'.
 _REFUSED = "c"
 _REFUSED_TOKENS = "k"
+_REFUSED_SHARE = "s"
 
 
 class Requeue(Exception):
@@ -150,6 +153,12 @@ class GateAcquirer(GateState):
             return ConfigError(
                 f"gate {self.name!r}: weight: {ask.weight} is above the gate's ceiling "
                 f"({reply.max_queued}); it could never be granted"
+            )
+        if reply.status == OVER_SHARE:
+            return ConfigError(
+                f"gate {self.name!r}: weight: {ask.weight} is above the share of the ceiling "
+                f"that band_share gives priority {ask.priority} ({reply.max_queued}); it could "
+                "never be granted"
             )
         if reply.status == TOO_MANY_TOKENS:
             return ConfigError(
@@ -349,7 +358,8 @@ class GateAcquirer(GateState):
 
     def _woken(self, value: str) -> None:
         """A wake: '<id>=<token>' (granted), '<id>=x' (evicted by a higher band) or
-        '<id>=c<ceiling>' (heavier than the ceiling now in force)."""
+        '<id>=c<ceiling>' (heavier than the ceiling now in force), '<id>=k<K>' (more tokens than
+        the token ceiling), '<id>=s<S>' (heavier than its band's share of the ceiling)."""
         lease_id, _, token = value.rpartition("=")
         if token == _EVICTED:
             self.on_evicted(lease_id)
@@ -357,6 +367,8 @@ class GateAcquirer(GateState):
             self.on_too_heavy(lease_id, int(token[1:]))
         elif token.startswith(_REFUSED_TOKENS) and token[1:].isdigit():
             self.on_too_heavy(lease_id, int(token[1:]), tokens=True)
+        elif token.startswith(_REFUSED_SHARE) and token[1:].isdigit():
+            self.on_too_heavy(lease_id, int(token[1:]), share=True)
         elif lease_id and token.isdigit():
             self.on_granted(lease_id, int(token))
 
@@ -392,18 +404,32 @@ class GateAcquirer(GateState):
                 )
             )
 
-    def on_too_heavy(self, lease_id: str, ceiling: int | None, *, tokens: bool = False) -> None:
-        """The gate's ceiling (``tokens``: its token ceiling) was lowered below ``lease_id``'s
-        weight (tokens) while it waited: it can never be granted (the error an arrival that
-        heavy gets). ``ceiling`` None: which of the two is not known (a heartbeat's report)."""
+    def on_too_heavy(
+        self, lease_id: str, ceiling: int | None, *, tokens: bool = False, share: bool = False
+    ) -> None:
+        """The gate's ceiling (``tokens``: its token ceiling; ``share``: its band's share of the
+        ceiling) was lowered below ``lease_id``'s weight (tokens) while it waited: it can never
+        be granted (the error an arrival that heavy gets). ``ceiling`` None: which is not known;
+        from a heartbeat's report ``ceiling`` is the gate's ceiling in force."""
         waiter = self.waiters.get(lease_id)
         if waiter is not None and not waiter.future.done():
+            ask = waiter.ask
             if tokens:
-                what = f"tokens: {waiter.ask.tokens} is above the gate's token_ceiling ({ceiling})"
-            elif ceiling is not None and waiter.ask.weight <= ceiling:
-                what = f"tokens: {waiter.ask.tokens} is above the gate's token_ceiling"
+                what = f"tokens: {ask.tokens} is above the gate's token_ceiling ({ceiling})"
+            elif share:
+                what = (
+                    f"weight: {ask.weight} is above the share of the ceiling that band_share "
+                    f"gives priority {ask.priority} ({ceiling})"
+                )
+            elif ceiling is not None and ask.weight <= ceiling and ask.tokens:
+                what = f"tokens: {ask.tokens} is above the gate's token_ceiling"
+            elif ceiling is not None and ask.weight <= ceiling:
+                what = (
+                    f"weight: {ask.weight} is above the share of the ceiling that band_share "
+                    f"gives priority {ask.priority}"
+                )
             else:
-                what = f"weight: {waiter.ask.weight} is above the gate's ceiling ({ceiling})"
+                what = f"weight: {ask.weight} is above the gate's ceiling ({ceiling})"
             waiter.future.set_exception(
                 ConfigError(
                     f"gate {self.name!r}: {what}; it could never be granted (the ceiling was "

@@ -7,6 +7,8 @@ Shape (see ``example.toml`` next to this module for every key with its default):
                    scrape_timeout, max_body_bytes, adaptive, prune_idle_after
     [[gates]]      name, floor, ceiling, max_queued, lease_ms, waiter_ms,
                    max_queued_per_tenant, shed_below, tenant_weights (a table name -> int),
+                   token_limit, token_ceiling, deadline_admission,
+                   band_share (a table priority -> fraction of the limit),
                    base_url | metrics_url (a string or a list, one per replica), model_name, server,
                    signal
 
@@ -52,6 +54,7 @@ import msgspec
 from msgspec import Meta
 
 from fleetgate.admission import validate_tenant_weights
+from fleetgate.bands import validate_band_share
 from fleetgate.configfile import (
     REDIS_ENV,
     RedisSettings,
@@ -190,6 +193,8 @@ class GateConfig(GateSettings, frozen=True, forbid_unknown_fields=True, kw_only=
         msgspec.structs.force_setattr(
             self, "tenant_weights", validate_tenant_weights(self.tenant_weights)
         )
+        # band_share[0]: expected a fraction of the limit in (0, 1], ...
+        msgspec.structs.force_setattr(self, "band_share", validate_band_share(self.band_share))
         if self.base_url is not None and self.metrics_url is not None:
             raise ConfigError("metrics_url: set base_url or metrics_url, not both")
         if self.base_url is not None:

@@ -15,7 +15,8 @@ every encoded string parses unambiguously and reads well in ``redis-cli``):
 lane class (per request)    ``''`` for (priority 0, default tenant), else ``RRR}tenant``
 waiter member               ``tenant}RRR}seq20}lease_id``
 tenant weights              ``name}w}name}w`` sorted by name; ``''`` when there are none
-weighted lease id           ``<pod>:<n>`` weighs 1, ``<pod>:<n>w<W>`` weighs W
+lease id                    ``<pod>:<n>[b<RRR>][w<W>][t<T>]``: band (priority other than 0),
+                            weight (above 1), tokens (above 0)
 ==========================  ===================================================================
 
 ``RRR`` = 100 - priority as three digits (``000``..``200``): it inverts the priority, so in
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Final
+from typing import Final, TypeVar
 
 from fleetgate.errors import ConfigError
 from fleetgate.keys import name_problem
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_TOKENS",
     "MIN_PRIORITY",
     "SEP",
+    "FrozenMap",
     "TenantWeights",
     "class_member",
     "decode_tenant_weights",
@@ -67,10 +69,12 @@ MAX_TENANT_WEIGHT: Final = 1000
 MAX_TENANTS: Final = 10_000
 
 SEP: Final = "}"
-# A weighted lease id ends in ':<n>w<W>', one holding tokens in 't<T>' after that (ASCII digits
-# only: str.isdigit() also accepts '²').
-_WEIGHTED = re.compile(r":[0-9]+w([0-9]+)(?:t[0-9]+)?\Z")
-_TOKENED = re.compile(r":[0-9]+(?:w[0-9]+)?t([0-9]+)\Z")
+K = TypeVar("K")
+V = TypeVar("V")
+# A lease id ends in ':<n>', then 'b<RRR>' for a priority other than 0, 'w<W>' for a weight above
+# 1, 't<T>' for tokens (ASCII digits only: str.isdigit() also accepts '²').
+_WEIGHTED = re.compile(r":[0-9]+(?:b[0-9]{3})?w([0-9]+)(?:t[0-9]+)?\Z")
+_TOKENED = re.compile(r":[0-9]+(?:b[0-9]{3})?(?:w[0-9]+)?t([0-9]+)\Z")
 #: most tokens one call may hold (the scripts count in doubles; a typo, not a plan, beyond it)
 MAX_TOKENS: Final = 10**12
 
@@ -164,26 +168,29 @@ def validate_tenant_weights(mapping: object) -> TenantWeights:
     return mapping if isinstance(mapping, TenantWeights) else TenantWeights(mapping)
 
 
-class TenantWeights(Mapping[str, int]):
-    """A gate's ``tenant_weights``: an immutable, hashable tenant -> weight mapping, kept sorted
-    by name, with its wire encoding computed once (it goes with the gate's settings in every
-    script call that may register them). Construction does not validate: see
-    :func:`validate_tenant_weights`."""
+class FrozenMap(Mapping[K, V]):
+    """An immutable, hashable mapping kept sorted by key, with its wire encoding (``encoded``,
+    made by :meth:`encode`) computed once: a gate setting that goes with every script call that
+    may register the gate's settings. Construction does not validate."""
 
     __slots__ = ("_hash", "_items", "_map", "encoded")
 
-    def __init__(self, items: Mapping[str, int] | Iterable[tuple[str, int]] = ()) -> None:
-        self._map: dict[str, int] = dict(sorted(dict(items).items()))
+    def __init__(self, items: Mapping[K, V] | Iterable[tuple[K, V]] = ()) -> None:
+        self._map: dict[K, V] = dict(sorted(dict(items).items()))  # type: ignore[type-var]
         self._items = tuple(self._map.items())
         # Hashed with the settings on every acquire (the scripts' encoded-ARGV cache): once.
         self._hash = hash(self._items)
-        #: ``name}w}name}w`` (see :func:`encode_tenant_weights`)
-        self.encoded: str = SEP.join(f"{name}{SEP}{w}" for name, w in self._items)
+        self.encoded: str = self.encode(self._items)
 
-    def __getitem__(self, name: str) -> int:
-        return self._map[name]
+    @staticmethod
+    def encode(items: tuple[tuple[K, V], ...]) -> str:
+        """The wire encoding of the sorted ``items``."""
+        raise NotImplementedError
 
-    def __iter__(self) -> Iterator[str]:
+    def __getitem__(self, key: K) -> V:
+        return self._map[key]
+
+    def __iter__(self) -> Iterator[K]:
         return iter(self._map)
 
     def __len__(self) -> int:
@@ -195,14 +202,26 @@ class TenantWeights(Mapping[str, int]):
     def __eq__(self, other: object) -> bool:
         if other is self:
             return True
-        if isinstance(other, TenantWeights):
-            return self._items == other._items
+        if isinstance(other, FrozenMap):
+            return type(other) is type(self) and self._items == other._items
         if isinstance(other, Mapping):
             return self._map == dict(other.items())
         return NotImplemented
 
     def __repr__(self) -> str:
-        return f"TenantWeights({self._map!r})"
+        return f"{type(self).__name__}({self._map!r})"
+
+
+class TenantWeights(FrozenMap[str, int]):
+    """A gate's ``tenant_weights``: tenant -> weight, sorted by name; ``encoded`` is
+    ``name}w}name}w`` (see :func:`encode_tenant_weights`). Construction does not validate: see
+    :func:`validate_tenant_weights`."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def encode(items: tuple[tuple[str, int], ...]) -> str:
+        return SEP.join(f"{name}{SEP}{w}" for name, w in items)
 
 
 # --------------------------------------------------------------------------------- encoding
@@ -270,11 +289,13 @@ def member_id(member: str) -> str:
     return member.split(SEP, 3)[-1]
 
 
-def weighted_id(base_id: str, weight: int, tokens: int = 0) -> str:
-    """The lease id that carries ``weight`` and ``tokens``: ``base_id`` itself for weight 1 and
-    no tokens (the default path sends exactly today's ids), else ``<base_id>w<weight>`` (weight
-    above 1) followed by ``t<tokens>`` (tokens above 0)."""
-    lease_id = base_id if weight == 1 else f"{base_id}w{weight}"
+def weighted_id(base_id: str, weight: int, tokens: int = 0, priority: int = 0) -> str:
+    """The lease id that carries ``priority``, ``weight`` and ``tokens``: ``base_id`` itself for
+    priority 0, weight 1 and no tokens (the default path sends exactly today's ids), else
+    ``base_id`` followed by ``b<RRR>`` (a priority other than 0: its band, which the band
+    shares count by), ``w<weight>`` (weight above 1), ``t<tokens>`` (tokens above 0)."""
+    lease_id = base_id if priority == 0 else f"{base_id}b{_rank(priority)}"
+    lease_id = lease_id if weight == 1 else f"{lease_id}w{weight}"
     return lease_id if tokens == 0 else f"{lease_id}t{tokens}"
 
 

@@ -105,9 +105,9 @@ class Ask:
         return lane_class(self.priority, self.tenant)
 
     def lease_id(self, base_id: str) -> str:
-        """The lease id that carries this ask's weight and tokens
+        """The lease id that carries this ask's band, weight and tokens
         (:func:`fleetgate.admission.weighted_id`)."""
-        return weighted_id(base_id, self.weight, self.tokens)
+        return weighted_id(base_id, self.weight, self.tokens, self.priority)
 
     def member(self, seq: int, lease_id: str) -> str:
         """The waiter member of ``lease_id`` parked under arrival ``seq``

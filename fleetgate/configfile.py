@@ -134,7 +134,9 @@ def convert(
     """``data`` validated as ``cls``; a failure is one :class:`ConfigError` line naming the
     field (:func:`explain`; ``injected``: fields written from environment variables)."""
     try:
-        return msgspec.convert(data, type=cls)
+        # str_keys: a TOML table's keys are strings; an int-keyed setting (band_share) takes
+        # them as ints
+        return msgspec.convert(data, type=cls, str_keys=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(explain(str(exc), data, root=cls, injected=injected)) from None
 

@@ -1,6 +1,7 @@
 """A gate's settings -- floor, ceiling, max_queued, lease_ms, waiter_ms, the admission order's
 max_queued_per_tenant, shed_below, tenant_weights, the token budget's token_limit and
-token_ceiling, and deadline_admission -- with their defaults and bounds, written once.
+token_ceiling, deadline_admission and band_share -- with their defaults and bounds, written
+once.
 
 :class:`GateSettings` is what the scripts are given (``argv()``),
 what a client registers for a gate that has no configuration yet, and what the coordinator's
@@ -25,6 +26,7 @@ from fleetgate.admission import (
     TenantWeights,
     validate_tenant_weights,
 )
+from fleetgate.bands import BandShare, validate_band_share
 from fleetgate.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADMISSION_FIELDS",
+    "BAND_FIELDS",
     "DEFAULT_CEILING",
     "FIELDS",
     "MAX_PERMITS",
@@ -127,18 +130,24 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: deadline (:class:`~fleetgate.errors.DeadlineUnreachable`), instead of parking it; False:
     #: every call that fits the queue bounds waits out its deadline
     deadline_admission: bool = True
+    #: headroom between bands: priority -> the fraction of the limit that band and every band
+    #: below it may hold together (:mod:`fleetgate.bands`); empty: strict bands only
+    band_share: Mapping[int, float] = msgspec.field(default_factory=BandShare)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant_weights, TenantWeights):
             msgspec.structs.force_setattr(
                 self, "tenant_weights", TenantWeights(self.tenant_weights)
             )
+        if not isinstance(self.band_share, BandShare):
+            msgspec.structs.force_setattr(self, "band_share", BandShare(self.band_share))
 
     def argv(self) -> list[int | str]:
-        """ARGV of the scripts that take a gate's settings, 11 values: floor, ceiling,
+        """ARGV of the scripts that take a gate's settings, 12 values: floor, ceiling,
         max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below, token_limit,
-        token_ceiling (each ``''`` when None), deadline_admission (1 or 0), tenant_weights
-        (encoded, :func:`~fleetgate.admission.encode_tenant_weights`)."""
+        token_ceiling (each ``''`` when None), deadline_admission (1 or 0), band_share and
+        tenant_weights (encoded: :class:`~fleetgate.bands.BandShare`,
+        :func:`~fleetgate.admission.encode_tenant_weights`)."""
         return [
             self.floor,
             self.ceiling,
@@ -150,6 +159,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _text(self.token_limit),
             _text(self.token_ceiling),
             int(self.deadline_admission),
+            self._band_share.encoded,
             self._tenant_weights.encoded,
         ]
 
@@ -158,7 +168,8 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``max_queued_per_tenant`` (``''`` when unset: publish.lua deletes the field, so a bound
         removed from the configuration is removed in Redis too), ``shed_below``,
         ``tenant_weights`` (encoded; the scripts keep it apart from ``cfg``), ``token_limit``
-        and ``token_ceiling`` (``''`` when unset, likewise), ``deadline_admission`` (1 or 0)."""
+        and ``token_ceiling`` (``''`` when unset, likewise), ``deadline_admission`` (1 or 0),
+        ``band_share`` (encoded; ``''`` when empty, which deletes the field)."""
         cfg: dict[str, int | str] = {name: getattr(self, name) for name in FIELDS}
         cfg["max_queued_per_tenant"] = _text(self.max_queued_per_tenant)
         cfg["shed_below"] = self.shed_below
@@ -166,7 +177,14 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cfg["token_limit"] = _text(self.token_limit)
         cfg["token_ceiling"] = _text(self.token_ceiling)
         cfg["deadline_admission"] = int(self.deadline_admission)
+        cfg["band_share"] = self._band_share.encoded
         return cfg
+
+    @property
+    def _band_share(self) -> BandShare:
+        bs = self.band_share
+        assert isinstance(bs, BandShare)  # __post_init__
+        return bs
 
     @property
     def _tenant_weights(self) -> TenantWeights:
@@ -184,7 +202,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problem = _field_problem(name, values.get(name))
             if problem:
                 raise ConfigError(f"gate {gate!r}: {name}: {problem}")
-        known = {*FIELDS, *ADMISSION_FIELDS, *TOKEN_FIELDS, *TIME_FIELDS}
+        known = {*FIELDS, *ADMISSION_FIELDS, *TOKEN_FIELDS, *TIME_FIELDS, *BAND_FIELDS}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"gate {gate!r}: {unknown[0]}: unknown setting")
@@ -197,6 +215,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
             check_tokens(values.get("token_limit"), values.get("token_ceiling"))
             check_flag("deadline_admission", values.get("deadline_admission", True))
+            values["band_share"] = validate_band_share(values.get("band_share", {}))
         except ConfigError as exc:
             raise ConfigError(f"gate {gate!r}: {exc}") from None
         return cls(**values)
@@ -235,6 +254,7 @@ class GateSettingsKwargs(TypedDict, total=False):
     token_limit: int | None
     token_ceiling: int | None
     deadline_admission: bool | None
+    band_share: Mapping[int, float] | None
 
 
 assert tuple(GateSettingsKwargs.__annotations__) == GateSettings.__struct_fields__
@@ -283,12 +303,15 @@ FIELDS: Final = GateSettings.__struct_fields__[:5]
 ADMISSION_FIELDS: Final = GateSettings.__struct_fields__[5:8]
 #: The token budget's settings (docs/admission.md "Token budgets").
 TOKEN_FIELDS: Final = GateSettings.__struct_fields__[8:10]
-#: Admission that knows time (docs/admission.md "Deadline-aware admission"), last.
-TIME_FIELDS: Final = GateSettings.__struct_fields__[10:]
+#: Admission that knows time (docs/admission.md "Deadline-aware admission").
+TIME_FIELDS: Final = GateSettings.__struct_fields__[10:11]
+#: Headroom between bands (docs/admission.md "Headroom between bands"), last.
+BAND_FIELDS: Final = GateSettings.__struct_fields__[11:]
 assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
 assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
 assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
 assert TIME_FIELDS == ("deadline_admission",)
+assert BAND_FIELDS == ("band_share",)
 
 
 def _text(value: int | None) -> int | str:

@@ -6,14 +6,15 @@
 -- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
 --       7 shed_below  8 token_limit  9 token_ceiling  10 deadline_admission (1/0)
---       11 tenant weights ('name}w}...')
---       (defaults, registered only when the gate has no configuration yet), 12 fence_ms (the
+--       11 band_share ('<R>=<permille>,...')  12 tenant weights ('name}w}...')
+--       (defaults, registered only when the gate has no configuration yet), 13 fence_ms (the
 --       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 for none),
---       13 n = leases to release, then n lease ids,
+--       14 n = leases to release, then n lease ids,
 --       then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
 --       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>',
---       '<pod>:<n>w<W>' for weight W, then 't<T>' for T tokens: lib_order.lua), wait_ms (time
+--       then 'b<R>' for a priority other than 0, 'w<W>' for weight W, 't<T>' for T tokens:
+--       lib_order.lua), wait_ms (time
 --       the caller is willing to park, > 0),
 --       class ('' = priority 0 of the default tenant, else '<R>}<tenant>' with R = 100 - priority
 --       as three digits)
@@ -28,50 +29,58 @@
 --   5 = refused: the weight is above the ceiling and can never be granted (n = ceiling),
 --   6 = refused: the tokens are above the token ceiling (n = token ceiling),
 --   7 = refused: by the drain of its band it would start after its deadline (n = the expected
---   wait in ms; deadline-aware admission, lib_drain.lua).
+--   wait in ms; deadline-aware admission, lib_drain.lua),
+--   8 = refused: the weight is above its band's share of the ceiling (n = that share in units;
+--   lib_share.lua).
 --   token: granted = the fencing token (monotonic per gate in grant order); parked = the
 --   caller's seq, its place in its lane (waiter member '<tenant>}<R>}<seq20>}<id>'): its
 --   fencing token comes with the grant.
 --   lease_ms, waiter_ms: the TTLs in force, so the caller paces its first renewal by them.
 --   expires_at: server time (ms) at which the granted lease (or the parked entry) expires.
 -- A call is granted at once only if nobody eligible waits in its band or above and its own
--- lane is empty (no passing), and its weight fits the limit and its tokens the token budget. A
+-- lane is empty (no passing), and its weight fits the limit and the band shares that bind its
+-- band, and its tokens the token budget. A
 -- full wait list evicts the newest waiter of the lowest band below the arrival's (from that
 -- band's most-served tenant; it gets Overloaded).
 -- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
-local n_release = tonumber(ARGV[13])
-local n_obs = tonumber(ARGV[14 + n_release])
-local first = 15 + n_release + n_obs  -- ARGV index of the first request
+local n_release = tonumber(ARGV[14])
+local n_obs = tonumber(ARGV[15 + n_release])
+local first = 16 + n_release + n_obs  -- ARGV index of the first request
 -- A class the client library would never send is refused before anything is written: it would
--- make lane members that sort and parse wrongly.
+-- make lane members that sort and parse wrongly; so is an id whose band tag is not its class's
+-- (the held counts of the band shares go by the tag).
 for i = first + 2, #ARGV, 3 do
   local cls = ARGV[i]
   local ok = cls == '' or string.match(cls, '^%d%d%d}[^}]*$')
   if not ok or tonumber(string.sub(cls, 1, 3) .. '0') > 2000 then
     error('fleetgate: request class ' .. cls .. ' is not <100 - priority as 3 digits>}<tenant>')
   end
+  if band_of(ARGV[i - 2]) ~= lane_band(class_lane(cls)) then
+    error('fleetgate: lease id ' .. ARGV[i - 2] .. ' does not carry the band of its class '
+      .. cls .. ' (b<R> after <pod>:<n> for a priority other than 0)')
+  end
 end
 local released = 0
 if n_release > 0 then
-  released = remove_leases(ARGV, 14, 13 + n_release)
+  released = remove_leases(ARGV, 15, 14 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-observe(ARGV, 15 + n_release, 14 + n_release + n_obs)
-settle_tags(ARGV, 15 + n_release, 14 + n_release + n_obs)
+observe(ARGV, 16 + n_release, 15 + n_release + n_obs)
+settle_tags(ARGV, 16 + n_release, 15 + n_release + n_obs)
 
 local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
-  ARGV[9], ARGV[10], ARGV[11]}, true)
-gate_birth(now, cfg, num(ARGV[12], 0))
+  ARGV[9], ARGV[10], ARGV[11], ARGV[12]}, true)
+gate_birth(now, cfg, num(ARGV[13], 0))
 -- behind the recovery fence nothing is granted at once: every request parks (or is refused)
 local fenced = cfg.fence > now
 local lim = current_limit(now, cfg)
 -- The adm fields this call needs, in one read: the extra units, the tokens held, and the tag of
 -- each lane asked for (a lane in the fair order has waiters: its callers park behind them).
 local tlim = cfg.tlim
-local fields, asked = {'extra', 'tok'}, {}
+local fields, asked = {'extra', 'tok', 'held'}, {}
 for i = first, #ARGV, 3 do
   local lane = class_lane(ARGV[i + 2])
   if not asked[lane] then
@@ -81,7 +90,7 @@ for i = first, #ARGV, 3 do
   end
 end
 local got = redis.call('HMGET', K_ADM, unpack(fields))
-for k = 3, #fields do ADM[fields[k]] = got[k] end
+for k = 3, #fields do ADM[fields[k]] = got[k] end  -- (held: lib_units.lua held_bands)
 local units = units_held(got[1])
 local tokens = tokens_held(got[2])
 local queued = redis.call('ZCARD', K_WAITERS)
@@ -175,15 +184,23 @@ end
 -- Decide each request in order (n: units held, waiters, or the bound that refused it).
 local status, n, lanes = {}, {}, {}
 local n_granted, n_parked, n_rejected, extra, granted_tokens = 0, 0, 0, 0, 0
-local rejected_by = {0, 0, 0, 0, 0, 0, 0, 0}  -- by status + 1
+local rejected_by = {0, 0, 0, 0, 0, 0, 0, 0, 0}  -- by status + 1
+-- units of this call's grants per band (not in the held counts yet): what the band shares see
+local pending = {}
+local function share_ok(r, w)
+  return SHARES == nil or share_fits(share_tally(units, pending), r, w, lim)
+end
 for i = first, #ARGV, 3 do
   local id, cls = ARGV[i], ARGV[i + 2]
   local w, tk = weight_of(id), tokens_asked(id)
   local lane = class_lane(cls)
   local r = lane_band(lane)
   local st, k
+  local share_c = share_ceiling(r, cfg.ceiling)
   if w > cfg.ceiling then
     st, k = 5, cfg.ceiling
+  elseif share_c and w > share_c then
+    st, k = 8, share_c
   elseif cfg.token_ceiling and tk > cfg.token_ceiling then
     st, k = 6, cfg.token_ceiling
   else
@@ -196,10 +213,12 @@ for i = first, #ARGV, 3 do
       end
     end
     blocked = blocked or fenced or parked_in[lane] ~= nil
-    if not blocked and (units + w > lim or not tokens_fit(tk)) and not leases_reaped then
+    if not blocked and (units + w > lim or not tokens_fit(tk) or not share_ok(r, w))
+        and not leases_reaped then
       loop_reaped = reap_held() or loop_reaped
     end
-    if not blocked and units + w <= lim and tokens_fit(tk) then
+    if not blocked and units + w <= lim and tokens_fit(tk) and share_ok(r, w) then
+      if r ~= '100' then pending[r] = (pending[r] or 0) + w end
       units, tokens = units + w, tokens + tk
       extra, granted_tokens = extra + w - 1, granted_tokens + tk
       st, k = 1, units
@@ -313,6 +332,7 @@ if rejected_by[6] + rejected_by[7] > 0 then
   redis.call('HINCRBY', K_STATS, 'too_heavy', rejected_by[6] + rejected_by[7])
 end
 if rejected_by[8] > 0 then redis.call('HINCRBY', K_STATS, 'too_late', rejected_by[8]) end
+if rejected_by[9] > 0 then redis.call('HINCRBY', K_STATS, 'too_heavy', rejected_by[9]) end
 if n_evicted > 0 then
   send_wakes(wakes, cfg)
   redis.call('HINCRBY', K_STATS, 'evicted', n_evicted)

@@ -4,11 +4,13 @@
 --         exact), at most INSPECT_MAX, so one snapshot costs O(log n + listed), never O(queue)
 --       2.. optional defaults (GateSettings.argv(): floor, ceiling, max_queued, lease_ms,
 --       waiter_ms, max_queued_per_tenant, shed_below, token_limit, token_ceiling,
---       deadline_admission) for a gate that has no configuration yet: the snapshot shows what an acquire would register
+--       deadline_admission, band_share) for a gate that has no configuration yet: the
+--       snapshot shows what an acquire would register
 -- Returns a JSON object: now, schema, cfg, target, limit, floor, ceiling, max_queued,
 --   max_queued_per_tenant, shed_below, tenant_weights, lease_ms, waiter_ms (the configuration
 --   in force), token_limit and token_ceiling (the token budget in force, absent: none),
---   deadline_admission (on or off), obs
+--   deadline_admission (on or off), band_share (priority -> permille of the limit that band
+--   and the ones below it may hold) and band_units (priority -> units its leases hold), obs
 --   (the client-observed counters, token usage included), holders
 --   (unexpired leases), units (units held, expired-but-unreaped included: what the next grant
 --   counts), tokens (tokens held, counted so), queued, live_pods, stats, util,
@@ -23,7 +25,7 @@ local n = math.floor(num(ARGV[1], 0))
 if n > INSPECT_MAX then n = INSPECT_MAX end
 local now = now_ms()
 local cfg = load_cfg({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], nil, nil, ARGV[9],
-  ARGV[10], ARGV[11]})
+  ARGV[10], ARGV[11], ARGV[12]})
 
 local function pairs_to_map(flat)
   local m = {}
@@ -73,6 +75,18 @@ if n > 0 then
 end
 
 local extra = num(redis.call('HGET', K_ADM, 'extra'), 0)
+-- band shares as priority -> permille, and the units each band holds (priority -> units)
+local band_share, band_units = {}, {}
+local held_total = 0
+if redis.call('ZCARD', K_HOLDERS) > 0 then
+  for b, u in pairs(held_bands()) do
+    band_units[tostring(100 - tonumber(b))] = u
+    held_total = held_total + u
+  end
+end
+local rest = redis.call('ZCARD', K_HOLDERS) + extra - held_total
+if rest > 0 then band_units['0'] = rest end
+for _, e in ipairs(cfg.shares or {}) do band_share[tostring(100 - tonumber(e.r))] = e.p end
 local out = cjson.encode({
   now = now,
   schema = SCHEMA,
@@ -84,6 +98,8 @@ local out = cjson.encode({
   token_limit = cfg.tlim,
   token_ceiling = cfg.token_ceiling,
   deadline_admission = cfg.deadline_admission,
+  band_share = band_share,
+  band_units = band_units,
   tokens = redis.call('ZCARD', K_HOLDERS) > 0 and num(redis.call('HGET', K_ADM, 'tok'), 0) or 0,
   max_queued = cfg.max_queued,
   max_queued_per_tenant = cfg.max_queued_per_tenant,

@@ -15,7 +15,8 @@ local QUEUE_FENCE = 'fleetgate schema 2: the wait list is in :lanes; a fleetgate
 local DEFAULT = {floor = 1, ceiling = 512, max_queued = 1000, lease_ms = 10000, waiter_ms = 5000}
 local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_ms = 100}
 local CFG_FIELDS = {'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms',
-  'max_queued_per_tenant', 'shed_below', 'token_limit', 'token_ceiling', 'deadline_admission'}
+  'max_queued_per_tenant', 'shed_below', 'token_limit', 'token_ceiling', 'deadline_admission',
+  'band_share'}
 local N_SETTINGS = #CFG_FIELDS
 -- What load_cfg reads in its one HMGET: the schema, the settings, and 'fence' (gate_birth).
 -- (Built by a loop: a Functions library's top level runs without unpack.)
@@ -31,6 +32,23 @@ local function token_budget(cfg, limit, ceiling)
   if limit == nil or limit < 1 then return end
   cfg.tlim = math.floor(limit)
   cfg.token_ceiling = math.max(cfg.tlim, math.floor(ceiling or limit))
+end
+
+-- Band shares (docs/admission.md "Headroom between bands"), as fleetgate.settings encodes them:
+-- '<R>=<permille>,...' (R = 100 - priority as 3 digits; permille of the limit that band R and
+-- the bands below it may hold, 1..1000) -> a list of {r = R, p = permille} sorted by R, the
+-- highest priority first; nil when there is none. A part that does not parse is skipped: a
+-- garbled field never fails a call.
+local function parse_shares(v)
+  if not v or v == '' then return nil end
+  local out = {}
+  for r, p in string.gmatch(v, '(%d%d%d)=(%d+)') do
+    p = tonumber(p)
+    if p >= 1 and p <= 1000 and tonumber(r) <= 200 then out[#out + 1] = {r = r, p = p} end
+  end
+  if #out == 0 then return nil end
+  table.sort(out, function(a, b) return a.r < b.r end)
+  return out
 end
 
 -- Field i (name) of the stored configuration v, else of the caller's defaults d, else DEFAULT;
@@ -100,8 +118,9 @@ end
 
 -- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
 -- floor, ceiling, max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below,
--- token_limit, token_ceiling, deadline_admission, tenant_weights), then DEFAULT; values below LOWEST are raised to
--- it, and the ceiling to the floor: half-written or garbled configuration never fails a call.
+-- token_limit, token_ceiling, deadline_admission, band_share, tenant_weights), then DEFAULT;
+-- values below LOWEST are raised to it, and the ceiling to the floor: half-written or garbled
+-- configuration never fails a call.
 -- Checks the schema first.
 -- register: a gate with no configuration at all gets the caller's defaults stored (a client may
 -- register defaults only where none exist; the coordinator's publish overwrites them).
@@ -139,6 +158,9 @@ local function load_cfg(d, register)
   token_budget(cfg, num(v[8], num(d[8], nil)), num(v[9], num(d[9], nil)))
   -- deadline-aware admission (lib_drain.lua): on unless the configuration says 0
   cfg.deadline_admission = num(v[10], num(d[10], 1)) ~= 0
+  -- headroom between bands (lib_share.lua): what the rules of this call read
+  cfg.shares = parse_shares(v[11] or d[11])
+  SHARES = cfg.shares
   -- the recovery fence (gate_birth): the server time until which nothing is granted; the field
   -- is absent until a client script has found the gate and marked it (born)
   cfg.born, cfg.fence = fence ~= false, num(fence, 0)

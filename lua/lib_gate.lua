@@ -18,6 +18,7 @@
 local K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL, K_WAKE
 local K_LANES, K_FAIR, K_BIG, K_ADM, K_TW, K_EVICTED, K_OBS
 local ADM, ADM_DIRTY, PHI  -- per-gate caches of one call (see lib_order.lua)
+local SHARES  -- the band shares of the gate's configuration (load_cfg; lib_share.lua)
 local function use_gate(base)
   K_CFG, K_TARGET, K_HOLDERS = base .. ':cfg', base .. ':target', base .. ':holders'
   K_QUEUE, K_WAITERS, K_SEQ = base .. ':queue', base .. ':waiters', base .. ':seq'
@@ -26,7 +27,7 @@ local function use_gate(base)
   K_LANES, K_FAIR, K_BIG = base .. ':lanes', base .. ':fair', base .. ':big'
   K_ADM, K_TW, K_EVICTED = base .. ':adm', base .. ':tw', base .. ':evicted'
   K_OBS = base .. ':obs'
-  ADM, ADM_DIRTY, PHI = {}, {}, {}
+  ADM, ADM_DIRTY, PHI, SHARES = {}, {}, {}, nil
 end
 -- EVAL form only: gate_library drops the next line (each library function runs it first).
 use_gate(KEYS[1])

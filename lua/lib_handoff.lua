@@ -46,10 +46,13 @@ local function unreserve(turn, m)
 end
 
 -- Whether the waiter (lease id) can never be granted under cfg: it weighs more than the ceiling
--- or asks more tokens than the token ceiling (either lowered after it parked).
+-- or than its band's share of it (lib_share.lua), or asks more tokens than the token ceiling
+-- (each lowered after it parked).
 local function too_heavy(cfg, id)
-  return weight_of(id) > cfg.ceiling
+  local w = weight_of(id)
+  return w > cfg.ceiling
     or (cfg.token_ceiling ~= nil and tokens_asked(id) > cfg.token_ceiling)
+    or (SHARES ~= nil and w > (share_ceiling(band_of(id), cfg.ceiling) or w))
 end
 
 -- Serve the turn's lane from heads[1 .. last] (alive: their waiter entries' expiry) into the
@@ -84,13 +87,15 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       end
       i = i + 1
       if h.dropped >= DROP_MAX then break end
-    elseif w > lim or (cfg.tlim and k > cfg.tlim) then
+    elseif share_need(id) > lim or (cfg.tlim and k > cfg.tlim) then
       return i, 'big', vt
     elseif bound and turn.f > bound and turn.rsv ~= m then
       break  -- another lane of the band has the smaller tag now (before any reservation:
              -- only the chosen head, the band's smallest tag, reserves)
-    elseif w > h.free or k > h.tfree then
-      adm_set('rsv:' .. turn.r, m)  -- the free units wait for it: nobody passes it
+    elseif w > h.free or k > h.tfree or not share_fits(h.sh, turn.r, w, lim) then
+      -- the free units wait for it: nobody of its band or below passes it (a band share it
+      -- does not fit keeps them for the higher bands meanwhile)
+      adm_set('rsv:' .. turn.r, m)
       return i, 'reserved', vt
     else
       h.gone[#h.gone + 1] = m
@@ -101,6 +106,7 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       h.tokens = h.tokens + k
       h.granted_units = h.granted_units + w
       h.served[turn.r] = (h.served[turn.r] or 0) + 1
+      share_take(h.sh, turn.r, w)
       unreserve(turn, m)
       local nxt = i < #heads and head_cost(member_id(heads[i + 1]), t)
       if alone then
@@ -210,8 +216,9 @@ local function handoff(now, cfg, lim, units, tokens)
   if cfg.tlim then tfree = cfg.tlim - (tokens or tokens_held()) end
   local h = {free = free, tfree = tfree, grants = {}, gone = {}, extra = 0, tokens = 0,
              dropped = 0, granted_units = 0, served = {},
-             gone_in = {}}  -- gone_in: lane -> members of it already removed (its head prefix);
-                            -- served: band -> its waiters granted (their drain, lib_drain.lua)
+             gone_in = {},  -- lane -> members of it already removed (its head prefix)
+             sh = share_tally(lim - free)}  -- served: band -> its waiters granted (their
+                                            -- drain); sh: the band shares' units (nil: none)
   local turns = 0
   while #h.grants < HANDOFF_MAX and h.dropped < DROP_MAX and turns < 2 * HANDOFF_MAX do
     turns = turns + 1
@@ -229,7 +236,8 @@ end
 -- removed from lanes and waiters) are recorded in fg:{G}:evicted as '<id>=c' for 2 x waiter_ms,
 -- so a pod that missed the wake '<id>=c<ceiling>' learns of it from its heartbeat (reply field
 -- too_heavy), and counted in stats too_heavy.
--- A waiter refused for its tokens (more than the token ceiling K) is woken with '<id>=k<K>'.
+-- A waiter refused for its tokens (more than the token ceiling K) is woken with '<id>=k<K>', one
+-- heavier than its band's share of the ceiling (S units, lib_share.lua) with '<id>=s<S>'.
 refuse_heads = function(now, cfg, ids)
   if #ids == 0 then return end
   local until_, c = now + 2 * cfg.waiter_ms, string.format('%.0f', cfg.ceiling)
@@ -237,8 +245,12 @@ refuse_heads = function(now, cfg, ids)
   for _, id in ipairs(ids) do
     records[#records + 1] = until_
     records[#records + 1] = id .. '=c'
-    if weight_of(id) > cfg.ceiling then
+    local w = weight_of(id)
+    if w > cfg.ceiling then
       add_wake(wakes, id, id .. '=c' .. c)
+    elseif SHARES ~= nil and w > (share_ceiling(band_of(id), cfg.ceiling) or w) then
+      local sc = share_ceiling(band_of(id), cfg.ceiling)
+      add_wake(wakes, id, id .. '=s' .. string.format('%.0f', sc))
     else
       add_wake(wakes, id, id .. '=k' .. string.format('%.0f', cfg.token_ceiling))
     end

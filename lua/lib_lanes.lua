@@ -8,11 +8,12 @@ local function start_of(f, id, t)
   return math.max(0, f - head_cost(id, t))
 end
 
--- A lane's score in big: its head's weight, plus BIG_TOKENS when the head's weight fits the limit
--- but its tokens do not fit the token budget (readmit looks at the two kinds apart).
+-- A lane's score in big: the limit its head needs (its weight, or more under a band share:
+-- share_need), plus BIG_TOKENS when that fits the limit but its tokens do not fit the token
+-- budget (readmit looks at the two kinds apart).
 local BIG_TOKENS = 2 ^ 40
 local function big_score(id, lim, tlim)
-  local w = weight_of(id)
+  local w = share_need(id)
   if w <= lim and tlim and tokens_asked(id) > tlim then return w + BIG_TOKENS end
   return w
 end
@@ -56,7 +57,7 @@ local function lanes_touched(touched)
         redis.call('ZREM', K_BIG, lane)
       end
     elseif not f then
-      redis.call('ZADD', K_BIG, weight_of(member_id(left[1])), lane)
+      redis.call('ZADD', K_BIG, share_need(member_id(left[1])), lane)
     end
   end
 end

@@ -69,10 +69,20 @@ local function adm_flush()
   ADM_DIRTY = {}
 end
 
+-- A lease id: '<pod>:<n>' then, each only when it applies, 'b<R>' (its band, for a priority
+-- other than 0), 'w<W>' (its weight, above 1), 't<T>' (the tokens it holds).
 local function weight_of(id)
-  local w = string.match(id, ':%d+w(%d+)t?%d*$')
+  local w = string.match(id, ':%d+b?%d*w(%d+)t?%d*$')
   if w then return tonumber(w) end
   return 1
+end
+
+-- The band a lease was granted in (band shares count by it, lib_share.lua): R of its 'b<R>'
+-- (the client tags a call of a priority other than 0; acquire.lua checks the tag against the
+-- call's class), else '100' (priority 0).
+local function band_of(id)
+  if not string.find(id, 'b', 1, true) then return '100' end
+  return string.match(id, ':%d+b(%d%d%d)w?%d*t?%d*$') or '100'
 end
 
 -- The tokens a lease id holds of the gate's token budget: '<pod>:<n>[w<W>]t<T>' holds T, an id
@@ -80,7 +90,7 @@ end
 -- any id holds is always in it: adoption after a restart counts it exactly.
 local function tokens_asked(id)
   if not string.find(id, 't', 1, true) then return 0 end
-  local t = string.match(id, ':%d+w?%d*t(%d+)$')
+  local t = string.match(id, ':%d+b?%d*w?%d*t(%d+)$')
   if t then return tonumber(t) end
   return 0
 end

@@ -9,7 +9,8 @@ local function units_held(extra)
   if extra == nil then extra = redis.call('HGET', K_ADM, 'extra') end
   extra = num(extra, 0)
   if extra ~= 0 and n == 0 then
-    redis.call('HDEL', K_ADM, 'extra')
+    redis.call('HDEL', K_ADM, 'extra', 'held')
+    ADM['held'] = false
     extra = 0
   end
   return n + extra
@@ -29,20 +30,66 @@ local function tokens_held(tok, n)
   return tok
 end
 
+-- Units held per band, for the band shares (lib_share.lua): adm 'held' = '<R>=<units>,...' for
+-- each band other than 100 that holds leases, counted from the band in each lease id (band_of);
+-- band 100 (priority 0) holds the rest of units_held. Kept for every gate, so a share set at any
+-- time finds the counts right; a gate used only at priority 0 never writes it. As extra: raised
+-- before leases are added, lowered after they are removed, dropped once no lease is left.
+local function held_bands()
+  local t = {}
+  local v = adm_get('held')
+  if v then
+    for b, u in string.gmatch(v, '(%d%d%d)=(%d+)') do t[b] = tonumber(u) end
+  end
+  return t
+end
+
+-- The units of the ids among ids[i..j] (step: 1, or 2 for {expires, id, ...} from i = 2) that
+-- are tagged with a band, added into d (band -> units) with the sign s; returns d.
+local function held_of(ids, i, j, step, s, d)
+  for k = i, j, step do
+    local b = band_of(ids[k])
+    if b ~= '100' then d[b] = (d[b] or 0) + s * weight_of(ids[k]) end
+  end
+  return d
+end
+
+-- Move the held counts by d (band -> signed units), written at once; removed: after a removal
+-- (a gate left without leases drops the field, whatever it said).
+local function held_move(d, removed)
+  if next(d) == nil then return end
+  local t = held_bands()
+  for b, u in pairs(d) do t[b] = math.max(0, (t[b] or 0) + u) end
+  local parts = {}
+  for b, u in pairs(t) do
+    if u > 0 then parts[#parts + 1] = b .. '=' .. string.format('%.0f', u) end
+  end
+  table.sort(parts)
+  if #parts == 0 or (removed and redis.call('ZCARD', K_HOLDERS) == 0) then
+    ADM['held'] = false
+    redis.call('HDEL', K_ADM, 'held')
+  else
+    ADM['held'] = table.concat(parts, ',')
+    redis.call('HSET', K_ADM, 'held', ADM['held'])
+  end
+end
+
 -- Add granted leases: members = {expires, id, ...}, extra = sum of (weight - 1) of their ids,
 -- tokens = sum of the tokens they ask.
 local function add_leases(members, extra, tokens)
   if extra > 0 then redis.call('HINCRBY', K_ADM, 'extra', extra) end
   if tokens and tokens > 0 then redis.call('HINCRBY', K_ADM, 'tok', tokens) end
+  held_move(held_of(members, 2, #members, 2, 1, {}))
   redis.call('ZADD', K_HOLDERS, unpack(members))
 end
 
--- Count again a lease the gate lost while its work runs (adopt.lua, the heartbeat): its weight
--- and tokens, before the caller adds it (an abort in between overcounts, never under).
+-- Count again a lease the gate lost while its work runs (adopt.lua, the heartbeat): its weight,
+-- tokens and band, before the caller adds it (an abort in between overcounts, never under).
 local function count_again(id)
   local w, k = weight_of(id), tokens_asked(id)
   if w > 1 then redis.call('HINCRBY', K_ADM, 'extra', w - 1) end
   if k > 0 then redis.call('HINCRBY', K_ADM, 'tok', k) end
+  held_move(held_of({id}, 1, 1, 1, 1, {}))
 end
 
 -- Lower a counter of adm by d (>= 0) after the leases that held it were removed; the field goes
@@ -58,8 +105,9 @@ end
 local function remove_leases(ids, i, j)
   local heavy = false
   for k = i, j do
-    if string.find(ids[k], 'w', 1, true) and weight_of(ids[k]) > 1 then
-      heavy = true
+    if (string.find(ids[k], 'w', 1, true) and weight_of(ids[k]) > 1) or band_of(ids[k]) ~= '100'
+    then
+      heavy = true  -- (or tagged with a band: the held counts move)
       break
     end
   end
@@ -74,16 +122,18 @@ local function remove_leases(ids, i, j)
     local n = redis.call('ZREM', K_HOLDERS, unpack(ids, i, j))
     return n, n, 0
   end
-  local n, units, tokens = 0, 0, 0
+  local n, units, tokens, bands = 0, 0, 0, {}
   for k = i, j do
     if redis.call('ZREM', K_HOLDERS, ids[k]) == 1 then
       n = n + 1
       units = units + weight_of(ids[k])
       tokens = tokens + tokens_asked(ids[k])
+      held_of(ids, k, k, 1, -1, bands)
     end
   end
   lower_adm('extra', units - n)  -- no field is left once every heavy lease is gone
   lower_adm('tok', tokens)
+  held_move(bands, true)
   return n, units, tokens
 end
 

@@ -51,6 +51,7 @@ LIB_PARTS = (
     "lib_fence",
     "lib_order",
     "lib_units",
+    "lib_share",
     "lib_lanes",
     "lib_drain",
     "lib_reap",

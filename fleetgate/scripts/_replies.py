@@ -19,8 +19,9 @@ from fleetgate.util_hash import UtilHash
 GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
 # acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
 # granted at once, a weight above the ceiling, tokens above the token ceiling (never grantable),
-# an expected start past the deadline (deadline-aware admission).
-REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS, TOO_LATE = 3, 4, 5, 6, 7
+# an expected start past the deadline (deadline-aware admission), a weight above the band's share
+# of the ceiling (headroom between bands: never grantable).
+REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS, TOO_LATE, OVER_SHARE = 3, 4, 5, 6, 7, 8
 # resize.lua's status: resized, growth refused (does not fit now), no such lease, tokens above
 # the token ceiling.
 RESIZED, RESIZE_REFUSED, RESIZE_LOST, RESIZE_TOO_MANY = 1, 0, -1, -2
@@ -33,13 +34,13 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     the outcome is set (the others are 0)."""
 
     status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS,
-    # TOO_LATE
+    # TOO_LATE, OVER_SHARE
     token: int  # granted: the fencing token; parked: the seq of the waiter member
     limit: int
     holders: int  # granted: units held counting this one
     position: int  # parked: waiters counting this one
-    #: refused: the bound that refused it (max_queued, per tenant, shed_below, ceiling or
-    #: token ceiling), or for TOO_LATE the expected wait (ms)
+    #: refused: the bound that refused it (max_queued, per tenant, shed_below, ceiling, token
+    #: ceiling or the band's share of the ceiling), or for TOO_LATE the expected wait (ms)
     max_queued: int
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
@@ -204,6 +205,11 @@ class Snapshot(msgspec.Struct):
     tokens: int = 0
     #: whether a call that would start after its deadline is refused at once
     deadline_admission: bool = True
+    #: the band shares in force: priority -> thousandths of the limit that band and the ones
+    #: below it may hold (empty: strict bands only; ``fleetgate.bands``)
+    band_share: dict[int, int] = {}
+    #: units held per priority (every band that holds some)
+    band_units: dict[int, int] = {}
     schema: int = 0
     max_queued_per_tenant: int = 0
     shed_below: int = 0

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from fleetgate.admission import lane_class, waiter_member, weighted_id
+from fleetgate.admission import lane_class, tokens_of, waiter_member, weight_of, weighted_id
 from fleetgate.ask import DEFAULT_ASK, Ask
 from fleetgate.client import ConfigError, DeadlineExceeded, Fleet, SyncFleet
 from fleetgate.settings import GateSettings, GateSettingsKwargs
@@ -47,8 +47,10 @@ def test_an_ask_is_immutable_and_normalised() -> None:
 def test_the_ask_encodes_itself_as_the_admission_wire_format() -> None:
     ask = Ask(weight=3, priority=-7, tenant="search")
     assert ask.lane == lane_class(-7, "search")
-    assert ask.lease_id("p:1") == weighted_id("p:1", 3) == "p:1w3"
-    assert ask.member(42, "p:1w3") == waiter_member(-7, "search", 42, "p:1w3")
+    # the band (100 - priority) before the weight: the band shares count by it
+    assert ask.lease_id("p:1") == weighted_id("p:1", 3, 0, -7) == "p:1b107w3"
+    assert weight_of("p:1b107w3t5") == 3 and tokens_of("p:1b107w3t5") == 5
+    assert ask.member(42, "p:1b107w3") == waiter_member(-7, "search", 42, "p:1b107w3")
     assert DEFAULT_ASK.lane == "" and DEFAULT_ASK.lease_id("p:2") == "p:2"
 
 

@@ -17,6 +17,7 @@ from fleetgate.keys import GateKeys
 from fleetgate.scripts import GRANTED, SCHEMA, GateScripts
 from fleetgate.settings import (
     ADMISSION_FIELDS,
+    BAND_FIELDS,
     FIELDS,
     TIME_FIELDS,
     TOKEN_FIELDS,
@@ -112,14 +113,17 @@ async def test_acquire_registers_the_admission_settings(
 
 
 def test_script_arguments_follow_the_field_order() -> None:
-    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, "", "", 1, ""]
+    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, "", "", 1, "", ""]
     s = GateSettings(
         floor=2,
         max_queued_per_tenant=7,
         shed_below=-10,
         tenant_weights={"search": 3, "batch": 1},
     )
-    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "", "", 1, "batch}1}search}3"]
+    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "", "", 1, "", "batch}1}search}3"]
+    # band shares: '<100 - priority as 3 digits>=<thousandths>', by priority
+    shares = GateSettings(band_share={-10: 0.3, 0: 0.7}).argv()[10]
+    assert shares == "100=700,110=300"
     assert GateSettings(deadline_admission=False).argv()[9] == 0
     tokens = GateSettings(token_limit=4_000, token_ceiling=8_000).argv()
     assert tokens[7:9] == [4_000, 8_000]
@@ -131,7 +135,8 @@ def test_fields_are_the_int_fields_then_the_admission_ones_then_the_token_budget
     assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
     assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
     assert TIME_FIELDS == ("deadline_admission",)
-    fields = FIELDS + ADMISSION_FIELDS + TOKEN_FIELDS + TIME_FIELDS
+    assert BAND_FIELDS == ("band_share",)
+    fields = FIELDS + ADMISSION_FIELDS + TOKEN_FIELDS + TIME_FIELDS + BAND_FIELDS
     assert fields == GateSettings.__struct_fields__
     assert set(bounds()) == set(FIELDS)
 
@@ -147,6 +152,7 @@ def test_as_cfg_shape() -> None:
         "token_limit": "",
         "token_ceiling": "",
         "deadline_admission": 1,
+        "band_share": "",
     }
     s = GateSettings(max_queued_per_tenant=50, shed_below=5, tenant_weights={"b": 2, "a": 9})
     assert s.as_cfg() == {
@@ -157,6 +163,7 @@ def test_as_cfg_shape() -> None:
         "token_limit": "",
         "token_ceiling": "",
         "deadline_admission": 1,
+        "band_share": "",
     }
     budget = GateSettings(token_limit=4_000).as_cfg()
     assert (budget["token_limit"], budget["token_ceiling"]) == (4_000, "")

@@ -4,6 +4,7 @@ settings published as the coordinator does, and the check that nothing of a lane
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import threading
 import time
 
@@ -14,6 +15,14 @@ from fleetgate.keys import GateKeys
 from fleetgate.scripts import GateScripts
 
 ctx = mp.get_context("spawn")
+
+
+def banded(lease_id: str, priority: int) -> str:
+    """``lease_id`` ('<pod>:<n>[w<W>][t<T>]') with the band tag a call of ``priority`` carries
+    (fleetgate.admission.weighted_id): 'b<100 - priority>' after '<pod>:<n>', none for 0."""
+    if priority == 0:
+        return lease_id
+    return re.sub(r"(:[0-9]+)((?:w[0-9]+)?(?:t[0-9]+)?)\Z", rf"\1b{100 - priority:03d}\2", lease_id)
 
 
 def units(r: redis.Redis, keys: GateKeys) -> int:

@@ -9,9 +9,12 @@ in lockstep with the real scripts (``test_transitions_model.py``).
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+from fleetgate import admission
 
 FLOOR, CEILING, MAX_QUEUED, MAX_QUEUED_PER_TENANT = 1, 6, 5, 3
 PODS = ("pa", "pb", "pc")
@@ -65,6 +68,17 @@ def fair_key(lane: str, f: int) -> tuple[str, str, str]:
 def weight_of(lease_id: str) -> int:
     tail = lease_id.rpartition(":")[2]
     return int(tail.partition("w")[2]) if "w" in tail else 1
+
+
+def held_field(holders: list[str]) -> str | None:
+    """What adm 'held' says of these holders: '<R>=<units>,...' for each band other than 100
+    (its tag 'b<R>' in the id), sorted; None when there is none (lib_units.lua held_bands)."""
+    held: Counter[str] = Counter()
+    for lid in holders:
+        m = re.search(r":[0-9]+b([0-9]{3})", lid)
+        if m:
+            held[m.group(1)] += admission.weight_of(lid)
+    return ",".join(f"{b}={u}" for b, u in sorted(held.items()) if u) or None
 
 
 def pod_of(lease_id: str) -> str:

@@ -34,6 +34,7 @@ from ._model_library import (
     Request,
     band,
     fair_key,
+    held_field,
     lane_tenant,
     member_lane,
     pad20,
@@ -68,7 +69,8 @@ class GateMachine(RuleBasedStateMachine):
     def defaults(self) -> list[object]:
         no_budget = ["", ""]  # token_limit, token_ceiling
         settings = [FLOOR, CEILING, MAX_QUEUED, LONG_MS, LONG_MS, MAX_QUEUED_PER_TENANT, 0]
-        return [*settings, *no_budget, 0, "a}2"]  # deadline admission off: FIFO waits
+        # deadline admission off (FIFO waits), no band shares
+        return [*settings, *no_budget, 0, "", "a}2"]
 
     def step(self, *, handed_off: bool) -> None:
         """After a script: whether it handed off, and whether it granted anything."""
@@ -113,7 +115,7 @@ class GateMachine(RuleBasedStateMachine):
             w = data.draw(st.sampled_from(WEIGHTS), label="weight")
             prio = data.draw(st.sampled_from(PRIORITIES), label="priority")
             tenant = data.draw(st.sampled_from(TENANTS), label="tenant")
-            reqs.append(Request(weighted_id(base, w), prio, tenant))
+            reqs.append(Request(weighted_id(base, w, 0, prio), prio, tenant))
         return reqs
 
     @rule(pods=st.lists(st.sampled_from(PODS), min_size=1, max_size=3), data=st.data())
@@ -290,7 +292,7 @@ class GateMachine(RuleBasedStateMachine):
     def redis_agrees_with_model(self, s: dict[str, Any]) -> None:
         m = self.m
         lanes = [w.member for lane in sorted(m.lanes) for w in m.lanes[lane]]
-        adm = {k: v for k, v in s["adm"].items() if k != "extra"}
+        adm = {k: v for k, v in s["adm"].items() if k not in ("extra", "held")}
         want_adm = {f"f:{lane}": pad20(f) for lane, f in m.fair.items()}
         want_adm |= {f"vt:{r}": str(v) for r, v in m.vt.items()}
         want_adm |= {f"rsv:{r}": member for r, member in m.rsv.items()}
@@ -317,6 +319,7 @@ class GateMachine(RuleBasedStateMachine):
         weights = [weight_of(h) for h in s["holders"]]
         units = sum(weights)
         assert units == len(weights) + int(s["adm"].get("extra", 0))
+        assert s["adm"].get("held") == held_field(s["holders"]), "held counts != the holders'"
         if self.granted_now:
             assert units <= lim, "units held above the limit after a grant"
         lanes: dict[str, list[str]] = {}
@@ -341,7 +344,8 @@ class GateMachine(RuleBasedStateMachine):
                 lane = member_lane(v)
                 assert band(lane) == k[4:] and lane in fair and lanes[lane][0] == v, f"{k}={v}"
             else:
-                assert (k == "extra" and v != "0") or k.startswith("f:"), f"adm field {k}={v}"
+                ok = k in ("extra", "held") and v != "0"
+                assert ok or k.startswith("f:"), f"adm field {k}={v}"
         assert len(s["waiters"]) <= MAX_QUEUED
         per_tenant = Counter(lane_tenant(lane) for lane, ms in lanes.items() for _ in ms)
         assert max(per_tenant.values(), default=0) <= MAX_QUEUED_PER_TENANT

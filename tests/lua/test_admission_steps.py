@@ -17,6 +17,8 @@ from fleetgate.admission import lane_class
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import SCRIPT_NAMES, HeartbeatReply, script_source
 
+from ._admission import banded
+
 LONG_MS = 600_000
 
 
@@ -26,7 +28,7 @@ class Gate:
         self.keys = GateKeys.of(f"b{uuid.uuid4().hex[:8]}", "steps")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self.defaults = [
-            floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, "", "", 0, ""
+            floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, "", "", 0, "", ""
         ]  # fmt: skip
 
     def call(self, name: str, *args: object) -> Any:
@@ -34,7 +36,8 @@ class Gate:
 
     def acquire(self, *reqs: tuple[str, int, str | None]) -> list[int]:
         """reqs: (id, priority, tenant); returns the statuses."""
-        triples = [x for i, p, t in reqs for x in (i, LONG_MS, lane_class(p, t))]
+        # each id with the band tag a call of its priority carries
+        triples = [x for i, p, t in reqs for x in (banded(i, p), LONG_MS, lane_class(p, t))]
         reply = self.call("acquire", *self.defaults, 0, 0, 0, *triples)
         return [int(x) for x in reply[5::4]]
 
@@ -113,12 +116,12 @@ def test_a_big_lane_whose_head_fits_after_a_waiter_reap_in_acquire_is_served(
     assert g.acquire(("pb:4", -1, None)) == [2]
     assert g.call("release", 0, "pa:1w4") == 1
     # pa:3 (priority 0) is served, first (strict bands), then pb:4 (-1) with the units left
-    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:3", "pb:4"]
+    assert sorted(r.zrange(g.keys.holders, 0, -1)) == ["pa:3", "pb:4b101"]
     tokens = {
         w.partition("=")[0]: int(w.partition("=")[2])
         for w in r.lrange(g.keys.wake("pa"), 0, -1) + r.lrange(g.keys.wake("pb"), 0, -1)
     }
-    assert tokens["pa:3"] < tokens["pb:4"]
+    assert tokens["pa:3"] < tokens["pb:4b101"]
 
 
 def test_a_head_behind_another_lanes_tag_reserves_nothing(r: redis.Redis) -> None:

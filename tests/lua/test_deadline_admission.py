@@ -17,6 +17,8 @@ from fleetgate.admission import lane_class
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import SCRIPT_NAMES, script_source
 
+from ._admission import banded
+
 LONG_MS = 600_000
 NO_DEADLINE_MS = 24 * 3600 * 1000
 GRANTED, PARKED, TOO_LATE = 1, 2, 7
@@ -29,7 +31,9 @@ class Gate:
         self.r = r
         self.keys = GateKeys.of(f"d{uuid.uuid4().hex[:8]}", "deadline")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
-        self.defaults = [floor, 64, 100, LONG_MS, LONG_MS, 100, 0, "", "", int(admission), "a}3"]
+        self.defaults = [
+            floor, 64, 100, LONG_MS, LONG_MS, 100, 0, "", "", int(admission), "", "a}3"
+        ]  # fmt: skip
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
@@ -39,6 +43,7 @@ class Gate:
     ) -> tuple[int, int]:
         """One request; (status, n): n = the expected wait (ms) when refused as too late."""
         cls = lane_class(priority, tenant)
+        lease_id = banded(lease_id, priority)  # the band tag a call of this priority carries
         reply = self.call("acquire", *self.defaults, 0, 0, 0, lease_id, wait_ms, cls)
         return int(reply[5]), int(reply[7])
 
@@ -98,13 +103,13 @@ def test_higher_bands_wait_ahead_and_tenants_of_a_band_by_their_share(r: redis.R
     g = Gate(r)
     assert g.acquire("p:0")[0] == GRANTED
     for i in range(1, 5):  # 4 waiters of priority 10 ...
-        assert g.acquire(f"p:h{i}", priority=10)[0] == PARKED
+        assert g.acquire(f"p:{100 + i}", priority=10)[0] == PARKED
     for i in range(1, 7):  # ... and 6 of tenant b (weight 1) at priority 0
         assert g.acquire(f"p:b{i}", tenant="b")[0] == PARKED
     g.set_drain("090", 50, 10_000)  # band of priority 10: 5 grants/s
     g.set_drain("100", 50, 10_000)  # band of priority 0: 5 grants/s
     # priority 10 arrival: the 4 of its band ahead, at its band's rate: (4 + 1) / 5 per s
-    assert g.acquire("p:h5", wait_ms=1, priority=10) == (TOO_LATE, pytest.approx(1000, abs=10))
+    assert g.acquire("p:105", wait_ms=1, priority=10) == (TOO_LATE, pytest.approx(1000, abs=10))
     # tenant a (weight 3) at priority 0: the 4 of priority 10, and of b's 6 only what fair
     # queuing serves there while a's lane serves its first: ceil(1 / 3) = 1; 6 grants at the
     # two bands' 10 per s

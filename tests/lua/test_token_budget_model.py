@@ -41,6 +41,7 @@ from fleetgate.observed import encode_report, tally
 from fleetgate.scripts import SCRIPT_NAMES, script_source
 
 from ..conftest import RedisUnderTest
+from ._model_library import held_field
 
 LIMIT, TOKEN_LIMIT, TOKEN_CEILING = 4, 100, 150
 LONG_MS = 600_000
@@ -65,7 +66,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
 
     def defaults(self) -> list[object]:
-        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, 0, "a}2"]
+        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, 0, "", "a}2"]
 
     # -- what Redis holds -----------------------------------------------------------------
 
@@ -109,7 +110,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         args: list[object] = [*self.defaults(), 0, 0, 0]
         ids = []
         for _ in range(n):
-            lid = weighted_id(f"{pod}:{next(self.ids)}", weight, tokens)
+            lid = weighted_id(f"{pod}:{next(self.ids)}", weight, tokens, priority)
             ids.append(lid)
             args += [lid, LONG_MS, lane_class(priority, tenant)]
             self.classes[lid] = lane_class(priority, tenant)
@@ -174,6 +175,11 @@ class TokenGateMachine(RuleBasedStateMachine):
                 self.r.hincrby(self.keys.adm, "tok", -tok)
             if weight_of(lid) > 1:
                 self.r.hincrby(self.keys.adm, "extra", 1 - weight_of(lid))
+            held = held_field(self.holders())  # (the per-band counts, for the band shares)
+            if held:
+                self.r.hset(self.keys.adm, "held", held)
+            else:
+                self.r.hdel(self.keys.adm, "held")
             pod = lid.rpartition(":")[0]
             before, waiting = set(self.holders()), self.lanes()
             self.call("heartbeat", pod, 10_000, 1, lid, 10**15, 0, 0, 0, *self.defaults())

@@ -179,7 +179,7 @@ async def test_scripts_write_only_the_keys_gate_keys_names(
     # weight 3 above the limit (1): its lane waits in big
     assert (await scripts.acquire_many(keys, [("pd:4w3", 5_000, "100}t")], d))[0].status == PARKED
     # the list is full: priority 10 evicts the newest waiter of band 0 (pc:3)
-    [e] = await scripts.acquire_many(keys, [("pe:5", 5_000, lane_class(10, None))], d)
+    [e] = await scripts.acquire_many(keys, [("pe:5b090", 5_000, lane_class(10, None))], d)
     assert e.status == PARKED
     assert await async_redis.lrange(keys.wake("pc"), 0, -1) == ["pc:3=x"]
     await scripts.heartbeat(keys, "pb", 10_000, [], [(class_member("", b.token, "pb:2"), 5_000)])
@@ -190,10 +190,10 @@ async def test_scripts_write_only_the_keys_gate_keys_names(
     assert await scripts.release_many(keys, ["pa:1"], tally([encode_report("ok", 0.01)])) == 1
     found = {k async for k in async_redis.scan_iter(match=f"{keys.base}:*")}
     assert found == {*keys.data_keys(), keys.wake("pc"), keys.wake("pe")}
-    assert await async_redis.zrange(keys.holders, 0, -1) == ["pe:5"]
+    assert await async_redis.zrange(keys.holders, 0, -1) == ["pe:5b090"]
     assert sorted(await queue_ids(async_redis, keys)) == ["pb:2", "pd:4w3"]
     [wake] = await async_redis.lrange(keys.wake("pe"), 0, -1)
-    assert wake.startswith("pe:5=")
+    assert wake.startswith("pe:5b090=")
 
 
 @pytest.fixture
