@@ -70,6 +70,12 @@ def weight_of(lease_id: str) -> int:
     return int(tail.partition("w")[2]) if "w" in tail else 1
 
 
+def priority_of(lease_id: str) -> int:
+    """The priority a lease id's band tag says ('b<100 - priority>'; none: 0)."""
+    m = re.search(r":[0-9]+b([0-9]{3})", lease_id)
+    return 100 - int(m.group(1)) if m else 0
+
+
 def held_field(holders: list[str]) -> str | None:
     """What adm 'held' says of these holders: '<R>=<units>,...' for each band other than 100
     (its tag 'b<R>' in the id), sorted; None when there is none (lib_units.lua held_bands)."""

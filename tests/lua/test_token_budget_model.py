@@ -1,16 +1,20 @@
-"""Property-based test of the token budget: random transitions against the real scripts, on a
-real redis-server, with the two budgets' rules checked after every step.
+"""Property-based test of the token budget and the band shares: random transitions against the
+real scripts, on a real redis-server, with the two budgets' and the shares' rules checked after
+every step.
 
 The machine draws requests of several weights, priorities, tenants and token sizes (some above
 the token budget, some above the token ceiling), releases, cancels, resizes (shrinks and
 growths), heartbeats, expiries (a lease's or a waiter's entry set in the past), Redis losing a
 lease while its work runs (adopted again by the heartbeat), and publishes that lower or restore
-the ceilings. It keeps only what callers know (their leases, by the ids the replies name) and
-checks against Redis:
+the ceilings or change the band shares. It keeps only what callers know (their leases, by the
+ids the replies name) and checks against Redis:
 
   * tokens held (adm ``tok``) = the sum of the holders' tokens, units = their weights;
   * units <= limit and tokens <= token budget whenever the step granted anything, and a resize
     never grows a lease past the budget nor while anyone eligible waits;
+  * the units held per band (adm ``held``) = the holders' by the band in their ids; a lease
+    granted in a band never takes a share binding that band above its units (shares lowered
+    meanwhile included), and a call heavier than its band's share of the ceiling is refused;
   * FIFO inside a lane: a waiter is never granted while an older waiter of its lane waits;
   * nothing is granted above the token ceiling in force (a waiter above a lowered ceiling is
     refused when it reaches the head of its lane, as one above a lowered weight ceiling);
@@ -36,12 +40,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fleetgate.admission import lane_class, member_id, tokens_of, weight_of, weighted_id
+from fleetgate.bands import share_cap
 from fleetgate.keys import GateKeys
 from fleetgate.observed import encode_report, tally
 from fleetgate.scripts import SCRIPT_NAMES, script_source
+from fleetgate.settings import GateSettings
 
 from ..conftest import RedisUnderTest
-from ._model_library import held_field
+from ._model_library import held_field, priority_of
 
 LIMIT, TOKEN_LIMIT, TOKEN_CEILING = 4, 100, 150
 LONG_MS = 600_000
@@ -61,6 +67,8 @@ class TokenGateMachine(RuleBasedStateMachine):
         self.token_ceiling = TOKEN_CEILING
         self.members: dict[str, str] = {}  # parked id -> its waiter member
         self.classes: dict[str, str] = {}  # lease id -> the lane class it asked in
+        self.shares: dict[int, float] = {}  # the band shares published
+        self.granted: set[str] = set()  # what the last step granted
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
@@ -83,7 +91,7 @@ class TokenGateMachine(RuleBasedStateMachine):
     def step(self, before: set[str], waiting_before: list[str]) -> None:
         """After a script: what it granted, checked against FIFO inside each lane."""
         granted = set(self.holders()) - before
-        self.granted_now = bool(granted)
+        self.granted_now, self.granted = bool(granted), granted
         for lid in granted:  # a waiter above a lowered token ceiling is refused, never granted
             assert tokens_of(lid) <= self.token_ceiling, f"{lid} granted above the token ceiling"
         still = set(self.lanes())
@@ -115,9 +123,12 @@ class TokenGateMachine(RuleBasedStateMachine):
             args += [lid, LONG_MS, lane_class(priority, tenant)]
             self.classes[lid] = lane_class(priority, tenant)
         reply = self.call("acquire", *args)
+        bound = [share_cap(f, LIMIT) for p, f in self.shares.items() if p >= priority]
         for k, lid in enumerate(ids):
             status = int(reply[5 + 4 * k])
-            if tokens > self.token_ceiling:
+            if weight > min(bound, default=weight):
+                assert status == 8, (lid, status)  # heavier than its share of the ceiling
+            elif tokens > self.token_ceiling:
                 assert status == 6, (lid, status)
             if status == 2:
                 self.members[lid] = next(m for m in self.lanes() if m.endswith("}" + lid))
@@ -201,7 +212,27 @@ class TokenGateMachine(RuleBasedStateMachine):
         self.token_ceiling = ceiling
         self.step(before, waiting)
 
+    @rule(share=st.sampled_from(({}, {0: 0.5}, {5: 0.75, 0: 0.5}, {0: 0.25}, {5: 0.5})))
+    def publish_band_share(self, share: dict[int, float]) -> None:
+        """The coordinator's config sets, changes or removes the band shares (a lowered one
+        refuses a parked head heavier than its new share of the ceiling; nothing held is taken
+        back)."""
+        before, waiting = set(self.holders()), self.lanes()
+        encoded = GateSettings(band_share=share).as_cfg()["band_share"]
+        assert self.call("publish", 0, LONG_MS, "", 1, "band_share", encoded)[0] == 1
+        self.shares = share
+        self.step(before, waiting)
+
     # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def no_grant_takes_a_share_above_its_units(self) -> None:
+        ids = self.holders()
+        for lid in self.granted:
+            for p, f in self.shares.items():
+                if p >= priority_of(lid):
+                    held = sum(weight_of(i) for i in ids if priority_of(i) <= p)
+                    assert held <= share_cap(f, LIMIT), (lid, p, f, ids)
 
     @invariant()
     def counters_match_the_holders(self) -> None:
@@ -210,6 +241,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         extra = int(self.r.hget(self.keys.adm, "extra") or 0)
         assert tok == sum(tokens_of(i) for i in ids), (tok, ids)
         assert len(ids) + extra == sum(weight_of(i) for i in ids)
+        assert self.r.hget(self.keys.adm, "held") == held_field(ids)
 
     @invariant()
     def both_caps_hold_after_a_grant(self) -> None:
