@@ -139,7 +139,6 @@ def build_server() -> Path:
     return target
 
 
-
 def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     """A SentencePiece-style vocabulary: <unk> <s> </s>, the 256 byte tokens (so any text
     tokenizes), then letters and letter pairs (with and without the word mark) to n_vocab."""

@@ -176,7 +176,7 @@ class FrozenMap(Mapping[K, V]):
     __slots__ = ("_hash", "_items", "_map", "encoded")
 
     def __init__(self, items: Mapping[K, V] | Iterable[tuple[K, V]] = ()) -> None:
-        self._map: dict[K, V] = dict(sorted(dict(items).items()))  # type: ignore[type-var]
+        self._map: dict[K, V] = dict(sorted(dict(items).items()))
         self._items = tuple(self._map.items())
         # Hashed with the settings on every acquire (the scripts' encoded-ARGV cache): once.
         self._hash = hash(self._items)

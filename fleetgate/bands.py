@@ -80,7 +80,7 @@ def validate_band_share(mapping: object) -> BandShare:
                 f"{MAX_PRIORITY}]"
             )
         ok = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-        if not ok or not 0 < fraction <= 1 or permille(fraction) < 1:  # type: ignore[operator]
+        if not ok or not 0 < fraction <= 1 or permille(fraction) < 1:
             raise ConfigError(
                 f"band_share[{priority}]: expected a fraction of the limit in (0, 1], at least "
                 f"{1 / PER}, got {fraction!r}"

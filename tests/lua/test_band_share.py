@@ -112,9 +112,7 @@ def test_a_share_never_shuts_a_band_out(r: redis.Redis) -> None:
 
 def test_a_call_heavier_than_its_share_of_the_ceiling_is_refused(r: redis.Redis) -> None:
     g = Gate(r, floor=4, ceiling=8, share={0: 0.5})  # at most 4 units of priority 0, ever
-    reply = g.call(
-        "acquire", *g.settings.argv(), 0, 0, 0, "p:1w5", LONG_MS, lane_class(0, None)
-    )
+    reply = g.call("acquire", *g.settings.argv(), 0, 0, 0, "p:1w5", LONG_MS, lane_class(0, None))
     assert (int(reply[5]), int(reply[7])) == (OVER_SHARE, 4)
     assert g.acquire("p:2w5", priority=10) == PARKED  # a higher band is not bound: it waits
     assert int(g.inspect()["stats"]["too_heavy"]) == 1

@@ -143,6 +143,7 @@ class KvScheduler:
             # the next token that needs a new block (or the last token)
             room = seq.blocks * self.block_size - seq.prompt
             nxt = min(seq.gen, room + 1) if room < seq.gen else seq.gen
+
             # due after the decode steps, moved by every prefill since (the batch stalled)
             def due(n: int = nxt) -> float:
                 return start + n * per_token + self._stalled_total - stalls
