@@ -34,7 +34,8 @@
 --   lib_share.lua).
 --   token: granted = the fencing token (monotonic per gate in grant order); parked = the
 --   caller's seq, its place in its lane (waiter member '<tenant>}<R>}<seq20>}<id>'): its
---   fencing token comes with the grant.
+--   fencing token comes with the grant; rejected because the list is full (status 0) = ms
+--   after which it is expected to find a place (lib_drain.lua retry_full; 0: no estimate).
 --   lease_ms, waiter_ms: the TTLs in force, so the caller paces its first renewal by them.
 --   expires_at: server time (ms) at which the granted lease (or the parked entry) expires.
 -- A call is granted at once only if nobody eligible waits in its band or above and its own
@@ -185,6 +186,7 @@ end
 local status, n, lanes = {}, {}, {}
 local n_granted, n_parked, n_rejected, extra, granted_tokens = 0, 0, 0, 0, 0
 local rejected_by = {0, 0, 0, 0, 0, 0, 0, 0, 0}  -- by status + 1
+local retry_in = {}  -- request j -> ms after which a request refused as full should return
 -- units of this call's grants per band (not in the held counts yet): what the band shares see
 local pending = {}
 local function share_ok(r, w)
@@ -244,6 +246,7 @@ for i = first, #ARGV, 3 do
       end
       if queued >= cfg.max_queued and not evict(r) then
         st, k = 0, cfg.max_queued
+        if cfg.deadline_admission then retry_in[#status + 1] = retry_full(now, r) end
       else
         if queued >= cfg.max_queued then queued = queued - 1 end
         queued = queued + 1
@@ -296,7 +299,11 @@ for j, st in ipairs(status) do
     waiting[#waiting + 1] = expires
     waiting[#waiting + 1] = m
   end
-  if st == 1 or st == 2 then token = token + 1 end
+  if st == 1 or st == 2 then
+    token = token + 1
+  elseif st == 0 then
+    t = retry_in[j] or 0
+  end
   local k = #out
   out[k + 1], out[k + 2], out[k + 3], out[k + 4] = st, t, n[j], expires
 end

@@ -35,7 +35,9 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
 
     status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS,
     # TOO_LATE, OVER_SHARE
-    token: int  # granted: the fencing token; parked: the seq of the waiter member
+    #: granted: the fencing token; parked: the seq of the waiter member; REJECTED: ms after
+    #: which a place in the wait list is expected to free for it (0: no estimate)
+    token: int
     limit: int
     holders: int  # granted: units held counting this one
     position: int  # parked: waiters counting this one
