@@ -269,12 +269,22 @@ def _int(v: str | None) -> int | None:
 
 
 def _empty_tables_as_lists(raw: bytes | str) -> Any:
-    # Redis' cjson encodes an empty Lua table as {}; the list fields are normalised here.
+    # Redis' cjson encodes an empty Lua table as {}, fakeredis' Lua as []: both kinds of field
+    # are normalised here.
     obj = msgspec.json.decode(raw)
     for k in ("head", "leases", "lanes"):
         if obj.get(k) == {}:
             obj[k] = []
-    for k in ("cfg", "target", "stats", "util", "obs", "tenant_weights"):
+    for k in (
+        "cfg",
+        "target",
+        "stats",
+        "util",
+        "obs",
+        "tenant_weights",
+        "band_share",
+        "band_units",
+    ):
         if obj.get(k) == []:
             obj[k] = {}
     return obj

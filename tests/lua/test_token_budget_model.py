@@ -12,6 +12,7 @@ ids the replies name) and checks against Redis:
   * tokens held (adm ``tok``) = the sum of the holders' tokens, units = their weights;
   * units <= limit and tokens <= token budget whenever the step granted anything, and a resize
     never grows a lease past the budget nor while anyone eligible waits;
+  * each band's drain counts no more grants than the hand-offs made (deadline admission on);
   * the units held per band (adm ``held``) = the holders' by the band in their ids; a lease
     granted in a band never takes a share binding that band above its units (shares lowered
     meanwhile included), and a call heavier than its band's share of the ceiling is refused;
@@ -74,7 +75,9 @@ class TokenGateMachine(RuleBasedStateMachine):
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
 
     def defaults(self) -> list[object]:
-        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, 0, "", "a}2"]
+        # deadline admission on: the hand-offs keep the bands' drain (no call here has a
+        # deadline short enough to be refused by it)
+        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, 1, "", "a}2"]
 
     # -- what Redis holds -----------------------------------------------------------------
 
@@ -248,6 +251,21 @@ class TokenGateMachine(RuleBasedStateMachine):
         if self.granted_now:
             units, tokens = self.held()
             assert units <= LIMIT and tokens <= TOKEN_LIMIT, (units, tokens, self.holders())
+
+    @invariant()
+    def the_drain_counters_are_well_formed(self) -> None:
+        """Each band's drain (adm dr:<R> = '<s>,<w>,<at>') counts no more grants than the
+        hand-offs made, over non-negative time, last moved no later than now; the refused
+        callers' return count (rj) is non-negative."""
+        now = self.r.time()
+        now_ms = now[0] * 1000 + now[1] // 1000
+        handed = int(self.r.hget(self.keys.stats, "handed_off") or 0)
+        for key, v in self.r.hgetall(self.keys.adm).items():
+            if key.startswith("dr:"):
+                grants, over, at = (float(x) for x in v.split(","))
+                assert 0 <= grants <= handed + 1e-6 and over >= 0 and at <= now_ms, (key, v)
+            elif key == "rj":
+                assert float(v.split(",")[0]) >= 0, v
 
     @invariant()
     def every_lane_is_scheduled_once(self) -> None:
