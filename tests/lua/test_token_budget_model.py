@@ -221,8 +221,15 @@ class TokenGateMachine(RuleBasedStateMachine):
         refuses a parked head heavier than its new share of the ceiling; nothing held is taken
         back)."""
         before, waiting = set(self.holders()), self.lanes()
-        encoded = GateSettings(band_share=share).as_cfg()["band_share"]
-        assert self.call("publish", 0, LONG_MS, "", 1, "band_share", encoded)[0] == 1
+        # the coordinator publishes a gate's settings together (a cfg with band_share alone would
+        # leave the scripts that read no defaults without the token budget)
+        cfg = {
+            "token_limit": TOKEN_LIMIT,
+            "token_ceiling": self.token_ceiling,
+            "band_share": GateSettings(band_share=share).as_cfg()["band_share"],
+        }
+        flat = [x for kv in cfg.items() for x in kv]
+        assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
         self.shares = share
         self.step(before, waiting)
 
