@@ -144,6 +144,9 @@ class GateAcquirer(GateState):
             self.waiters.pop(lease_id, None)
             raise self._refusal(reply, ask, wait_ms)
         waiter.member = ask.member(reply.token, lease_id)
+        if reply.estimate_ms >= 0:
+            waiter.expected_wait = reply.estimate_ms / 1000
+            self.series.of(ask).expected_wait_seconds.observe(waiter.expected_wait)
         return await self._park(waiter)
 
     def _refusal(self, reply: AcquireReply, ask: Ask, wait_ms: int) -> FleetgateError:
@@ -174,7 +177,7 @@ class GateAcquirer(GateState):
                 "calls waiting",
             )
         if reply.status == TOO_LATE:
-            return self._too_late(reply.max_queued, wait_ms)
+            return self._too_late(reply.max_queued, wait_ms, reply.estimate_ms)
         if reply.status == SHED:
             return Overloaded(
                 self.name,
@@ -255,7 +258,9 @@ class GateAcquirer(GateState):
             depth.dec()
         self.waiters.pop(waiter.id, None)
         self.series.of(waiter.ask).wait_seconds.observe(time.monotonic() - waiter.parked_at)
-        return self._granted(waiter.id, token, waiter.expires_at, waiter.ask)
+        lease = self._granted(waiter.id, token, waiter.expires_at, waiter.ask)
+        lease.expected_wait = waiter.expected_wait
+        return lease
 
     def _granted(self, lease_id: str, token: int, expires_at: int, ask: Ask) -> Lease:
         lease = Lease(self, lease_id, token, ask, expires_at=expires_at)
@@ -375,23 +380,28 @@ class GateAcquirer(GateState):
         elif lease_id and token.isdigit():
             self.on_granted(lease_id, int(token))
 
-    def _too_late(self, expected_ms: int, wait_ms: int) -> DeadlineUnreachable:
+    def _too_late(self, expected_ms: int, wait_ms: int, hold_ms: int) -> DeadlineUnreachable:
         """The error of a call that would start ``expected_ms`` from now and may wait
-        ``wait_ms`` (counted in the metrics)."""
+        ``wait_ms``, its deadline covering ``hold_ms`` of its band's expected hold too (the gate's
+        deadline_admission is "finish"; -1: not); counted in the metrics."""
         expected, deadline = expected_ms / 1000, wait_ms / 1000
+        hold = hold_ms / 1000 if hold_ms >= 0 else None
         self.series.deadline_unreachable.inc()
         # Back by how much later the queue ahead is expected to have drained enough, spread (x1
         # to x1.5) so that callers refused together do not return together.
-        later = max(expected - deadline, 0.001) * random.uniform(1.0, 1.5)
-        return DeadlineUnreachable(self.name, expected, deadline, retry_after=later)
+        later = max(expected + (hold or 0) - deadline, 0.001) * random.uniform(1.0, 1.5)
+        return DeadlineUnreachable(
+            self.name, expected, deadline, retry_after=later, expected_hold=hold
+        )
 
-    def on_too_late(self, lease_id: str, expected_ms: int) -> None:
-        """By the drain, parked ``lease_id`` would now start after its deadline: the
-        heartbeat took it out of the wait list (deadline-aware admission)."""
+    def on_too_late(self, lease_id: str, expected_ms: int, hold_ms: int = -1) -> None:
+        """By the drain, parked ``lease_id`` would now start (or, with deadline_admission
+        "finish", end) after its deadline: the heartbeat took it out of the wait list
+        (deadline-aware admission)."""
         waiter = self.waiters.get(lease_id)
         if waiter is not None and not waiter.future.done():
             self.series.of(waiter.ask).rejected.inc()
-            waiter.future.set_exception(self._too_late(expected_ms, waiter.remaining_ms()))
+            waiter.future.set_exception(self._too_late(expected_ms, waiter.remaining_ms(), hold_ms))
 
     def on_evicted(self, lease_id: str) -> None:
         """A higher band's arrival took ``lease_id``'s place in the full wait list."""

@@ -278,8 +278,11 @@ class Gate(GateAcquirer):
             self.on_granted(lease_id, token)
         for lease_id in reply.evicted:
             self.on_evicted(lease_id)
-        for lease_id, expected_ms in zip(reply.too_late, reply.too_late_ms, strict=True):
-            self.on_too_late(lease_id, expected_ms)
+        holds = reply.too_late_hold_ms or [-1] * len(reply.too_late)
+        for lease_id, expected_ms, hold_ms in zip(
+            reply.too_late, reply.too_late_ms, holds, strict=True
+        ):
+            self.on_too_late(lease_id, expected_ms, hold_ms)
         for lease_id in reply.too_heavy:
             self.on_too_heavy(lease_id, reply.ceiling)
         for lease_id in reply.lost_waiters:

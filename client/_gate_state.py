@@ -54,6 +54,8 @@ class Waiter:
     parked: bool = False
     # Server time (ms) the lease handed to this waiter expires at, when a heartbeat saw the grant.
     expires_at: int = 0
+    # The wait (s) the gate expected when it parked (None: no estimate): the lease's expected_wait.
+    expected_wait: float | None = None
 
     def remaining_ms(self) -> int:
         """The ms it may still wait (what the scripts keep its entry for)."""

@@ -79,6 +79,9 @@ class Lease(Reporting):
         self._released = False
         self._granted_at = time.monotonic()  # the default latency of report() counts from here
         self._tokens = ask.tokens
+        #: the wait (seconds) the gate expected by its measured drain when this call parked
+        #: (deadline-aware admission); None when it was granted at once or had no estimate
+        self.expected_wait: float | None = None
 
     @property
     def weight(self) -> int:

@@ -53,6 +53,7 @@ class ClientMetrics:
     in_flight_units: Gauge
     queue_depth: Gauge
     wait_seconds: Histogram
+    expected_wait_seconds: Histogram
     granted: Counter
     rejected: Counter
     deadline_exceeded: Counter
@@ -103,6 +104,11 @@ class ClassMetrics:
     @cached_property
     def wait_seconds(self) -> Histogram:
         return self._metrics.wait_seconds.labels(*self._labels)
+
+    @cached_property
+    def expected_wait_seconds(self) -> Histogram:
+        """The waits the gate expected of this class's parked calls (beside wait_seconds)."""
+        return self._metrics.expected_wait_seconds.labels(*self._labels)
 
     @cached_property
     def granted(self) -> Counter:
@@ -252,6 +258,13 @@ _SPECS: dict[str, tuple[type[Gauge | Counter | Histogram], str, tuple[str, ...],
     "wait_seconds": (
         Histogram,
         "Time parked before a grant (parked grants only)",
+        CLASS_LABELS,
+        WAIT_BUCKETS,
+    ),
+    "expected_wait_seconds": (
+        Histogram,
+        "The wait the gate expected by its measured drain when a call parked (deadline-aware "
+        "admission; parked calls with an estimate only): compare with wait_seconds",
         CLASS_LABELS,
         WAIT_BUCKETS,
     ),

@@ -59,27 +59,44 @@ class Overloaded(FleetgateError):
 
 
 class DeadlineUnreachable(Overloaded):
-    """By the measured drain of its band the call would start after its deadline: refused at
-    once instead of waiting its deadline out (deadline-aware admission). Never retried, as every
-    ``Overloaded``.
+    """By the measured drain of its band the call would start after its deadline (with the
+    gate's ``deadline_admission="finish"``: would end after it, counting its band's expected
+    hold): refused at once instead of waiting its deadline out (deadline-aware admission).
+    Never retried, as every ``Overloaded``.
 
     ``expected_wait``: the wait the gate expected, ``deadline``: what the call could wait
-    (seconds); ``retry_after`` how much later a call would be expected to start in time.
+    (seconds); ``expected_hold``: the band's mean hold counted against the deadline too
+    (seconds; None unless the gate admits by "finish"); ``retry_after`` how much later a call
+    would be expected to make its deadline.
     """
 
     def __init__(
-        self, gate: str, expected_wait: float, deadline: float, *, retry_after: float
+        self,
+        gate: str,
+        expected_wait: float,
+        deadline: float,
+        *,
+        retry_after: float,
+        expected_hold: float | None = None,
     ) -> None:
+        if expected_hold is None:
+            what = f"the expected wait of {expected_wait:.3f} s is"
+        else:
+            what = (
+                f"the expected wait of {expected_wait:.3f} s and its band's mean hold of "
+                f"{expected_hold:.3f} s are"
+            )
         super().__init__(
             gate,
             0,
             reason=(
-                f"the expected wait of {expected_wait:.3f} s is past the call's deadline of "
-                f"{deadline:.3f} s (by the gate's measured drain)"
+                f"{what} past the call's deadline of {deadline:.3f} s (by the gate's measured "
+                "drain)"
             ),
             retry_after=retry_after,
         )
         self.expected_wait = expected_wait
+        self.expected_hold = expected_hold
         self.deadline = deadline
 
 

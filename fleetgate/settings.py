@@ -14,7 +14,7 @@ for the int fields of :data:`FIELDS`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Final, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypedDict
 
 import msgspec
 from msgspec import Meta
@@ -43,6 +43,7 @@ __all__ = [
     "TIME_FIELDS",
     "TOKEN_FIELDS",
     "Ceiling",
+    "DeadlineAdmission",
     "Floor",
     "GateSettings",
     "GateSettingsKwargs",
@@ -53,10 +54,11 @@ __all__ = [
     "TokenCeiling",
     "TokenLimit",
     "WaiterMs",
+    "admission_code",
     "bounds",
     "check_admission",
     "check_ceiling",
-    "check_flag",
+    "check_deadline_admission",
     "check_setting_names",
     "check_tokens",
     "settings_differing",
@@ -102,6 +104,25 @@ _WHY_LOW = {
 }
 
 
+#: ``deadline_admission``: True or ``"start"`` (the deadline must cover the expected wait),
+#: ``"finish"`` (the wait and the band's mean hold), False (off).
+DeadlineAdmission = bool | Literal["start", "finish"]
+
+
+def admission_code(value: DeadlineAdmission) -> int:
+    """``deadline_admission`` as the scripts take it: 0 off, 1 start, 2 finish."""
+    return 2 if value == "finish" else 1 if value is True or value == "start" else 0
+
+
+def check_deadline_admission(value: object) -> None:
+    """Raise a :class:`ConfigError` naming the field unless ``value`` is a bool, ``"start"``
+    or ``"finish"``."""
+    if not isinstance(value, bool) and value not in ("start", "finish"):
+        raise ConfigError(
+            f'deadline_admission: expected true, false, "start" or "finish", got {value!r}'
+        )
+
+
 class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One gate's settings, in the order the scripts take them (``argv()``).
 
@@ -127,9 +148,10 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the most tokens one call may ask and a target may set the budget to (None: token_limit)
     token_ceiling: TokenCeiling | None = None
     #: refuse at once a call whose expected start (from the gate's measured drain) is past its
-    #: deadline (:class:`~fleetgate.errors.DeadlineUnreachable`), instead of parking it; False:
+    #: deadline (:class:`~fleetgate.errors.DeadlineUnreachable`), instead of parking it (True,
+    #: or ``"start"``); ``"finish"``: the deadline must cover the band's mean hold too; False:
     #: every call that fits the queue bounds waits out its deadline
-    deadline_admission: bool = True
+    deadline_admission: DeadlineAdmission = True
     #: headroom between bands: priority -> the fraction of the limit that band and every band
     #: below it may hold together (:mod:`fleetgate.bands`); empty: strict bands only
     band_share: Mapping[int, float] = msgspec.field(default_factory=BandShare)
@@ -145,7 +167,8 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def argv(self) -> list[int | str]:
         """ARGV of the scripts that take a gate's settings, 12 values: floor, ceiling,
         max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below, token_limit,
-        token_ceiling (each ``''`` when None), deadline_admission (1 or 0), band_share and
+        token_ceiling (each ``''`` when None), deadline_admission (0 off, 1 start, 2 finish),
+        band_share and
         tenant_weights (encoded: :class:`~fleetgate.bands.BandShare`,
         :func:`~fleetgate.admission.encode_tenant_weights`)."""
         return [
@@ -158,7 +181,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.shed_below,
             _text(self.token_limit),
             _text(self.token_ceiling),
-            int(self.deadline_admission),
+            admission_code(self.deadline_admission),
             self._band_share.encoded,
             self._tenant_weights.encoded,
         ]
@@ -168,7 +191,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``max_queued_per_tenant`` (``''`` when unset: publish.lua deletes the field, so a bound
         removed from the configuration is removed in Redis too), ``shed_below``,
         ``tenant_weights`` (encoded; the scripts keep it apart from ``cfg``), ``token_limit``
-        and ``token_ceiling`` (``''`` when unset, likewise), ``deadline_admission`` (1 or 0),
+        and ``token_ceiling`` (``''`` when unset, likewise), ``deadline_admission`` (0, 1 or 2),
         ``band_share`` (encoded; ``''`` when empty, which deletes the field)."""
         cfg: dict[str, int | str] = {name: getattr(self, name) for name in FIELDS}
         cfg["max_queued_per_tenant"] = _text(self.max_queued_per_tenant)
@@ -176,7 +199,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cfg["tenant_weights"] = self._tenant_weights.encoded
         cfg["token_limit"] = _text(self.token_limit)
         cfg["token_ceiling"] = _text(self.token_ceiling)
-        cfg["deadline_admission"] = int(self.deadline_admission)
+        cfg["deadline_admission"] = admission_code(self.deadline_admission)
         cfg["band_share"] = self._band_share.encoded
         return cfg
 
@@ -214,7 +237,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 values.get("tenant_weights", {}),
             )
             check_tokens(values.get("token_limit"), values.get("token_ceiling"))
-            check_flag("deadline_admission", values.get("deadline_admission", True))
+            check_deadline_admission(values.get("deadline_admission", True))
             values["band_share"] = validate_band_share(values.get("band_share", {}))
         except ConfigError as exc:
             raise ConfigError(f"gate {gate!r}: {exc}") from None
@@ -253,7 +276,7 @@ class GateSettingsKwargs(TypedDict, total=False):
     tenant_weights: Mapping[str, int] | None
     token_limit: int | None
     token_ceiling: int | None
-    deadline_admission: bool | None
+    deadline_admission: DeadlineAdmission | None
     band_share: Mapping[int, float] | None
 
 
@@ -394,12 +417,6 @@ def check_admission(
         low, high = _BOUNDS["shed_below"]
         raise ConfigError(f"shed_below: expected int in [{low}, {high}], got {shed_below!r}")
     validate_tenant_weights(tenant_weights)
-
-
-def check_flag(name: str, value: object) -> None:
-    """Raise a :class:`ConfigError` naming ``name`` unless ``value`` is a bool."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
 
 
 def check_tokens(token_limit: object, token_ceiling: object) -> None:

@@ -5,7 +5,8 @@
 -- releases and acquires again costs one call.
 -- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
---       7 shed_below  8 token_limit  9 token_ceiling  10 deadline_admission (1/0)
+--       7 shed_below  8 token_limit  9 token_ceiling  10 deadline_admission (0 off, 1 start,
+--       2 finish)
 --       11 band_share ('<R>=<permille>,...')  12 tenant weights ('name}w}...')
 --       (defaults, registered only when the gate has no configuration yet), 13 fence_ms (the
 --       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 for none),
@@ -19,7 +20,7 @@
 --       class ('' = priority 0 of the default tenant, else '<R>}<tenant>' with R = 100 - priority
 --       as three digits)
 -- Returns {limit, lease_ms, waiter_ms, released, fence_ms, then per request: status, token, n,
---   expires_at}: released = how many of the ids given held a lease (release.lua's reply);
+--   expires_at, estimate}: released = how many of the ids given held a lease (release.lua's reply);
 --   fence_ms = how long the gate's recovery fence still holds every grant (0: none), so a
 --   caller that parked behind it asks for its hand-off when it ends;
 --   status 1 = granted (n = units held), 2 = parked (n = waiters, this one included),
@@ -28,8 +29,9 @@
 --   priority is below shed_below and the call could not be granted at once (n = shed_below),
 --   5 = refused: the weight is above the ceiling and can never be granted (n = ceiling),
 --   6 = refused: the tokens are above the token ceiling (n = token ceiling),
---   7 = refused: by the drain of its band it would start after its deadline (n = the expected
---   wait in ms; deadline-aware admission, lib_drain.lua),
+--   7 = refused: by the drain of its band it would start (with deadline_admission 'finish':
+--   end) after its deadline (n = the expected wait in ms; deadline-aware admission,
+--   lib_drain.lua),
 --   8 = refused: the weight is above its band's share of the ceiling (n = that share in units;
 --   lib_share.lua).
 --   token: granted = the fencing token (monotonic per gate in grant order); parked = the
@@ -38,6 +40,10 @@
 --   after which it is expected to find a place (lib_drain.lua retry_full; 0: no estimate).
 --   lease_ms, waiter_ms: the TTLs in force, so the caller paces its first renewal by them.
 --   expires_at: server time (ms) at which the granted lease (or the parked entry) expires.
+--   estimate: parked = the ms it is expected to wait by the drain (lib_drain.lua
+--   deadline_estimate); status 7 = the ms of its band's expected hold its deadline had to cover
+--   too (deadline_admission 'finish'); -1 = none (no drain history, admission off, the recovery
+--   fence, not 'finish', or another outcome).
 -- A call is granted at once only if nobody eligible waits in its band or above and its own
 -- lane is empty (no passing), and its weight fits the limit and the band shares that bind its
 -- band, and its tokens the token budget. A
@@ -146,16 +152,12 @@ local function tenant_count(t)
   return n + (tenant_parked[t] or 0)
 end
 
--- Deadline-aware admission (lib_drain.lua late_estimate): whether the request at ARGV[i] (lane,
--- band r), about to park, is expected to start after its deadline (its wait_ms); the estimate is
--- left in last_estimate.
-local last_estimate = 0
-local function too_late(i, lane, r)
+-- Deadline-aware admission (lib_drain.lua): the estimate of the request at ARGV[i] (lane, band
+-- r), about to park -- (start, hold) or nil -- and whether it is refused for its deadline.
+local function estimate(i, lane, r)
   local function count(l) return lane_count(l) + (parked_in[l] or 0) end
-  local est = late_estimate(now, cfg, lane, r, tonumber(ARGV[i + 1]), queued, count)
-  if est == nil then return false end
-  last_estimate = est
-  return true
+  local start, hold = deadline_estimate(now, cfg, lane, r, count, units)
+  return start, hold, past_deadline(start, hold, tonumber(ARGV[i + 1]))
 end
 
 local wakes = new_wakes()
@@ -183,7 +185,7 @@ local function evict(r)
 end
 
 -- Decide each request in order (n: units held, waiters, or the bound that refused it).
-local status, n, lanes = {}, {}, {}
+local status, n, lanes, ests = {}, {}, {}, {}
 local n_granted, n_parked, n_rejected, extra, granted_tokens = 0, 0, 0, 0, 0
 local rejected_by = {0, 0, 0, 0, 0, 0, 0, 0, 0}  -- by status + 1
 local retry_in = {}  -- request j -> ms after which a request refused as full should return
@@ -197,7 +199,7 @@ for i = first, #ARGV, 3 do
   local w, tk = weight_of(id), tokens_asked(id)
   local lane = class_lane(cls)
   local r = lane_band(lane)
-  local st, k
+  local st, k, est_start, est_hold
   local share_c = share_ceiling(r, cfg.ceiling)
   if w > cfg.ceiling then
     st, k = 5, cfg.ceiling
@@ -229,9 +231,12 @@ for i = first, #ARGV, 3 do
     elseif cfg.max_queued_per_tenant < cfg.max_queued
         and tenant_count(lane_tenant(lane)) >= cfg.max_queued_per_tenant then
       st, k = 3, cfg.max_queued_per_tenant
-    elseif too_late(i, lane, r) then
-      st, k = 7, last_estimate
     else
+      local late
+      est_start, est_hold, late = estimate(i, lane, r)
+      if late then st, k = 7, est_start end
+    end
+    if st == nil then
       if queued >= cfg.max_queued and not waiters_reaped then
         waiters_reaped = true
         local reaped = reap_waiters(now)
@@ -259,6 +264,9 @@ for i = first, #ARGV, 3 do
     end
   end
   status[#status + 1], n[#n + 1], lanes[#lanes + 1] = st, k, lane
+  -- parked: its expected wait; refused for its deadline: the band's hold counted ('finish'),
+  -- else -1
+  ests[#ests + 1] = (st == 2 and est_start) or (st == 7 and cfg.deadline_finish and est_hold) or -1
   if st == 1 then
     n_granted = n_granted + 1
   elseif st == 2 then
@@ -305,7 +313,7 @@ for j, st in ipairs(status) do
     t = retry_in[j] or 0
   end
   local k = #out
-  out[k + 1], out[k + 2], out[k + 3], out[k + 4] = st, t, n[j], expires
+  out[k + 1], out[k + 2], out[k + 3], out[k + 4], out[k + 5] = st, t, n[j], expires, ests[j]
 end
 if n_granted > 0 then
   add_leases(held, extra, granted_tokens)

@@ -15,10 +15,12 @@
 --       (read, never registered here).
 -- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,
 --   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted, too_heavy,
---   ceiling, token_limit, tokens held, too_late, too_late_ms}: token_limit = the token budget
---   in force (-1: none; tokens held is then 0, not counted); too_late = the pod's waiters that
---   left because by the drain they would now start after their deadline (DeadlineUnreachable),
---   too_late_ms their expected waits;
+--   ceiling, token_limit, tokens held, too_late, too_late_ms, too_late_hold_ms}: token_limit =
+--   the token budget in force (-1: none; tokens held is then 0, not counted); too_late = the
+--   pod's waiters that left because by the drain they would now end their wait (or, with
+--   deadline_admission 'finish', their call) after their deadline (DeadlineUnreachable),
+--   too_late_ms their expected waits, too_late_hold_ms the band's expected holds counted ('finish';
+--   else -1);
 --   the fencing tokens of granted_waiters (fresh), the waiters evicted by a higher
 --   band (Overloaded), the waiters refused because they weigh more than the ceiling (lowered
 --   after they parked: ConfigError, as acquire's status 5; wake '<id>=c<ceiling>'), the

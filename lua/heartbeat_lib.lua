@@ -35,7 +35,8 @@ end
 
 -- The pod's n waiters, from A[i] on as (member, ms it may still wait) pairs: one still in the
 -- wait list has its entry renewed, unless by the drain it would now start after its deadline:
--- then it leaves (r.too_late, its estimate in r.too_late_ms; deadline-aware admission,
+-- then it leaves (r.too_late, its estimate in r.too_late_ms and r.too_late_hold_ms: its expected
+-- start and the band's hold its deadline had to cover too; deadline-aware admission,
 -- lib_drain.lua late_waiter); one granted while the pod missed the wake holds its lease
 -- now (r.granted); else it was evicted by a higher band ('<id>' in evicted: r.evicted),
 -- refused as heavier than the ceiling ('<id>=c': r.too_heavy), or lost (r.lost_waiters).
@@ -48,11 +49,12 @@ local function renew_waiters(A, i, n, now, cfg, r)
     local id = member_id(member)
     i = i + 2
     if redis.call('ZSCORE', K_WAITERS, member) then
-      local est = late_waiter(now, cfg, member, remaining, queued)
-      if est then
+      local start, hold = late_waiter(now, cfg, member, remaining, queued)
+      if start then
         late[#late + 1] = member
         r.too_late[#r.too_late + 1] = id
-        r.too_late_ms[#r.too_late_ms + 1] = est
+        r.too_late_ms[#r.too_late_ms + 1] = start
+        r.too_late_hold_ms[#r.too_late_hold_ms + 1] = cfg.deadline_finish and hold or -1
       else
         redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
       end
@@ -94,7 +96,8 @@ local function heartbeat_gate(A)
   refuse_big(now, cfg)
 
   local r = {expiry = now + cfg.lease_ms, lost = {}, granted = {}, lost_waiters = {},
-             adopted = {}, evicted = {}, too_heavy = {}, too_late = {}, too_late_ms = {}}
+             adopted = {}, evicted = {}, too_heavy = {}, too_late = {}, too_late_ms = {},
+             too_late_hold_ms = {}}
   for i = 4, i_waiters - 1, 2 do
     if not renew_lease(A[i], num(A[i + 1], 0), now, r) then r.lost[#r.lost + 1] = A[i] end
   end
@@ -120,5 +123,6 @@ local function heartbeat_gate(A)
   return {lim, live, r.lost, r.granted, r.lost_waiters,
     redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
     r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling,
-    cfg.tlim or -1, cfg.tlim and tokens_held() or 0, r.too_late, r.too_late_ms}
+    cfg.tlim or -1, cfg.tlim and tokens_held() or 0, r.too_late, r.too_late_ms,
+    r.too_late_hold_ms}
 end

@@ -98,6 +98,7 @@ local out = cjson.encode({
   token_limit = cfg.tlim,
   token_ceiling = cfg.token_ceiling,
   deadline_admission = cfg.deadline_admission,
+  deadline_finish = cfg.deadline_finish,
   band_share = band_share,
   band_units = band_units,
   tokens = redis.call('ZCARD', K_HOLDERS) > 0 and num(redis.call('HGET', K_ADM, 'tok'), 0) or 0,

@@ -156,8 +156,10 @@ local function load_cfg(d, register)
   cfg.max_queued_per_tenant = math.max(0, math.floor(num(v[6], num(d[6], cfg.max_queued))))
   cfg.shed_below = math.floor(num(v[7], num(d[7], 0)))
   token_budget(cfg, num(v[8], num(d[8], nil)), num(v[9], num(d[9], nil)))
-  -- deadline-aware admission (lib_drain.lua): on unless the configuration says 0
-  cfg.deadline_admission = num(v[10], num(d[10], 1)) ~= 0
+  -- deadline-aware admission (lib_drain.lua): on unless the configuration says 0; 2: the
+  -- deadline covers the band's expected hold too ('finish')
+  local da = num(v[10], num(d[10], 1))
+  cfg.deadline_admission, cfg.deadline_finish = da ~= 0, da == 2
   -- headroom between bands (lib_share.lua): what the rules of this call read
   cfg.shares = parse_shares(v[11] or d[11])
   SHARES = cfg.shares

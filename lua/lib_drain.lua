@@ -54,7 +54,7 @@ end
 -- The ms by which `ahead` waiters are likely granted at `rate` per ms: ahead + sqrt(ahead) (one
 -- standard deviation of a Poisson count of grants) over the rate, so a call whose deadline lies
 -- just past the mean estimate is refused rather than left to wait it out about half the time
--- (benchmarks/flood.py: 3 % of the calls waited out with the mean alone).
+-- (benchmarks/flood.py on 2026-12-03, by the mean alone: 3 % of the calls waited out).
 local function start_bound(ahead, rate)
   return math.ceil((ahead + math.sqrt(ahead)) / rate)
 end
@@ -114,30 +114,59 @@ local function retry_full(now, r)
   return math.ceil(n / rate)
 end
 
--- The expected wait (ms) of a call of lane (band r) that may wait wait_ms, when that is past
--- wait_ms, else nil: the one rule of an arrival (acquire.lua) and of a parked waiter (the
--- heartbeat). count(lane) gives the waiters ahead of it in its lane, count(other) another lane's;
--- queued: the gate's waiters. Nothing when the gate does not admit by deadline, behind the
--- recovery fence (its end, not the drain, says when grants start), for a call without a
--- deadline, or while even the whole wait list would drain in time at its band's rate (no
--- command then).
-local function late_estimate(now, cfg, lane, r, wait_ms, queued, count)
-  if not cfg.deadline_admission or cfg.fence > now or wait_ms >= NO_DEADLINE_MS then
-    return nil
-  end
+-- The mean hold (ms) of band r's leases: its units held over its grant rate (Little's law,
+-- held = rate x hold, for leases of weight 1; weighted leases make it longer by their mean
+-- weight); nil without a measured drain. units: the gate's units held (nil: read here); band
+-- 100 holds what the other bands do not (lib_units.lua held_bands).
+local function band_hold(now, r, units)
   local rate = drain_rate(now, r)
-  if rate == nil or start_bound(queued + 1, rate) <= wait_ms then return nil end
-  local est = expected_start(now, lane, r, lane_tenant(lane), count)
-  if est ~= nil and est > wait_ms then return est end
-  return nil
+  if rate == nil or rate <= 0 then return nil end
+  local held = held_bands()
+  local u = held[r] or 0
+  if r == '100' then
+    u = units or units_held(nil)
+    for _, b in pairs(held) do u = u - b end
+  end
+  return math.ceil(math.max(0, u) / rate)
+end
+
+-- The estimate of a call of lane (band r): (start, hold) = the ms until it is expected to start
+-- (expected_start) and the ms of its band's expected hold that its deadline must cover too (the
+-- gate's deadline_admission 'finish': band_hold; else 0); nil when the gate does not admit by
+-- deadline, behind the recovery fence (its end, not the drain, says when grants start), or
+-- without drain history. count(lane) gives the waiters ahead of it in its lane, count(other)
+-- another lane's; units: the gate's units held (nil: read when needed).
+local function deadline_estimate(now, cfg, lane, r, count, units)
+  if not cfg.deadline_admission or cfg.fence > now then return nil end
+  local start = expected_start(now, lane, r, lane_tenant(lane), count)
+  if start == nil then return nil end
+  local hold = 0
+  if cfg.deadline_finish then hold = band_hold(now, r, units) or 0 end
+  return start, hold
+end
+
+-- The one rule of an arrival (acquire.lua) and of a parked waiter (the heartbeat): a call that
+-- may wait wait_ms is refused when its estimate (deadline_estimate) passes that. No deadline,
+-- no refusal.
+local function past_deadline(start, hold, wait_ms)
+  return start ~= nil and wait_ms < NO_DEADLINE_MS and start + hold > wait_ms
 end
 
 -- A parked waiter (its member, and the ms it may still wait) re-estimated by its pod's heartbeat
--- (late_estimate, with the waiters of its lane before it ahead of it); queued: the gate's
--- waiters (read once per heartbeat by the caller).
+-- (the waiters of its lane before it ahead of it): (start, hold) when it would now finish its
+-- wait past its deadline (past_deadline), else nil. queued: the gate's waiters (read once per
+-- heartbeat by the caller). No command while even the whole wait list would drain in time at its
+-- band's rate (start_bound of queued + 1 bounds expected_start from above).
 local function late_waiter(now, cfg, member, remaining, queued)
   local lane = member_lane(member)
-  if lane == nil then return nil end
+  if lane == nil or not cfg.deadline_admission or cfg.fence > now then return nil end
+  if remaining >= NO_DEADLINE_MS then return nil end
+  local r = lane_band(lane)
+  local rate = drain_rate(now, r)
+  if rate == nil then return nil end
+  local hold = 0
+  if cfg.deadline_finish then hold = band_hold(now, r, nil) or 0 end
+  if start_bound(queued + 1, rate) + hold <= remaining then return nil end
   local before = nil
   local function count(l)
     if l == lane then
@@ -147,5 +176,8 @@ local function late_waiter(now, cfg, member, remaining, queued)
     local lo, hi = lane_range(l)
     return redis.call('ZLEXCOUNT', K_LANES, lo, hi)
   end
-  return late_estimate(now, cfg, lane, lane_band(lane), remaining, queued, count)
+  local start
+  start, hold = deadline_estimate(now, cfg, lane, r, count, nil)
+  if past_deadline(start, hold, remaining) then return start, hold end
+  return nil
 end

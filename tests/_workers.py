@@ -226,7 +226,7 @@ def hammer_with(
     token_limit: int | None = None,
     live_pods: int = 0,
     go: str | None = None,
-    deadline_admission: bool = True,
+    deadline_admission: bool | str = True,
 ) -> int:
     """``hammer`` with the knobs the fault tests need; returns the probe's highest reading.
 

@@ -8,6 +8,7 @@ JSON, with :class:`Waiter`, :class:`Holder`, :class:`Lane`, and the util hash it
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,16 +51,20 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
     #: ms the gate's recovery fence still holds every grant (0: none; ``lua/lib_fence.lua``
     #: gate_birth): a caller parked behind it asks for its hand-off when it ends
     fence_ms: int = 0
+    #: parked: the wait (ms) the gate expects by its measured drain (deadline-aware admission);
+    #: TOO_LATE: the band's expected hold (ms) the deadline had to cover too (the gate's
+    #: deadline_admission is "finish"); -1: none
+    estimate_ms: int = -1
 
     @classmethod
     def decode_many(cls, reply: Any) -> list[AcquireReply]:
         """acquire.lua's reply: {limit, lease_ms, waiter_ms, released, fence_ms, then per
-        request: status, token, n, expires_at}."""
+        request: status, token, n, expires_at, estimate}."""
         limit, lease_ms, waiter_ms = int(reply[0]), int(reply[1]), int(reply[2])
         fence_ms = int(reply[4])
         out = []
-        for i in range(5, len(reply), 4):
-            status, token, n, expires_at = (int(x) for x in reply[i : i + 4])
+        for i in range(5, len(reply), 5):
+            status, token, n, expires_at, estimate = (int(x) for x in reply[i : i + 5])
             out.append(
                 cls(
                     status=status,
@@ -72,6 +77,7 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
                     waiter_ms=waiter_ms,
                     expires_at=expires_at,
                     fence_ms=fence_ms,
+                    estimate_ms=estimate,
                 )
             )
         return out
@@ -107,6 +113,9 @@ class HeartbeatReply:
     #: (DeadlineUnreachable), and their expected waits (ms), in order
     too_late: list[str] = field(default_factory=list)
     too_late_ms: list[int] = field(default_factory=list)
+    #: the band's expected holds (ms) their deadlines had to cover too (deadline_admission
+    #: "finish"; else -1), in order
+    too_late_hold_ms: list[int] = field(default_factory=list)
 
     @classmethod
     def decode(cls, r: Any) -> HeartbeatReply:
@@ -132,6 +141,7 @@ class HeartbeatReply:
             tokens=int(r[17]),
             too_late=[_s(x) for x in r[18]] if len(r) > 18 else [],
             too_late_ms=[int(x) for x in r[19]] if len(r) > 19 else [],
+            too_late_hold_ms=[int(x) for x in r[20]] if len(r) > 20 else [],
         )
 
 
@@ -207,6 +217,8 @@ class Snapshot(msgspec.Struct):
     tokens: int = 0
     #: whether a call that would start after its deadline is refused at once
     deadline_admission: bool = True
+    #: whether the deadline must cover the band's mean hold too (deadline_admission "finish")
+    deadline_finish: bool = False
     #: the band shares in force: priority -> thousandths of the limit that band and the ones
     #: below it may hold (empty: strict bands only; ``fleetgate.bands``)
     band_share: dict[int, int] = {}
@@ -268,24 +280,30 @@ def _int(v: str | None) -> int | None:
         return None
 
 
+def _snapshot_containers() -> tuple[frozenset[str], frozenset[str]]:
+    """The fields of :class:`Snapshot` that hold a list, and those that hold a dict, read off
+    its type hints (so a field added later is normalised too)."""
+    lists, maps = set(), set()
+    for name, hint in typing.get_type_hints(Snapshot).items():
+        origin = typing.get_origin(hint)
+        if origin is list:
+            lists.add(name)
+        elif origin is dict:
+            maps.add(name)
+    return frozenset(lists), frozenset(maps)
+
+
+_LIST_FIELDS, _MAP_FIELDS = _snapshot_containers()
+
+
 def _empty_tables_as_lists(raw: bytes | str) -> Any:
-    # Redis' cjson encodes an empty Lua table as {}, fakeredis' Lua as []: both kinds of field
-    # are normalised here.
+    # Redis' cjson encodes an empty Lua table as {}, fakeredis' Lua as []: an empty one of
+    # either kind is made what the field holds.
     obj = msgspec.json.decode(raw)
-    for k in ("head", "leases", "lanes"):
-        if obj.get(k) == {}:
+    for k, v in obj.items():
+        if v == {} and k in _LIST_FIELDS:
             obj[k] = []
-    for k in (
-        "cfg",
-        "target",
-        "stats",
-        "util",
-        "obs",
-        "tenant_weights",
-        "band_share",
-        "band_units",
-    ):
-        if obj.get(k) == []:
+        elif v == [] and k in _MAP_FIELDS:
             obj[k] = {}
     return obj
 

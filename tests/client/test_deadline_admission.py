@@ -25,9 +25,9 @@ from ..conftest import RedisUnderTest
 ctx = mp.get_context("spawn")
 
 
-@pytest.mark.parametrize("admission", [True, False], ids=["on", "off"])
+@pytest.mark.parametrize("admission", [True, "finish", False], ids=["on", "finish", "off"])
 def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(
-    rut: RedisUnderTest, admission: bool
+    rut: RedisUnderTest, admission: bool | str
 ) -> None:
     probe = f"{rut.prefix}:probe"
     keys = GateKeys.of(rut.prefix, "dl")
@@ -37,10 +37,15 @@ def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(
     )  # fmt: skip
     r = redis.Redis.from_url(rut.url, decode_responses=True)
 
+    registry = CollectorRegistry()
+    expected: list[float | None] = []
+
     async def probe_calls() -> tuple[BaseException | None, float, float]:
-        async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        async with Fleet(rut.url, prefix=rut.prefix, registry=registry) as fleet:
             gate = fleet.gate("dl", floor=2, deadline_admission=admission)
-            assert (await gate.snapshot()).deadline_admission is admission
+            snap = await gate.snapshot()
+            assert snap.deadline_admission is bool(admission)
+            assert snap.deadline_finish is (admission == "finish")
             t0 = time.monotonic()
             caught: BaseException | None = None
             try:
@@ -50,8 +55,8 @@ def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(
                 caught = exc
             short = time.monotonic() - t0
             t0 = time.monotonic()
-            async with gate.permit(deadline=20):  # it can make it: it waits and is granted
-                pass
+            async with gate.permit(deadline=20) as lease:  # it can make it: it waits
+                expected.append(lease.expected_wait)
             return caught, short, time.monotonic() - t0
 
     with ProcessPoolExecutor(3, mp_context=ctx) as ex:
@@ -59,25 +64,40 @@ def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(
         # 12 callers on 2 units: a queue, and hand-offs that measure the drain (if on)
         for _ in range(500):
             drain = float((r.hget(keys.adm, "dr:100") or "0").split(",")[0])
-            if r.zcard(keys.waiters) >= 6 and (drain > 25 or not admission):
+            if r.zcard(keys.waiters) >= 6 and (drain > 25 or admission is False):
                 break
             time.sleep(0.02)
         caught, short, long_wait = asyncio.run(probe_calls())
         peaks = [f.result(timeout=120) for f in futs]
     r.close()
+    observed = registry.get_sample_value(
+        "fleetgate_client_expected_wait_seconds_count", {"gate": "dl", "priority": "0",
+                                                         "tenant": ""}
+    )  # fmt: skip
     print(f"[deadline] admission {admission}: {type(caught).__name__} after {short:.3f} s: "
-          f"{caught}; the 20 s call waited {long_wait:.3f} s; peaks {peaks}")  # fmt: skip
+          f"{caught}; the 20 s call waited {long_wait:.3f} s (expected {expected[0]}); "
+          f"peaks {peaks}")  # fmt: skip
     assert max(peaks) <= 2, peaks  # the cap held throughout
     assert long_wait < 20
     if admission:
         assert isinstance(caught, DeadlineUnreachable), caught
         assert short < 0.05  # refused at once, not after waiting its deadline out
-        assert caught.expected_wait > caught.deadline == pytest.approx(0.05, abs=0.01)
+        assert caught.expected_wait > 0 and caught.deadline == pytest.approx(0.05, abs=0.01)
         assert caught.retry_after is not None and caught.retry_after > 0
         assert "expected wait" in str(caught) and "deadline" in str(caught)
+        if admission == "finish":  # the band's mean hold (2 units of 50 ms calls) counted
+            assert caught.expected_hold is not None and 0.01 < caught.expected_hold < 1
+            assert caught.expected_wait + caught.expected_hold > caught.deadline
+        else:
+            assert caught.expected_hold is None
+            assert caught.expected_wait > caught.deadline
+        # the call that waited was told what to expect, and the metric counted it
+        assert expected[0] is not None and 0 < expected[0] < 20, expected
+        assert observed == 1, observed
     else:
         assert isinstance(caught, DeadlineExceeded), caught  # it waited 0.05 s for nothing
         assert short >= 0.05
+        assert expected == [None] and not observed  # no drain kept: no estimate
 
 
 async def test_a_parked_call_leaves_early_once_its_deadline_is_out_of_reach(

@@ -155,3 +155,12 @@ def test_documented_admission_example_decodes() -> None:
         gate = parse("\n".join(out)).gate("bge-m3")
         assert gate.max_queued_per_tenant == 200 and gate.shed_below == 0
         assert gate.tenant_weights["search"] == 3
+
+
+def test_deadline_admission_by_the_start_or_the_end_of_the_call() -> None:
+    assert parse(BASE).gates[0].settings.argv()[9] == 1  # on, by the start
+    gate = parse(BASE + 'deadline_admission = "finish"\n').gates[-1]
+    assert gate.settings.as_cfg()["deadline_admission"] == 2
+    assert parse(BASE + "deadline_admission = false\n").gates[-1].settings.argv()[9] == 0
+    with pytest.raises(ConfigError, match="deadline_admission"):
+        parse(BASE + 'deadline_admission = "end"\n')

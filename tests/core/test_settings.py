@@ -125,6 +125,10 @@ def test_script_arguments_follow_the_field_order() -> None:
     shares = GateSettings(band_share={-10: 0.3, 0: 0.7}).argv()[10]
     assert shares == "100=700,110=300"
     assert GateSettings(deadline_admission=False).argv()[9] == 0
+    # deadline admission: 0 off, 1 by the start (True, "start"), 2 by the end of the call
+    modes = (False, True, "start", "finish")
+    assert [GateSettings(deadline_admission=m).argv()[9] for m in modes] == [0, 1, 1, 2]
+    assert GateSettings(deadline_admission="finish").as_cfg()["deadline_admission"] == 2
     tokens = GateSettings(token_limit=4_000, token_ceiling=8_000).argv()
     assert tokens[7:9] == [4_000, 8_000]
     assert GateSettings(max_queued_per_tenant=0).argv()[5] == 0  # 0 is a bound, not "unset"
@@ -312,3 +316,11 @@ def test_coordinator_admission_bounds_are_the_structs(entry: str, message: str) 
     with pytest.raises(ConfigError) as info:
         Config.from_toml_text(text, env={})
     assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("bad", ["end", "", 1, None])
+def test_deadline_admission_takes_a_flag_or_start_or_finish(bad: object) -> None:
+    base = msgspec.structs.asdict(GateSettings())
+    with pytest.raises(ConfigError, match=r"gate 'g': deadline_admission: expected true, false"):
+        GateSettings.validated("g", **{**base, "deadline_admission": bad})
+    assert GateSettings.validated("g", **{**base, "deadline_admission": "finish"})

@@ -126,7 +126,7 @@ class GateMachine(RuleBasedStateMachine):
         reqs = self.requests(data, pods)
         triples = [a for q in reqs for a in (q.id, LONG_MS, lane_class(q.priority, q.tenant))]
         reply = self.call("acquire", *self.defaults(), 0, len(releases), *releases, 0, *triples)
-        got = [tuple(int(x) for x in reply[i : i + 3]) for i in range(5, len(reply), 4)]
+        got = [tuple(int(x) for x in reply[i : i + 3]) for i in range(5, len(reply), 5)]
         shed_below = self.m.shed_below
         released, expected = self.m.acquire(reqs, releases)
         if MIRROR:

@@ -39,7 +39,7 @@ class Gate:
         # each id with the band tag a call of its priority carries
         triples = [x for i, p, t in reqs for x in (banded(i, p), LONG_MS, lane_class(p, t))]
         reply = self.call("acquire", *self.defaults, 0, 0, 0, *triples)
-        return [int(x) for x in reply[5::4]]
+        return [int(x) for x in reply[5::5]]
 
     def lanes(self) -> set[str]:
         return {

@@ -32,9 +32,10 @@ def bound(ahead: int, per_s: float) -> Any:
 
 
 class Gate:
-    """One gate of ``floor`` units (deadline admission on unless ``admission`` is False)."""
+    """One gate of ``floor`` units; ``admission``: deadline_admission as the scripts take it
+    (0 off, 1 start, 2 finish)."""
 
-    def __init__(self, r: redis.Redis, floor: int = 1, admission: bool = True) -> None:
+    def __init__(self, r: redis.Redis, floor: int = 1, admission: int = 1) -> None:
         self.r = r
         self.keys = GateKeys.of(f"d{uuid.uuid4().hex[:8]}", "deadline")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
@@ -48,10 +49,13 @@ class Gate:
     def acquire(
         self, lease_id: str, wait_ms: int = LONG_MS, priority: int = 0, tenant: str | None = None
     ) -> tuple[int, int]:
-        """One request; (status, n): n = the expected wait (ms) when refused as too late."""
+        """One request; (status, n): n = the expected wait (ms) when refused as too late. The
+        reply's estimate (parked: the expected wait; refused as too late: the hold counted,
+        with 'finish') is left in ``estimate``."""
         cls = lane_class(priority, tenant)
         lease_id = banded(lease_id, priority)  # the band tag a call of this priority carries
         reply = self.call("acquire", *self.defaults, 0, 0, 0, lease_id, wait_ms, cls)
+        self.estimate = int(reply[9])
         return int(reply[5]), int(reply[7])
 
     def release(self, *ids: str) -> int:
@@ -131,7 +135,7 @@ def test_higher_bands_wait_ahead_and_tenants_of_a_band_by_their_share(r: redis.R
 
 @pytest.mark.parametrize("case", ["no history", "turned off", "stale history"])
 def test_no_refusal_without_a_measured_drain(r: redis.Redis, case: str) -> None:
-    g = Gate(r, admission=case != "turned off")
+    g = Gate(r, admission=int(case != "turned off"))
     assert g.acquire("p:0")[0] == GRANTED
     assert g.acquire("p:1")[0] == PARKED
     if case == "no history":
@@ -188,8 +192,8 @@ def test_callers_refused_by_a_full_list_are_told_to_return_a_place_apart(r: redi
     g.set_drain("100", 50, 10_000)  # 5 grants/s: a place frees every 200 ms
     reqs = [x for i in range(3, 8) for x in (f"p:{i}", LONG_MS, "")]
     reply = g.call("acquire", *g.defaults, 0, 0, 0, *reqs)
-    assert [int(x) for x in reply[5::4]] == [0] * 5  # full
-    assert [int(x) for x in reply[6::4]] == pytest.approx([200, 400, 600, 800, 1000], abs=5)
+    assert [int(x) for x in reply[5::5]] == [0] * 5  # full
+    assert [int(x) for x in reply[6::5]] == pytest.approx([200, 400, 600, 800, 1000], abs=5)
     # 5 callers due back over the next second; 0.4 s later two of them are due already
     at = float(r.hget(g.keys.adm, "rj").split(",")[1])
     r.hset(g.keys.adm, "rj", f"5,{at - 400:.0f}")
@@ -199,3 +203,62 @@ def test_callers_refused_by_a_full_list_are_told_to_return_a_place_apart(r: redi
     assert g.call("publish", 1, LONG_MS, "", 1, "deadline_admission", 0)[0] == 1
     reply = g.call("acquire", *g.defaults, 0, 0, 0, "p:9", LONG_MS, "")
     assert (int(reply[5]), int(reply[6])) == (0, 0)
+
+
+def test_a_parked_call_is_told_its_expected_wait(r: redis.Redis) -> None:
+    """The acquire reply of a call that parks carries the wait the drain predicts for it (the
+    estimate a refusal would name), also for a call without a deadline; none without history,
+    and none for a grant."""
+    g = Gate(r)
+    assert g.acquire("p:0")[0] == GRANTED
+    assert g.estimate == -1
+    assert g.acquire("p:1")[0] == PARKED
+    assert g.estimate == -1  # no drain history yet
+    g.set_drain("100", 100, 10_000)  # 10 grants/s
+    for i in range(2, 5):
+        assert g.acquire(f"p:{i}", wait_ms=NO_DEADLINE_MS)[0] == PARKED
+        assert g.estimate == bound(i, 10)  # i - 1 ahead of it, and itself
+    g2 = Gate(r, admission=0)
+    assert g2.acquire("p:0")[0] == GRANTED
+    g2.set_drain("100", 100, 10_000)
+    assert g2.acquire("p:1")[0] == PARKED
+    assert g2.estimate == -1  # admission off: no estimate
+
+
+def test_finish_admission_counts_the_bands_mean_hold(r: redis.Redis) -> None:
+    """With deadline_admission 'finish' (2) the deadline must cover the expected wait and the
+    band's mean hold, its units held over its grant rate (Little's law): a call that would
+    start in time but end past its deadline is refused, naming the hold; 'start' parks it."""
+    for admission in (1, 2):
+        g = Gate(r, floor=2, admission=admission)
+        assert [g.acquire(f"p:{i}")[0] for i in (0, 1)] == [GRANTED, GRANTED]
+        assert g.acquire("p:2")[0] == PARKED
+        g.set_drain("100", 100, 10_000)  # 10 grants/s with 2 units held: a mean hold of 200 ms
+        # 1 ahead + itself: ~341 ms to start, ~541 ms to end
+        status, expected = g.acquire("p:3", wait_ms=450)
+        if admission == 1:
+            assert (status, g.estimate) == (PARKED, bound(2, 10))
+        else:
+            assert (status, expected) == (TOO_LATE, bound(2, 10))
+            assert g.estimate == pytest.approx(200, abs=1)
+            assert g.acquire("p:4", wait_ms=700)[0] == PARKED  # wait and hold fit: it waits
+
+
+def test_finish_admission_at_the_heartbeat(r: redis.Redis) -> None:
+    """A parked waiter re-estimated by its pod's heartbeat under 'finish' leaves when its wait
+    and its band's mean hold pass what it may still wait; the reply names the hold."""
+    g = Gate(r, admission=2)
+    assert g.acquire("p:0")[0] == GRANTED
+    for i in range(1, 3):
+        assert g.acquire(f"p:{i}", wait_ms=LONG_MS)[0] == PARKED
+    members = {m.rsplit("}", 1)[1]: m for m in r.zrange(g.keys.lanes, 0, -1)}
+    g.set_drain("100", 100, 100_000)  # 1 grant/s, 1 unit held: a mean hold of 1 s
+    # p:1, the head, starts by ~2 s: with 2.5 s left it would end past them, with 3.5 s not
+    waiters = [(members["p:1"], 2500), (members["p:2"], 6000)]
+    args: list[object] = ["p", 10_000, 1, "p:0", 0, len(waiters)]
+    for member, remaining in waiters:
+        args += [member, remaining]
+    reply = g.call("heartbeat", *args, 0, 0, *g.defaults)
+    assert reply[18] == ["p:1"], reply[18:]
+    assert int(reply[19][0]) == bound(1, 1)
+    assert int(reply[20][0]) == pytest.approx(1000, abs=1)

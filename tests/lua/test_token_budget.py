@@ -42,7 +42,7 @@ class TokenGate:
         for base, tokens in reqs:
             triples += [weighted_id(base, 1, tokens), LONG_MS, lane_class(0, None)]
         reply = self.call("acquire", *self.defaults, 0, len(releases), *releases, 0, *triples)
-        return [int(x) for x in reply[5::4]]
+        return [int(x) for x in reply[5::5]]
 
     def release(self, *ids: str) -> int:
         return int(self.call("release", 0, *ids))

@@ -128,7 +128,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         reply = self.call("acquire", *args)
         bound = [share_cap(f, LIMIT) for p, f in self.shares.items() if p >= priority]
         for k, lid in enumerate(ids):
-            status = int(reply[5 + 4 * k])
+            status = int(reply[5 + 5 * k])
             if weight > min(bound, default=weight):
                 assert status == 8, (lid, status)  # heavier than its share of the ceiling
             elif tokens > self.token_ceiling:
