@@ -18,6 +18,7 @@ from fleetgate.errors import (
     FleetgateError,
     GateStateError,
     LeaseLost,
+    LeaseRevoked,
     Overloaded,
     RedisUnavailable,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "GateUtilization",
     "Lease",
     "LeaseLost",
+    "LeaseRevoked",
     "Overloaded",
     "RedisUnavailable",
     "SyncFleet",

@@ -97,7 +97,8 @@ class Gate(GateAcquirer):
         fires inside the block, the block is cancelled and the lease released. Either way
         :class:`DeadlineExceeded` is raised. A full wait list raises :class:`Overloaded` at once.
         If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
-        :class:`LeaseLost`, unless the block raised an exception of its own.
+        :class:`LeaseLost`, and if it was revoked (``lease.is_revoked``) :class:`LeaseRevoked`,
+        unless the block raised an exception of its own.
         """
         asked = _ask_of(ask, deadline, weight, priority, tenant, tokens)
         async with self._total_deadline(asked.deadline, "permit") as dl:
@@ -108,6 +109,8 @@ class Gate(GateAcquirer):
                 await lease.release()
             if lease.is_lost:
                 raise lease.lost_error()
+            if lease.is_revoked:
+                raise lease.revoked_error()
 
     async def acquire(
         self,
@@ -285,6 +288,11 @@ class Gate(GateAcquirer):
             self.on_too_late(lease_id, expected_ms, hold_ms)
         for lease_id in reply.too_heavy:
             self.on_too_heavy(lease_id, reply.ceiling)
+        for lease_id in reply.revoked:
+            lease = self.leases.get(lease_id)
+            if lease is not None and lease._mark_revoked():
+                self.series.of(lease).revoked.inc()
+                log.info("gate %s: lease %s revoked: give it back", self.name, lease_id)
         for lease_id in reply.lost_waiters:
             waiter = self.waiters.get(lease_id)
             if waiter is not None and not waiter.future.done():

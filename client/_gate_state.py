@@ -148,7 +148,8 @@ class GateState:
 
     def renewal(self) -> Renewal:
         """What the next heartbeat of this gate renews."""
-        held = list(self.leases.values())
+        # newest first (fencing tokens rise in grant order): a revocation takes those first
+        held = sorted(self.leases.values(), key=lambda lease: lease.token, reverse=True)
         return Renewal(
             leases=[(lease.id, lease.expires_at) for lease in held],
             waiters=[

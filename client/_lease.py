@@ -9,12 +9,14 @@ it).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from fleetgate.admission import validate_tokens
 from fleetgate.ask import DEFAULT_ASK, Ask
-from fleetgate.errors import LeaseLost
+from fleetgate.errors import LeaseLost, LeaseRevoked
 
 from ._metrics import ClassMetrics, GateMetrics
 from ._report import Reporting
@@ -48,7 +50,13 @@ class Lease(Reporting):
     what it holds of the gate's token budget now (:meth:`resize` changes it). ``lost`` is
     set when the lease could not be renewed and Redis no longer counts it; ``is_lost`` reads the
     same from any thread. Leaving a ``permit()`` block whose lease was lost raises
-    :class:`LeaseLost` (unless the block raised already).
+    :class:`LeaseLost` (unless the block raised already). ``revoked`` is set when the gate asks
+    for the lease back (a higher band waited longer than the gate's ``revoke_after``): finish or
+    abandon the work and leave the block; the lease holds its units until it is released.
+    ``is_revoked`` reads the same from any thread, ``revoked_sync`` is the same as a
+    :class:`threading.Event` (the blocking API hands out these leases too); leaving a
+    ``permit()`` block whose lease was revoked raises :class:`LeaseRevoked` (unless the block
+    raised already).
     """
 
     def __init__(
@@ -76,6 +84,10 @@ class Lease(Reporting):
         # leases are never asked, and two events cost as much as the rest of the lease.
         self._is_lost = False
         self._lost: asyncio.Event | None = None
+        self._is_revoked = False
+        self._revoked: asyncio.Event | None = None
+        self._revoked_sync: threading.Event | None = None
+        self._revoke_hook: Callable[[], None] | None = None
         self._released = False
         self._granted_at = time.monotonic()  # the default latency of report() counts from here
         self._tokens = ask.tokens
@@ -153,6 +165,62 @@ class Lease(Reporting):
         self._is_lost = True
         if self._lost is not None:
             self._lost.set()
+
+    @property
+    def revoked(self) -> asyncio.Event:
+        """An event set when the gate asks for the lease back (use it on the fleet's event
+        loop): give the lease back soon; it holds its units until released."""
+        event = self._revoked
+        if event is None:
+            event = self._revoked = asyncio.Event()
+            if self._is_revoked:
+                event.set()
+        return event
+
+    @property
+    def revoked_sync(self) -> threading.Event:
+        """:attr:`revoked` as a :class:`threading.Event`, to wait on from any thread."""
+        event = self._revoked_sync
+        if event is None:
+            event = self._revoked_sync = threading.Event()
+            if self._is_revoked:
+                event.set()
+        return event
+
+    @property
+    def is_revoked(self) -> bool:
+        """Whether the gate asked for the lease back; safe to read from any thread."""
+        return self._is_revoked
+
+    def when_revoked(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` (on the fleet's event loop, from the heartbeat) when the gate asks
+        for this lease back, at once if it did already; None removes it. One callback at a
+        time: what a gateway needs to cut the call the lease covers without a task of its own.
+        """
+        self._revoke_hook = callback
+        if callback is not None and self._is_revoked:
+            callback()
+
+    def _mark_revoked(self) -> bool:
+        """The gate marked this lease revoked; whether that is news."""
+        if self._is_revoked:
+            return False
+        self._is_revoked = True
+        if self._revoked is not None:
+            self._revoked.set()
+        if self._revoked_sync is not None:
+            self._revoked_sync.set()
+        if self._revoke_hook is not None:
+            self._revoke_hook()
+        return True
+
+    def revoked_error(self) -> LeaseRevoked:
+        """The error for leaving a permit block whose lease was revoked."""
+        return LeaseRevoked(
+            f"gate {self.gate.name!r}: lease {self.id} (token {self.token}) was revoked while "
+            "its block ran: a call of a higher priority waited longer than the gate's "
+            "revoke_after for its units"
+        )
 
     def lost_error(self) -> LeaseLost:
         """The error for leaving a permit block whose lease was lost."""

@@ -59,6 +59,26 @@ class _Releasable(Protocol):
 
     def report(self, outcome: str, latency: float | None = None) -> None: ...
 
+    @property
+    def is_revoked(self) -> bool: ...
+
+
+# How often a call whose lease lives on another event loop looks whether it was revoked (a lease
+# of this loop has an event to wait on).
+REVOKED_POLL_S = 0.05
+# What a call cut short because its lease was revoked returns in place of a result.
+_REVOKED = object()
+
+
+async def _revocation(lease: _Releasable) -> None:
+    """Return once ``lease`` is revoked (the gate asked for it back)."""
+    event = getattr(lease, "revoked", None)
+    if isinstance(event, asyncio.Event):
+        await event.wait()
+        return
+    while not lease.is_revoked:  # noqa: ASYNC110 - the flag is set on another loop's thread
+        await asyncio.sleep(REVOKED_POLL_S)
+
 
 class PermitSource(Protocol):
     """Where ``run_map`` gets its permits: a :class:`Gate`, or a proxy to one on another loop."""
@@ -230,6 +250,8 @@ class _MapRun:
         self.tenant: str | None = None
         #: attempts made (first calls and retries), for the calls-per-request histogram
         self.calls = 0
+        #: calls cut short because their lease was revoked (each queued again)
+        self.revoked = 0
 
     def count_retry(self, _: RetryCallState) -> None:
         self.source.metrics.retries.labels(self.source.name).inc()
@@ -281,16 +303,42 @@ class _MapRun:
         ask = Ask.of(
             weight=weight, priority=self.priority, tenant=self.tenant, deadline=None, tokens=tokens
         )
-        lease = await self.source.acquire_for(dl, ask)
-        report = CallReport()
+        while True:
+            lease = await self.source.acquire_for(dl, ask)
+            report = CallReport()
+            try:
+                outcome = await self._unless_revoked(lease, policy(self._attempt, item, report))
+                if outcome is _REVOKED:
+                    report.outcome = None  # cut short: it says nothing of the server
+            except asyncio.CancelledError:
+                report.outcome = None  # a cancelled call reports nothing
+                raise
+            finally:
+                report.send(lease)
+                await lease.release()
+            if outcome is not _REVOKED:
+                self.results[index] = outcome
+                return
+            # The gate asked for the permit back (a higher band waited): the call was cancelled
+            # and its permit released; it queues again within the request's deadline.
+            self.revoked += 1
+
+    async def _unless_revoked(self, lease: _Releasable, call: Awaitable[Any]) -> Any:
+        """``call``'s result, or :data:`_REVOKED` if ``lease`` is revoked first (the call is
+        cancelled then)."""
+        task = asyncio.ensure_future(call)
+        watch = asyncio.ensure_future(_revocation(lease))
         try:
-            self.results[index] = await policy(self._attempt, item, report)
-        except asyncio.CancelledError:
-            report.outcome = None  # a cancelled call reports nothing
-            raise
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return _REVOKED
         finally:
-            report.send(lease)
-            await lease.release()
+            for t in (task, watch):
+                t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
 
     async def _attempt(self, item: Any, report: CallReport) -> Any:
         self.calls += 1

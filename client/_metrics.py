@@ -55,6 +55,7 @@ class ClientMetrics:
     wait_seconds: Histogram
     expected_wait_seconds: Histogram
     granted: Counter
+    revoked: Counter
     rejected: Counter
     deadline_exceeded: Counter
     deadline_unreachable: Counter
@@ -117,6 +118,11 @@ class ClassMetrics:
     @cached_property
     def rejected(self) -> Counter:
         return self._metrics.rejected.labels(*self._labels)
+
+    @cached_property
+    def revoked(self) -> Counter:
+        """Leases of this class the gate asked back (revocation)."""
+        return self._metrics.revoked.labels(*self._labels)
 
     def hold(self, weight: int = 1) -> None:
         """A permit of ``weight`` units was granted (granted, in flight, units in flight)."""
@@ -269,6 +275,12 @@ _SPECS: dict[str, tuple[type[Gauge | Counter | Histogram], str, tuple[str, ...],
         WAIT_BUCKETS,
     ),
     "granted": (Counter, "Permits granted", CLASS_LABELS, None),
+    "revoked": (
+        Counter,
+        "Leases the gate asked back while held (a higher band waited past revoke_after)",
+        CLASS_LABELS,
+        None,
+    ),
     "rejected": (
         Counter,
         "Acquires refused with Overloaded: wait list full, tenant bound, shed band, "

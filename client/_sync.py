@@ -243,7 +243,8 @@ class SyncGate:
         itself runs to completion (use :meth:`map` for a deadline that abandons running calls).
         ``weight``, ``priority``, ``tenant``, ``tokens`` and ``ask`` as for :meth:`Gate.permit`.
         If the lease was lost while the block ran (``lease.is_lost``), leaving the block raises
-        :class:`LeaseLost`, unless the block raised an exception of its own.
+        :class:`LeaseLost`, and if it was revoked (``lease.is_revoked``) :class:`LeaseRevoked`,
+        unless the block raised an exception of its own.
         """
         lease = self.acquire(
             deadline, weight=weight, priority=priority, tenant=tenant, tokens=tokens, ask=ask
@@ -254,6 +255,8 @@ class SyncGate:
             self.release(lease)
         if lease.is_lost:
             raise lease.lost_error()
+        if lease.is_revoked:
+            raise lease.revoked_error()
 
     def acquire(
         self,

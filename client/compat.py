@@ -106,6 +106,10 @@ class _RemoteLease:
     def report(self, outcome: str, latency: float | None = None) -> None:
         self.lease.report(outcome, latency)  # sets the report the release above carries
 
+    @property
+    def is_revoked(self) -> bool:
+        return self.lease.is_revoked  # a plain flag: safe to read from this loop's thread
+
 
 class _RemoteGate:
     """Permits from the default fleet's loop for calls made on the caller's loop."""

@@ -5,6 +5,7 @@
      │    └── DeadlineUnreachable  it would start after its deadline (refused at once)
      ├── DeadlineExceeded    the total deadline fired (also a TimeoutError)
      ├── LeaseLost           a held lease could not be renewed and expired in Redis
+     ├── LeaseRevoked        the gate asked for a held lease back (a higher band waited)
      ├── ConfigError         bad configuration or gate name (also a ValueError)
      ├── GateStateError      a gate's keys in Redis hold data its scripts cannot use
      └── RedisUnavailable    Redis unreachable and on_redis_error="fail"
@@ -22,6 +23,7 @@ __all__ = [
     "FleetgateError",
     "GateStateError",
     "LeaseLost",
+    "LeaseRevoked",
     "Overloaded",
     "RedisUnavailable",
 ]
@@ -115,6 +117,13 @@ class DeadlineExceeded(FleetgateError, TimeoutError):
 
 class LeaseLost(FleetgateError):
     """A held lease could not be renewed and is no longer counted by the gate."""
+
+
+class LeaseRevoked(FleetgateError):
+    """The gate asked for this lease back while its block ran: a call of a higher band had
+    waited longer than the gate's ``revoke_after`` (cooperative revocation). The lease held its
+    units until it was released; raised on leaving a ``permit()`` block whose lease was revoked,
+    unless the block raised an exception of its own."""
 
 
 class ConfigError(FleetgateError, ValueError):

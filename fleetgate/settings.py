@@ -40,6 +40,7 @@ __all__ = [
     "MAX_PERMITS",
     "MAX_QUEUED",
     "MAX_TTL_MS",
+    "REVOKE_FIELDS",
     "TIME_FIELDS",
     "TOKEN_FIELDS",
     "Ceiling",
@@ -50,6 +51,7 @@ __all__ = [
     "LeaseMs",
     "MaxQueued",
     "MaxQueuedPerTenant",
+    "RevokeAfter",
     "ShedBelow",
     "TokenCeiling",
     "TokenLimit",
@@ -59,6 +61,7 @@ __all__ = [
     "check_admission",
     "check_ceiling",
     "check_deadline_admission",
+    "check_revoke_after",
     "check_setting_names",
     "check_tokens",
     "settings_differing",
@@ -92,6 +95,18 @@ TokenLimit = Annotated[
 ]
 TokenCeiling = Annotated[
     int, Meta(ge=1, le=MAX_TOKENS, description="bound of the token budget and of one call's tokens")
+]
+#: Bounds of ``revoke_after`` (seconds): below a heartbeat's reach it means "at once", above an
+#: hour it is no plan.
+MIN_REVOKE_AFTER: Final = 0.1
+MAX_REVOKE_AFTER: Final = 3600.0
+RevokeAfter = Annotated[
+    float,
+    Meta(
+        ge=MIN_REVOKE_AFTER,
+        le=MAX_REVOKE_AFTER,
+        description="seconds a higher band's head waits before lower bands are asked to give back",
+    ),
 ]
 
 # Why each lower bound exists (appended to the client's error message).
@@ -155,6 +170,9 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: headroom between bands: priority -> the fraction of the limit that band and every band
     #: below it may hold together (:mod:`fleetgate.bands`); empty: strict bands only
     band_share: Mapping[int, float] = msgspec.field(default_factory=BandShare)
+    #: revocation: seconds the head of a higher band may wait before the gate asks leases of
+    #: the bands below it back (``lease.revoked``); None: never
+    revoke_after: RevokeAfter | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tenant_weights, TenantWeights):
@@ -165,10 +183,10 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             msgspec.structs.force_setattr(self, "band_share", BandShare(self.band_share))
 
     def argv(self) -> list[int | str]:
-        """ARGV of the scripts that take a gate's settings, 12 values: floor, ceiling,
+        """ARGV of the scripts that take a gate's settings, 13 values: floor, ceiling,
         max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below, token_limit,
         token_ceiling (each ``''`` when None), deadline_admission (0 off, 1 start, 2 finish),
-        band_share and
+        band_share, revoke_after (in ms, ``''`` when None) and
         tenant_weights (encoded: :class:`~fleetgate.bands.BandShare`,
         :func:`~fleetgate.admission.encode_tenant_weights`)."""
         return [
@@ -183,6 +201,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _text(self.token_ceiling),
             admission_code(self.deadline_admission),
             self._band_share.encoded,
+            _revoke_ms(self.revoke_after),
             self._tenant_weights.encoded,
         ]
 
@@ -192,7 +211,8 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         removed from the configuration is removed in Redis too), ``shed_below``,
         ``tenant_weights`` (encoded; the scripts keep it apart from ``cfg``), ``token_limit``
         and ``token_ceiling`` (``''`` when unset, likewise), ``deadline_admission`` (0, 1 or 2),
-        ``band_share`` (encoded; ``''`` when empty, which deletes the field)."""
+        ``band_share`` (encoded; ``''`` when empty, which deletes the field),
+        ``revoke_after_ms`` (``''`` when None, likewise)."""
         cfg: dict[str, int | str] = {name: getattr(self, name) for name in FIELDS}
         cfg["max_queued_per_tenant"] = _text(self.max_queued_per_tenant)
         cfg["shed_below"] = self.shed_below
@@ -201,6 +221,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cfg["token_ceiling"] = _text(self.token_ceiling)
         cfg["deadline_admission"] = admission_code(self.deadline_admission)
         cfg["band_share"] = self._band_share.encoded
+        cfg["revoke_after_ms"] = _revoke_ms(self.revoke_after)
         return cfg
 
     @property
@@ -225,7 +246,14 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             problem = _field_problem(name, values.get(name))
             if problem:
                 raise ConfigError(f"gate {gate!r}: {name}: {problem}")
-        known = {*FIELDS, *ADMISSION_FIELDS, *TOKEN_FIELDS, *TIME_FIELDS, *BAND_FIELDS}
+        known = {
+            *FIELDS,
+            *ADMISSION_FIELDS,
+            *TOKEN_FIELDS,
+            *TIME_FIELDS,
+            *BAND_FIELDS,
+            *REVOKE_FIELDS,
+        }
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"gate {gate!r}: {unknown[0]}: unknown setting")
@@ -239,6 +267,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             check_tokens(values.get("token_limit"), values.get("token_ceiling"))
             check_deadline_admission(values.get("deadline_admission", True))
             values["band_share"] = validate_band_share(values.get("band_share", {}))
+            check_revoke_after(values.get("revoke_after"))
         except ConfigError as exc:
             raise ConfigError(f"gate {gate!r}: {exc}") from None
         return cls(**values)
@@ -278,6 +307,7 @@ class GateSettingsKwargs(TypedDict, total=False):
     token_ceiling: int | None
     deadline_admission: DeadlineAdmission | None
     band_share: Mapping[int, float] | None
+    revoke_after: float | None
 
 
 assert tuple(GateSettingsKwargs.__annotations__) == GateSettings.__struct_fields__
@@ -328,13 +358,37 @@ ADMISSION_FIELDS: Final = GateSettings.__struct_fields__[5:8]
 TOKEN_FIELDS: Final = GateSettings.__struct_fields__[8:10]
 #: Admission that knows time (docs/admission.md "Deadline-aware admission").
 TIME_FIELDS: Final = GateSettings.__struct_fields__[10:11]
-#: Headroom between bands (docs/admission.md "Headroom between bands"), last.
-BAND_FIELDS: Final = GateSettings.__struct_fields__[11:]
+#: Headroom between bands (docs/admission.md "Headroom between bands").
+BAND_FIELDS: Final = GateSettings.__struct_fields__[11:12]
+#: Revocation (docs/admission.md "Revocation"), last.
+REVOKE_FIELDS: Final = GateSettings.__struct_fields__[12:]
 assert FIELDS == ("floor", "ceiling", "max_queued", "lease_ms", "waiter_ms")
 assert ADMISSION_FIELDS == ("max_queued_per_tenant", "shed_below", "tenant_weights")
 assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
 assert TIME_FIELDS == ("deadline_admission",)
 assert BAND_FIELDS == ("band_share",)
+assert REVOKE_FIELDS == ("revoke_after",)
+
+
+def _revoke_ms(seconds: float | None) -> int | str:
+    """``revoke_after`` as the scripts take it: ms, ``''`` for None."""
+    return "" if seconds is None else max(1, round(seconds * 1000))
+
+
+def check_revoke_after(value: object) -> None:
+    """Raise a :class:`ConfigError` naming the field unless ``value`` is None or seconds in
+    [MIN_REVOKE_AFTER, MAX_REVOKE_AFTER]."""
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not MIN_REVOKE_AFTER <= value <= MAX_REVOKE_AFTER
+    ):
+        raise ConfigError(
+            f"revoke_after: expected None or seconds in [{MIN_REVOKE_AFTER}, "
+            f"{MAX_REVOKE_AFTER:.0f}], got {value!r}"
+        )
 
 
 def _text(value: int | None) -> int | str:

@@ -7,10 +7,11 @@
 -- ARGV: 1 floor  2 ceiling  3 max_queued  4 lease_ms  5 waiter_ms  6 max_queued_per_tenant
 --       7 shed_below  8 token_limit  9 token_ceiling  10 deadline_admission (0 off, 1 start,
 --       2 finish)
---       11 band_share ('<R>=<permille>,...')  12 tenant weights ('name}w}...')
---       (defaults, registered only when the gate has no configuration yet), 13 fence_ms (the
+--       11 band_share ('<R>=<permille>,...')  12 revoke_after_ms ('' for none)
+--       13 tenant weights ('name}w}...')
+--       (defaults, registered only when the gate has no configuration yet), 14 fence_ms (the
 --       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 for none),
---       14 n = leases to release, then n lease ids,
+--       15 n = leases to release, then n lease ids,
 --       then m, then m
 --       values: the released calls' reports as (field, increment) pairs for fg:{G}:obs
 --       (fleetgate.observed.tally; m = 0 without reports), then per request: id ('<pod>:<n>',
@@ -52,9 +53,9 @@
 -- Reaping is lazy (bounded, as ever): expired leases only when a request does not fit, expired
 -- waiters only when the wait list is full, i.e. when they could change the answer; heartbeats
 -- and the coordinator's sweep reap the rest.
-local n_release = tonumber(ARGV[14])
-local n_obs = tonumber(ARGV[15 + n_release])
-local first = 16 + n_release + n_obs  -- ARGV index of the first request
+local n_release = tonumber(ARGV[15])
+local n_obs = tonumber(ARGV[16 + n_release])
+local first = 17 + n_release + n_obs  -- ARGV index of the first request
 -- A class the client library would never send is refused before anything is written: it would
 -- make lane members that sort and parse wrongly; so is an id whose band tag is not its class's
 -- (the held counts of the band shares go by the tag).
@@ -71,16 +72,16 @@ for i = first + 2, #ARGV, 3 do
 end
 local released = 0
 if n_release > 0 then
-  released = remove_leases(ARGV, 15, 14 + n_release)
+  released = remove_leases(ARGV, 16, 15 + n_release)
   if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 end
-observe(ARGV, 16 + n_release, 15 + n_release + n_obs)
-settle_tags(ARGV, 16 + n_release, 15 + n_release + n_obs)
+observe(ARGV, 17 + n_release, 16 + n_release + n_obs)
+settle_tags(ARGV, 17 + n_release, 16 + n_release + n_obs)
 
 local now = now_ms()
 local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
-  ARGV[9], ARGV[10], ARGV[11], ARGV[12]}, true)
-gate_birth(now, cfg, num(ARGV[13], 0))
+  ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13]}, true)
+gate_birth(now, cfg, num(ARGV[14], 0))
 -- behind the recovery fence nothing is granted at once: every request parks (or is refused)
 local fenced = cfg.fence > now
 local lim = current_limit(now, cfg)

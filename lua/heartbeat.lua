@@ -11,11 +11,13 @@
 --       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 or absent for
 --       none, as the coordinator's sweep sends), and the pod's defaults
 --       (GateSettings.argv(): floor, ceiling, max_queued, lease_ms, waiter_ms, two unused,
---       token_limit, token_ceiling, deadline_admission) for a gate whose configuration is gone
+--       token_limit, token_ceiling, deadline_admission, band_share, revoke_after_ms) for a gate
+--       whose configuration is gone
 --       (read, never registered here).
 -- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,
 --   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted, too_heavy,
---   ceiling, token_limit, tokens held, too_late, too_late_ms, too_late_hold_ms}: token_limit =
+--   ceiling, token_limit, tokens held, too_late, too_late_ms, too_late_hold_ms, revoked}:
+--   revoked = the pod's leases marked revoked (lib_revoke.lua: give them back); token_limit =
 --   the token budget in force (-1: none; tokens held is then 0, not counted); too_late = the
 --   pod's waiters that left because by the drain they would now end their wait (or, with
 --   deadline_admission 'finish', their call) after their deadline (DeadlineUnreachable),

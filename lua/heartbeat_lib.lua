@@ -86,7 +86,8 @@ local function heartbeat_gate(A)
   local max_token = num(A[i_tail], 0)
   local now = now_ms()
   local cfg = load_cfg({A[i_tail + 2], A[i_tail + 3], A[i_tail + 4], A[i_tail + 5],
-    A[i_tail + 6], nil, nil, A[i_tail + 9], A[i_tail + 10], A[i_tail + 11], A[i_tail + 12]})
+    A[i_tail + 6], nil, nil, A[i_tail + 9], A[i_tail + 10], A[i_tail + 11], A[i_tail + 12],
+    A[i_tail + 13]})
   -- before anything is renewed or counted again: this pod's own leases, adopted below, are
   -- work the fence waits for
   gate_birth(now, cfg, num(A[i_tail + 1], 0))
@@ -97,9 +98,14 @@ local function heartbeat_gate(A)
 
   local r = {expiry = now + cfg.lease_ms, lost = {}, granted = {}, lost_waiters = {},
              adopted = {}, evicted = {}, too_heavy = {}, too_late = {}, too_late_ms = {},
-             too_late_hold_ms = {}}
+             too_late_hold_ms = {}, revoked = {}}
+  local held = {}  -- the pod's leases held now, in the order sent (newest first)
   for i = 4, i_waiters - 1, 2 do
-    if not renew_lease(A[i], num(A[i + 1], 0), now, r) then r.lost[#r.lost + 1] = A[i] end
+    if renew_lease(A[i], num(A[i + 1], 0), now, r) then
+      held[#held + 1] = A[i]
+    else
+      r.lost[#r.lost + 1] = A[i]
+    end
   end
   renew_waiters(A, i_waiters + 1, n_waiters, now, cfg, r)
   if #r.adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #r.adopted) end
@@ -119,10 +125,14 @@ local function heartbeat_gate(A)
   local lim = current_limit(now, cfg)
   readmit(lim, cfg.tlim)
   handoff(now, cfg, lim)
+  -- revocation (lib_revoke.lua): what the head still lacks after the hand-off, then this pod's
+  -- answer to it
+  revoke_demand(now, cfg, lim)
+  revoke_leases(now, cfg, held, r)
   adm_flush()
   return {lim, live, r.lost, r.granted, r.lost_waiters,
     redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
     r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling,
     cfg.tlim or -1, cfg.tlim and tokens_held() or 0, r.too_late, r.too_late_ms,
-    r.too_late_hold_ms}
+    r.too_late_hold_ms, r.revoked}
 end

@@ -4,12 +4,14 @@
 --         exact), at most INSPECT_MAX, so one snapshot costs O(log n + listed), never O(queue)
 --       2.. optional defaults (GateSettings.argv(): floor, ceiling, max_queued, lease_ms,
 --       waiter_ms, max_queued_per_tenant, shed_below, token_limit, token_ceiling,
---       deadline_admission, band_share) for a gate that has no configuration yet: the
+--       deadline_admission, band_share, revoke_after_ms) for a gate that has no configuration
+--       yet: the
 --       snapshot shows what an acquire would register
 -- Returns a JSON object: now, schema, cfg, target, limit, floor, ceiling, max_queued,
 --   max_queued_per_tenant, shed_below, tenant_weights, lease_ms, waiter_ms (the configuration
 --   in force), token_limit and token_ceiling (the token budget in force, absent: none),
---   deadline_admission (on or off), band_share (priority -> permille of the limit that band
+--   deadline_admission (on or off), deadline_finish, revoke_after_ms (0: never), band_share
+--   (priority -> permille of the limit that band
 --   and the ones below it may hold) and band_units (priority -> units its leases hold), obs
 --   (the client-observed counters, token usage included), holders
 --   (unexpired leases), units (units held, expired-but-unreaped included: what the next grant
@@ -25,7 +27,7 @@ local n = math.floor(num(ARGV[1], 0))
 if n > INSPECT_MAX then n = INSPECT_MAX end
 local now = now_ms()
 local cfg = load_cfg({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], nil, nil, ARGV[9],
-  ARGV[10], ARGV[11], ARGV[12]})
+  ARGV[10], ARGV[11], ARGV[12], ARGV[13]})
 
 local function pairs_to_map(flat)
   local m = {}
@@ -99,6 +101,7 @@ local out = cjson.encode({
   token_ceiling = cfg.token_ceiling,
   deadline_admission = cfg.deadline_admission,
   deadline_finish = cfg.deadline_finish,
+  revoke_after_ms = cfg.revoke_after or 0,
   band_share = band_share,
   band_units = band_units,
   tokens = redis.call('ZCARD', K_HOLDERS) > 0 and num(redis.call('HGET', K_ADM, 'tok'), 0) or 0,

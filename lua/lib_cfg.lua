@@ -16,7 +16,7 @@ local DEFAULT = {floor = 1, ceiling = 512, max_queued = 1000, lease_ms = 10000, 
 local LOWEST = {floor = 1, ceiling = 1, max_queued = 0, lease_ms = 100, waiter_ms = 100}
 local CFG_FIELDS = {'floor', 'ceiling', 'max_queued', 'lease_ms', 'waiter_ms',
   'max_queued_per_tenant', 'shed_below', 'token_limit', 'token_ceiling', 'deadline_admission',
-  'band_share'}
+  'band_share', 'revoke_after_ms'}
 local N_SETTINGS = #CFG_FIELDS
 -- What load_cfg reads in its one HMGET: the schema, the settings, and 'fence' (gate_birth).
 -- (Built by a loop: a Functions library's top level runs without unpack.)
@@ -118,7 +118,8 @@ end
 
 -- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
 -- floor, ceiling, max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below,
--- token_limit, token_ceiling, deadline_admission, band_share, tenant_weights), then DEFAULT;
+-- token_limit, token_ceiling, deadline_admission, band_share, revoke_after_ms, tenant_weights),
+-- then DEFAULT;
 -- values below LOWEST are raised to it, and the ceiling to the floor: half-written or garbled
 -- configuration never fails a call.
 -- Checks the schema first.
@@ -163,6 +164,9 @@ local function load_cfg(d, register)
   -- headroom between bands (lib_share.lua): what the rules of this call read
   cfg.shares = parse_shares(v[11] or d[11])
   SHARES = cfg.shares
+  -- revocation (lib_revoke.lua): ms a higher band's head may wait; nil: never
+  local ra = num(v[12], num(d[12], nil))
+  if ra and ra >= 1 then cfg.revoke_after = ra end
   -- the recovery fence (gate_birth): the server time until which nothing is granted; the field
   -- is absent until a client script has found the gate and marked it (born)
   cfg.born, cfg.fence = fence ~= false, num(fence, 0)

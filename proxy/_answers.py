@@ -11,6 +11,7 @@ exchange for the access log.
 from __future__ import annotations
 
 import email.utils
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from ._inbound import BodyTooLarge, BuffersFull, ClientGone
 from .config import ProxySettings
 from .metrics import ProxyMetrics
 from .policy import retry_after
+
+log = logging.getLogger("fleetgate.proxy")
 
 __all__ = ["CLIENT_CLOSED", "ENCODER", "Answers", "http_date", "send_plain"]
 
@@ -179,6 +182,32 @@ class Answers:
             await cls.error(ex, 400, "bad_header", str(exc), gate=route.gate)
         else:
             await cls.error(ex, 503, "unavailable", str(exc), gate=route.gate)
+
+    @classmethod
+    async def revoked(cls, ex: Exchange) -> None:
+        """The gate asked for the request's permit back while its upstream call ran (a call
+        of a higher priority waited past the gate's revoke_after): the call was cut. Before
+        the answer began: 503, not to be retried at once (``x-should-retry: false``), with the
+        route's ``Retry-After``; after (a stream under way; a 503 cannot follow a 200): the
+        stream ends where it was, and the access log says why."""
+        route = ex.route
+        if ex.status:
+            ex.note = "revoked: the stream was cut (a higher priority waited past revoke_after)"
+            log.warning("route %s: %s", route.label, ex.note)
+            return
+        msg = (
+            f"gate {route.gate!r}: the permit was revoked while the upstream call ran (a call of "
+            "a higher priority waited past the gate's revoke_after); the call was cut"
+        )
+        await cls.error(
+            ex,
+            503,
+            "revoked",
+            msg,
+            gate=route.gate,
+            retry_after_s=retry_after(route.retry_after_s),
+            retry=False,
+        )
 
     @classmethod
     async def shutting_down(cls, ex: Exchange) -> None:

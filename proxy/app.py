@@ -315,9 +315,29 @@ class ProxyApp:
             return
         ex.wait_ms = (loop.time() - ex.asked_at) * 1000
         ex.permit = Permit(lease)
+        # A revoked lease (a higher band waited past the gate's revoke_after) cuts the upstream
+        # call: the heartbeat that learns it cancels the forwarding task.
+        forward = asyncio.ensure_future(self.relay.forward(ex))
+        cut: list[bool] = []
+
+        def revoked() -> None:
+            cut.append(True)
+            forward.cancel()
+
+        lease.when_revoked(revoked)
         try:
-            await self.relay.forward(ex)
+            try:
+                await asyncio.wait({forward})  # (a cancellation of this task stops here)
+            except asyncio.CancelledError:
+                forward.cancel()
+                await asyncio.gather(forward, return_exceptions=True)
+                raise
+            if cut and forward.cancelled():
+                await self.answers.revoked(ex)
+            else:
+                forward.result()  # its error, if it failed
         finally:
+            lease.when_revoked(None)
             await ex.permit.release()  # no-op when the upstream's end released it
 
     def _account(self, ex: Exchange) -> None:

@@ -57,6 +57,7 @@ LIB_PARTS = (
     "lib_reap",
     "lib_wakes",
     "lib_tokens",
+    "lib_revoke",
     "lib_handoff",
 )
 

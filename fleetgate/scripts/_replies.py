@@ -116,6 +116,8 @@ class HeartbeatReply:
     #: the band's expected holds (ms) their deadlines had to cover too (deadline_admission
     #: "finish"; else -1), in order
     too_late_hold_ms: list[int] = field(default_factory=list)
+    #: the pod's leases the gate marked revoked (a higher band waited past revoke_after)
+    revoked: list[str] = field(default_factory=list)
 
     @classmethod
     def decode(cls, r: Any) -> HeartbeatReply:
@@ -142,6 +144,7 @@ class HeartbeatReply:
             too_late=[_s(x) for x in r[18]] if len(r) > 18 else [],
             too_late_ms=[int(x) for x in r[19]] if len(r) > 19 else [],
             too_late_hold_ms=[int(x) for x in r[20]] if len(r) > 20 else [],
+            revoked=[_s(x) for x in r[21]] if len(r) > 21 else [],
         )
 
 
@@ -219,6 +222,8 @@ class Snapshot(msgspec.Struct):
     deadline_admission: bool = True
     #: whether the deadline must cover the band's mean hold too (deadline_admission "finish")
     deadline_finish: bool = False
+    #: revocation: ms a higher band's head may wait before lower bands give back (0: never)
+    revoke_after_ms: int = 0
     #: the band shares in force: priority -> thousandths of the limit that band and the ones
     #: below it may hold (empty: strict bands only; ``fleetgate.bands``)
     band_share: dict[int, int] = {}

@@ -32,7 +32,9 @@ def test_admission_keys_decode_and_reach_the_settings() -> None:
     s = gate.settings
     assert (s.max_queued_per_tenant, s.shed_below) == (200, -10)
     assert s.as_cfg()["tenant_weights"] == "batch}1}search}3}weird name/with space}1000"
-    assert s.argv()[5:] == [200, -10, "", "", 1, "", "batch}1}search}3}weird name/with space}1000"]
+    assert s.argv()[5:] == [
+        200, -10, "", "", 1, "", "", "batch}1}search}3}weird name/with space}1000"
+    ]  # fmt: skip
 
 
 def test_a_token_budget_decodes_and_reaches_the_settings() -> None:

@@ -19,6 +19,7 @@ from fleetgate.settings import (
     ADMISSION_FIELDS,
     BAND_FIELDS,
     FIELDS,
+    REVOKE_FIELDS,
     TIME_FIELDS,
     TOKEN_FIELDS,
     GateSettings,
@@ -113,14 +114,14 @@ async def test_acquire_registers_the_admission_settings(
 
 
 def test_script_arguments_follow_the_field_order() -> None:
-    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, "", "", 1, "", ""]
+    assert GateSettings().argv() == [1, 512, 1000, 10_000, 5_000, "", 0, "", "", 1, "", "", ""]
     s = GateSettings(
         floor=2,
         max_queued_per_tenant=7,
         shed_below=-10,
         tenant_weights={"search": 3, "batch": 1},
     )
-    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "", "", 1, "", "batch}1}search}3"]
+    assert s.argv() == [2, 512, 1000, 10_000, 5_000, 7, -10, "", "", 1, "", "", "batch}1}search}3"]
     # band shares: '<100 - priority as 3 digits>=<thousandths>', by priority
     shares = GateSettings(band_share={-10: 0.3, 0: 0.7}).argv()[10]
     assert shares == "100=700,110=300"
@@ -140,7 +141,8 @@ def test_fields_are_the_int_fields_then_the_admission_ones_then_the_token_budget
     assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
     assert TIME_FIELDS == ("deadline_admission",)
     assert BAND_FIELDS == ("band_share",)
-    fields = FIELDS + ADMISSION_FIELDS + TOKEN_FIELDS + TIME_FIELDS + BAND_FIELDS
+    assert REVOKE_FIELDS == ("revoke_after",)
+    fields = FIELDS + ADMISSION_FIELDS + TOKEN_FIELDS + TIME_FIELDS + BAND_FIELDS + REVOKE_FIELDS
     assert fields == GateSettings.__struct_fields__
     assert set(bounds()) == set(FIELDS)
 
@@ -157,6 +159,7 @@ def test_as_cfg_shape() -> None:
         "token_ceiling": "",
         "deadline_admission": 1,
         "band_share": "",
+        "revoke_after_ms": "",
     }
     s = GateSettings(max_queued_per_tenant=50, shed_below=5, tenant_weights={"b": 2, "a": 9})
     assert s.as_cfg() == {
@@ -168,10 +171,21 @@ def test_as_cfg_shape() -> None:
         "token_ceiling": "",
         "deadline_admission": 1,
         "band_share": "",
+        "revoke_after_ms": "",
     }
     budget = GateSettings(token_limit=4_000).as_cfg()
     assert (budget["token_limit"], budget["token_ceiling"]) == (4_000, "")
     assert list(s.as_cfg())[:5] == list(FIELDS)
+    assert GateSettings(revoke_after=2.5).as_cfg()["revoke_after_ms"] == 2500
+
+
+@pytest.mark.parametrize("bad", [0, 0.05, 3601, "5", True])
+def test_revoke_after_takes_seconds_or_none(bad: object) -> None:
+    base = msgspec.structs.asdict(GateSettings())
+    with pytest.raises(ConfigError, match=r"gate 'g': revoke_after: expected None or seconds"):
+        GateSettings.validated("g", **{**base, "revoke_after": bad})
+    assert GateSettings.for_gate("g", revoke_after=5).argv()[11] == 5000
+    assert GateSettings.for_gate("g").argv()[11] == ""
 
 
 def test_settings_stay_hashable_and_immutable() -> None:

@@ -70,7 +70,7 @@ class GateMachine(RuleBasedStateMachine):
         no_budget = ["", ""]  # token_limit, token_ceiling
         settings = [FLOOR, CEILING, MAX_QUEUED, LONG_MS, LONG_MS, MAX_QUEUED_PER_TENANT, 0]
         # deadline admission off (FIFO waits), no band shares
-        return [*settings, *no_budget, 0, "", "a}2"]
+        return [*settings, *no_budget, 0, "", "", "a}2"]
 
     def step(self, *, handed_off: bool) -> None:
         """After a script: whether it handed off, and whether it granted anything."""

@@ -28,7 +28,7 @@ class Gate:
         self.keys = GateKeys.of(f"b{uuid.uuid4().hex[:8]}", "steps")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self.defaults = [
-            floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, "", "", 0, "", ""
+            floor, ceiling, max_queued, LONG_MS, LONG_MS, max_queued, 0, "", "", 0, "", "", ""
         ]  # fmt: skip
 
     def call(self, name: str, *args: object) -> Any:

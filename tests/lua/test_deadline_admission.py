@@ -40,7 +40,7 @@ class Gate:
         self.keys = GateKeys.of(f"d{uuid.uuid4().hex[:8]}", "deadline")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
         self.defaults = [
-            floor, 64, 100, LONG_MS, LONG_MS, 100, 0, "", "", int(admission), "", "a}3"
+            floor, 64, 100, LONG_MS, LONG_MS, 100, 0, "", "", int(admission), "", "", "a}3"
         ]  # fmt: skip
 
     def call(self, name: str, *args: object) -> Any:

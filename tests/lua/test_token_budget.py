@@ -31,7 +31,7 @@ class TokenGate:
         self.keys = GateKeys.of(f"t{uuid.uuid4().hex[:8]}", "tokens")
         self.scripts = {n: r.register_script(script_source(n)) for n in SCRIPT_NAMES}
         tc = "" if token_ceiling is None else token_ceiling
-        self.defaults = [floor, 64, 100, LONG_MS, LONG_MS, 100, 0, token_limit, tc, 0, "", ""]
+        self.defaults = [floor, 64, 100, LONG_MS, LONG_MS, 100, 0, token_limit, tc, 0, "", "", ""]
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))

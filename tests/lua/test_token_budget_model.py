@@ -77,7 +77,21 @@ class TokenGateMachine(RuleBasedStateMachine):
     def defaults(self) -> list[object]:
         # deadline admission on: the hand-offs keep the bands' drain (no call here has a
         # deadline short enough to be refused by it)
-        return [LIMIT, LIMIT, 6, LONG_MS, LONG_MS, 6, 0, TOKEN_LIMIT, TOKEN_CEILING, 1, "", "a}2"]
+        return [
+            LIMIT,
+            LIMIT,
+            6,
+            LONG_MS,
+            LONG_MS,
+            6,
+            0,
+            TOKEN_LIMIT,
+            TOKEN_CEILING,
+            1,
+            "",
+            "",
+            "a}2",
+        ]
 
     # -- what Redis holds -----------------------------------------------------------------
 
