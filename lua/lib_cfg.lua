@@ -51,8 +51,8 @@ local function parse_shares(v)
   return out
 end
 
--- Field i (name) of the stored configuration v, else of the caller's defaults d, else DEFAULT;
--- raised to LOWEST.
+-- Field i (name) of the stored configuration v, else of the caller's defaults d (empty for a
+-- configured gate: load_cfg), else DEFAULT; raised to LOWEST.
 local function cfg_field(v, d, i, name)
   return math.max(LOWEST[name], math.floor(num(v[i], num(d[i], DEFAULT[name]))))
 end
