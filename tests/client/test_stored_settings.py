@@ -85,6 +85,10 @@ def test_only_given_settings_are_compared() -> None:
         "ceiling": ("64", str(asked.ceiling))
     }
     assert settings_differing(asked, ["floor"], {}, {}) == {}  # nothing stored: nothing differs
+    # any stored setting makes the gate configured: a field it lacks is unset, not the caller's
+    assert settings_differing(asked, ["floor"], {"token_limit": "5"}, {}) == {
+        "floor": ("unset", "8")
+    }
     mqpt = GateSettings.for_gate("g", max_queued_per_tenant=3)
     assert settings_differing(mqpt, ["max_queued_per_tenant"], stored, {}) == {
         "max_queued_per_tenant": ("unset", "3")
