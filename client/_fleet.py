@@ -193,9 +193,9 @@ class Fleet:
         """The gate ``name``. ``settings`` are the fields of
         :class:`~fleetgate.settings.GateSettings` as keywords (``floor=4``, ``ceiling=...``:
         :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered only if the gate
-        has no configuration in Redis yet (the coordinator's config wins); None takes the
-        default. The first call for a name fixes them: a later call returns the same gate and
-        ignores its settings.
+        has no configuration in Redis yet (the coordinator's config wins, and a setting it
+        lacks takes its default, not this one); None takes the default. The first call for a
+        name fixes them: a later call returns the same gate and ignores its settings.
 
         The admission order's settings (docs/admission.md):
         ``max_queued_per_tenant`` bounds one tenant's waiters over all priorities (default: the

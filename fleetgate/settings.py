@@ -322,9 +322,10 @@ def settings_differing(
     """The settings a caller ``given`` explicitly that the gate's stored configuration (``cfg``
     and ``tenant_weights`` as Redis holds them) sets otherwise: name -> (stored, asked), as
     text (``unset`` for a field Redis does not hold). The stored ones are what applies: they
-    came from the coordinator's config or the process that first used the gate. Nothing
-    differs while nothing is stored."""
-    if not any(name in cfg for name in FIELDS):
+    came from the coordinator's config or the process that first used the gate, and a field
+    they lack takes its default in every script, not the caller's value. Nothing differs while
+    no setting is stored (lua/lib_cfg.lua load_cfg: the gate is not configured yet)."""
+    if not any(name in cfg for name in GateSettings.__struct_fields__):
         return {}
     mine = asked.as_cfg()
     out: dict[str, tuple[str, str]] = {}

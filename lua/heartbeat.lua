@@ -12,8 +12,8 @@
 --       none, as the coordinator's sweep sends), and the pod's defaults
 --       (GateSettings.argv(): floor, ceiling, max_queued, lease_ms, waiter_ms, two unused,
 --       token_limit, token_ceiling, deadline_admission, band_share, revoke_after_ms) for a gate
---       whose configuration is gone
---       (read, never registered here).
+--       with no configuration at all (read, never registered here; a configured gate's stored
+--       settings alone apply, lib_cfg.lua load_cfg).
 -- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,
 --   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted, too_heavy,
 --   ceiling, token_limit, tokens held, too_late, too_late_ms, too_late_hold_ms, revoked}:

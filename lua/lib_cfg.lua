@@ -51,8 +51,8 @@ local function parse_shares(v)
   return out
 end
 
--- Field i (name) of the stored configuration v, else of the caller's defaults d, else DEFAULT;
--- raised to LOWEST.
+-- Field i (name) of the stored configuration v, else of the caller's defaults d (empty for a
+-- configured gate: load_cfg), else DEFAULT; raised to LOWEST.
 local function cfg_field(v, d, i, name)
   return math.max(LOWEST[name], math.floor(num(v[i], num(d[i], DEFAULT[name]))))
 end
@@ -116,12 +116,17 @@ local function check_schema(stored)
   return s
 end
 
--- The gate's configuration in force. Missing fields take the caller's defaults (d, optional:
--- floor, ceiling, max_queued, lease_ms, waiter_ms, max_queued_per_tenant, shed_below,
--- token_limit, token_ceiling, deadline_admission, band_share, revoke_after_ms, tenant_weights),
--- then DEFAULT;
--- values below LOWEST are raised to it, and the ceiling to the floor: half-written or garbled
--- configuration never fails a call.
+-- The gate's configuration in force. The stored configuration (fg:{G}:cfg: the coordinator's
+-- publish, or what the first client registered) is the one source every script reads: a field
+-- it lacks takes DEFAULT, never a caller's value, so the arrival (acquire), the hand-offs of
+-- release, cancel and resize, the heartbeat and the snapshot all answer by the same settings.
+-- The caller's defaults (d, optional: floor, ceiling, max_queued, lease_ms, waiter_ms,
+-- max_queued_per_tenant, shed_below, token_limit, token_ceiling, deadline_admission,
+-- band_share, revoke_after_ms, tenant_weights) count only for a gate with no configuration at
+-- all: register stores them (acquire), and every script reads them from there on; without register
+-- (heartbeat, inspect) they are what an acquire would register. Values below LOWEST are raised
+-- to it, and the ceiling to the floor: half-written or garbled configuration never fails a
+-- call.
 -- Checks the schema first.
 -- register: a gate with no configuration at all gets the caller's defaults stored (a client may
 -- register defaults only where none exist; the coordinator's publish overwrites them).
@@ -134,7 +139,9 @@ local function load_cfg(d, register)
   for i = 1, N_SETTINGS do has = has or v[i] end
   -- a configured gate of schema 1 is converted; so is a new one as it is registered (the fence)
   if schema < SCHEMA and (has or register) then upgrade_gate() end
-  if register and not has then
+  if has then
+    d = {}  -- configured: the stored settings alone apply
+  elseif register then
     local pairs_ = {}
     for i, name in ipairs(CFG_FIELDS) do
       if d[i] ~= nil and d[i] ~= '' then

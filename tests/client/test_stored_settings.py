@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import sys
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import script_source
+from fleetgate.scripts._argv import publish_argv
 from fleetgate.settings import GateSettings, settings_differing
 
 from ..conftest import RedisUnderTest
+from . import _token_workers
 
 FIRST = """
 import asyncio, sys
@@ -79,7 +85,50 @@ def test_only_given_settings_are_compared() -> None:
         "ceiling": ("64", str(asked.ceiling))
     }
     assert settings_differing(asked, ["floor"], {}, {}) == {}  # nothing stored: nothing differs
+    # any stored setting makes the gate configured: a field it lacks is unset, not the caller's
+    assert settings_differing(asked, ["floor"], {"token_limit": "5"}, {}) == {
+        "floor": ("unset", "8")
+    }
     mqpt = GateSettings.for_gate("g", max_queued_per_tenant=3)
     assert settings_differing(mqpt, ["max_queued_per_tenant"], stored, {}) == {
         "max_queued_per_tenant": ("unset", "3")
     }
+
+
+def test_across_processes_every_script_follows_the_stored_configuration(
+    rut: RedisUnderTest,
+) -> None:
+    """The coordinator stored gate 'open' without a token budget and gate 'capped' with 100
+    tokens; four OS processes ask token_limit=100 of 'open' and 1,000 of 'capped' (2 callers of
+    60 tokens each). The arrivals and the hand-offs answer by the stored configuration alike:
+    on 'open' no call ever waits (16 units fit every caller), on 'capped' the tokens held never
+    exceed 100, whatever the processes asked."""
+    r = redis.Redis.from_url(rut.url, decode_responses=True)
+    publish = r.register_script(script_source("publish"))
+    stored = {
+        "open": GateSettings(floor=16, max_queued=10_000),
+        "capped": GateSettings(floor=16, max_queued=10_000, token_limit=100),
+    }
+    for name, settings in stored.items():
+        args = publish_argv(1, 60_000, None, settings.as_cfg(), {})
+        assert publish(keys=GateKeys.of(rut.prefix, name).script_keys(), args=args)[0] == 1
+    asked = {"open": 100, "capped": 1000}
+    with mp.get_context("spawn").Pool(4) as pool:
+        peaks = {
+            name: pool.starmap(
+                _token_workers.steady_calls,
+                [(rut.url, rut.prefix, name, asked[name], 20, f"{rut.prefix}:{name}")] * 4,
+            )
+            for name in stored
+        }
+    stats = {name: r.hgetall(GateKeys.of(rut.prefix, name).stats) for name in stored}
+    r.close()
+    assert {name: int(s.get("granted", 0)) for name, s in stats.items()} == {
+        "open": 80, "capped": 80
+    }  # fmt: skip
+    # 'open': no budget stored, none applied: nobody parked for tokens (an arrival by the
+    # processes' 100 would park a second 60-token call, which a release then hands off anyway)
+    assert int(stats["open"].get("parked", 0)) == 0, (stats["open"], peaks["open"])
+    # 'capped': the stored 100 holds across the fleet, and it was binding
+    assert max(p["tokens"] for p in peaks["capped"]) <= 100, peaks["capped"]
+    assert int(stats["capped"].get("parked", 0)) > 0, stats["capped"]

@@ -219,14 +219,31 @@ class TokenGateMachine(RuleBasedStateMachine):
             self.call("heartbeat", "", 1000, 0, 0)
             self.step(before, waiting)
 
+    def publish(self) -> None:
+        """The coordinator's publish: a gate's settings together (the stored configuration is
+        all the scripts read: a field it lacks takes its default, not the acquires'), with the
+        token ceiling and the band shares of this machine."""
+        cfg = GateSettings(
+            floor=LIMIT,
+            ceiling=LIMIT,
+            max_queued=6,
+            lease_ms=LONG_MS,
+            waiter_ms=LONG_MS,
+            max_queued_per_tenant=6,
+            tenant_weights={"a": 2},
+            token_limit=TOKEN_LIMIT,
+            token_ceiling=self.token_ceiling,
+            band_share=self.shares,
+        ).as_cfg()
+        flat = [x for kv in cfg.items() for x in kv]
+        assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
+
     @rule(ceiling=st.sampled_from((TOKEN_CEILING, TOKEN_CEILING, TOKEN_LIMIT)))
     def publish_token_ceiling(self, ceiling: int) -> None:
         """The coordinator's config lowers or restores the token ceiling (the budget stays)."""
         before, waiting = set(self.holders()), self.lanes()
-        cfg = {"token_limit": TOKEN_LIMIT, "token_ceiling": ceiling}
-        flat = [x for kv in cfg.items() for x in kv]
-        assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
         self.token_ceiling = ceiling
+        self.publish()
         self.step(before, waiting)
 
     @rule(share=st.sampled_from(({}, {0: 0.5}, {5: 0.75, 0: 0.5}, {0: 0.25}, {5: 0.5})))
@@ -235,16 +252,8 @@ class TokenGateMachine(RuleBasedStateMachine):
         refuses a parked head heavier than its new share of the ceiling; nothing held is taken
         back)."""
         before, waiting = set(self.holders()), self.lanes()
-        # the coordinator publishes a gate's settings together (a cfg with band_share alone would
-        # leave the scripts that read no defaults without the token budget)
-        cfg = {
-            "token_limit": TOKEN_LIMIT,
-            "token_ceiling": self.token_ceiling,
-            "band_share": GateSettings(band_share=share).as_cfg()["band_share"],
-        }
-        flat = [x for kv in cfg.items() for x in kv]
-        assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
         self.shares = share
+        self.publish()
         self.step(before, waiting)
 
     # -- invariants -------------------------------------------------------------------------
