@@ -32,7 +32,8 @@ def hold_until_revoked(
     ``release_delay`` more: a revoked lease still holds its unit) or the key ``stop`` exists.
     The probe counts the blocks running across processes; ``log`` gets
     ``<event> <lease id> <unix time>`` for 'held', 'revoked', 'released' and 'LeaseRevoked'
-    (raised on leaving a revoked block) or 'LeaseLost' (after a freeze past the lease's TTL). Returns how many blocks were revoked."""
+    (raised on leaving a revoked block) or 'LeaseLost' (after a freeze past the lease's TTL).
+    Returns how many blocks were revoked."""
 
     async def main() -> int:
         r = redis.asyncio.Redis.from_url(url, decode_responses=True)
