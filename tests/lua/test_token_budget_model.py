@@ -70,6 +70,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         self.classes: dict[str, str] = {}  # lease id -> the lane class it asked in
         self.shares: dict[int, float] = {}  # the band shares published
         self.granted: set[str] = set()  # what the last step granted
+        self.revoke = False  # revocation on (revoke_after 1 ms: any waiting head qualifies)
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
@@ -235,6 +236,8 @@ class TokenGateMachine(RuleBasedStateMachine):
             token_ceiling=self.token_ceiling,
             band_share=self.shares,
         ).as_cfg()
+        # 1 ms, below what a client may set (0.1 s): the model's steps take longer than that
+        cfg["revoke_after_ms"] = 1 if self.revoke else ""
         flat = [x for kv in cfg.items() for x in kv]
         assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
 
@@ -254,6 +257,61 @@ class TokenGateMachine(RuleBasedStateMachine):
         before, waiting = set(self.holders()), self.lanes()
         self.shares = share
         self.publish()
+        self.step(before, waiting)
+
+    @rule(on=st.booleans())
+    def publish_revoke_after(self, on: bool) -> None:
+        """The coordinator's config turns revocation on or off."""
+        before, waiting = set(self.holders()), self.lanes()
+        self.revoke = on
+        self.publish()
+        self.step(before, waiting)
+
+    def marked(self) -> set[str]:
+        """The lease ids marked revoked (lib_revoke.lua: '<id>=v' in evicted)."""
+        return {m[:-2] for m in self.r.zrangebyscore(self.keys.evicted, 2**52, 2**52)}
+
+    @precondition(lambda self: self.r.zcard(self.keys.holders) > 0)
+    @rule(pod=st.sampled_from(PODS))
+    def holder_heartbeat(self, pod: str) -> None:
+        """A pod's heartbeat with its leases, newest first: with revocation on, a waiting head
+        asks lower bands for units and this pod marks its own. A mark frees nothing; marks go
+        only to leases of bands strictly below the first waiting band, and only as many units
+        as its head lacks beyond those revoked and still held (one lease's weight over, at
+        most: a lease is marked whole)."""
+        before, waiting = set(self.holders()), self.lanes()
+        mine = sorted(
+            (h for h in before if h.startswith(pod + ":")),
+            key=lambda i: int(i.split(":")[1].split("b")[0].split("w")[0].split("t")[0]),
+            reverse=True,
+        )
+        top = self.r.zrange(self.keys.fair, 0, 0)
+        marked_before = self.marked()
+        revoked_held = sum(weight_of(i) for i in marked_before if i in before)
+        head_weight = 0
+        if top:
+            band, _, tenant = top[0].split("}")
+            head = self.r.zrangebylex(
+                self.keys.lanes, f"[{tenant}}}{band}}}", f"({tenant}}}{band}~", 0, 1
+            )
+            head_weight = weight_of(member_id(head[0])) if head else 0
+        args: list[object] = [pod, 10_000, len(mine)]
+        for lid in mine:
+            args += [lid, 10**15]
+        reply = self.call("heartbeat", *args, 0, 0, 0, *self.defaults())
+        told = set(reply[21])
+        new = self.marked() - marked_before
+        assert told <= set(mine) and new <= told, (told, mine, new)
+        if not self.revoke:
+            assert not new, new
+        if new:
+            assert top, f"{new} revoked with nobody waiting"
+            for lid in new:  # strictly below the first waiting band
+                assert priority_of(lid) < 100 - int(band), (lid, top)
+            units = sum(weight_of(i) for i in new)
+            heaviest = max(weight_of(i) for i in new)
+            assert units <= max(0, head_weight - revoked_held) + heaviest - 1, (new, top)
+        assert before <= set(self.holders()), before - set(self.holders())  # a mark frees nothing
         self.step(before, waiting)
 
     # -- invariants -------------------------------------------------------------------------
