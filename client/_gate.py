@@ -373,21 +373,35 @@ class Gate(GateAcquirer):
         Local permits become fleet leases (renewed by the heartbeat, released by the release
         script); fleet leases that Redis lost in a restart are re-added. Raises the Redis error
         if Redis fails again (the fleet stays in fallback and retries).
+
+        A permit released while the adoption is in flight may have been counted again by it
+        (adopt.lua adds every id it is given that Redis does not hold: a local one always, a
+        fleet one whose release reached Redis first). Each is given back after the reply, with
+        the retries of any failed release (:meth:`_cancel`): left in Redis, it would hold its
+        units for nobody until its lease TTL (after a slot migration on Cluster, the gate short
+        of its limit for ``lease_ms``).
         """
         local = list(self.local_leases.values())
-        held = list(self.leases.values())
-        ids = [*(lease.id for lease in held), *(lease.id for lease in local)]
+        held = [(lease.id, lease) for lease in self.leases.values()]  # a resize changes the id
+        ids = [*(lease_id for lease_id, _ in held), *(lease.id for lease in local)]
         if not ids:
             return
-        max_token = max((lease.token for lease in held), default=0)
+        max_token = max((lease.token for _, lease in held), default=0)
         scripts = self.runtime.scripts
         _, expires_at = await scripts.adopt(self.keys, ids, max_token, self.runtime.fence_ms)
-        for lease in (*held, *local):
+        for _, lease in held:
             lease.expires_at = expires_at
+        for lease in local:
+            lease.expires_at = expires_at
+        for lease_id, lease in held:
+            if self.leases.get(lease_id) is not lease:
+                # Released (or resized to a new id) while the adoption was in flight: if that
+                # reached Redis first, the adoption added the id back. A no-op otherwise.
+                self.runtime.spawn(self._cancel(lease_id))
         for lease in local:
             if self.local_leases.pop(lease.id, None) is None:
                 # Released while the adoption was in flight: give the fresh lease back.
-                self.runtime.spawn(scripts.release(self.keys, lease.id))
+                self.runtime.spawn(self._cancel(lease.id))
                 continue
             lease.local = False
             self.leases[lease.id] = lease

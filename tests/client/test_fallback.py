@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -236,3 +237,95 @@ async def test_pod_resumes_after_redis_refused_writes(
             assert not lease.local
             assert await fleet.redis.zcard(gate.keys.holders) == 2
         await running.release()
+
+
+async def _holders_until_empty(fleet: Fleet, key: str, timeout: float) -> list[str]:
+    """The gate's holders once empty, or as they are ``timeout`` s from now."""
+    end = time.monotonic() + timeout
+    while True:
+        held = list(await fleet.redis.zrange(key, 0, -1))
+        if not held or time.monotonic() > end:
+            return held
+        await asyncio.sleep(0.02)
+
+
+async def test_fleet_lease_released_during_adoption_is_given_back(
+    own_redis: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet lease held through an outage is released while the adoption that counts it
+    again is in flight, and its release reaches Redis first: the adoption adds it back.
+
+    Were it not given back, nobody would hold its slot until its lease TTL (a slot migration
+    on Cluster: every slot in use again only ~lease_ms after the slot moved,
+    tests/chaos/test_cluster_faults.py::test_slot_migration_under_load).
+    """
+    async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+        gate = fleet.gate("adopt-race", floor=2, lease_ms=30_000)
+        lease = await gate.acquire()
+        assert not lease.local
+        scripts = fleet.runtime.scripts
+        adopt = scripts.adopt
+        raced = False
+
+        async def release_then_adopt(*args: Any, **kwargs: Any) -> Any:
+            nonlocal raced
+            if not raced:  # the release overtakes the adoption in flight
+                raced = True
+                await lease.release()
+                await gate.flush()
+                assert await fleet.redis.zcard(gate.keys.holders) == 0
+            return await adopt(*args, **kwargs)
+
+        monkeypatch.setattr(scripts, "adopt", release_then_adopt)
+        fleet.runtime.redis_failed(ConnectionError("a slot migrating"))  # a failed script call
+        await _wait(lambda: not fleet.fallback_active, 5, "fleet mode resumes")
+        assert raced
+        assert await _holders_until_empty(fleet, gate.keys.holders, 2.0) == []
+
+
+async def test_local_permit_given_back_after_adoption_is_retried(
+    own_redis: RedisProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local permit ends while the adoption that counts it as a fleet lease is in flight,
+    and the call that gives the fresh lease back meets Redis unavailable once: it is sent
+    again once Redis answers, not left to its lease TTL."""
+    async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+        gate = fleet.gate("adopt-give-back", floor=2, lease_ms=30_000)
+        async with gate.permit():
+            pass
+        await _wait(lambda: gate.last_live_pods == 1, 3, "the pod registers")
+        fleet.runtime.redis_failed(ConnectionError("a slot migrating"))
+        local = await gate.acquire(deadline=5)  # before the first probe (0.2 s)
+        assert local.local
+        scripts = fleet.runtime.scripts
+        adopt = scripts.adopt
+        refusals = 0
+
+        def refuse_once(name: str) -> None:
+            real = getattr(scripts, name)
+
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                nonlocal refusals
+                if armed and refusals == 0:
+                    refusals += 1
+                    raise ConnectionError("Redis unavailable once")
+                return await real(*args, **kwargs)
+
+            monkeypatch.setattr(scripts, name, call)
+
+        armed = False
+        for name in ("release", "release_many", "cancel"):
+            refuse_once(name)
+
+        async def release_then_adopt(*args: Any, **kwargs: Any) -> Any:
+            nonlocal armed
+            if not armed:
+                await local.release()  # ends under the local bound: the adoption still counts it
+                armed = True
+            return await adopt(*args, **kwargs)
+
+        monkeypatch.setattr(scripts, "adopt", release_then_adopt)
+        await _wait(lambda: not fleet.fallback_active, 5, "fleet mode resumes")
+        assert armed
+        assert await _holders_until_empty(fleet, gate.keys.holders, 2.0) == []
+        assert refusals == 1
