@@ -41,7 +41,7 @@ end
 -- now (r.granted); else it was evicted by a higher band ('<id>' in evicted: r.evicted),
 -- refused as heavier than the ceiling ('<id>=c': r.too_heavy), or lost (r.lost_waiters).
 local function renew_waiters(A, i, n, now, cfg, r)
-  local late = {}
+  local late, seen = {}, {}
   local queued = 0
   if n > 0 and cfg.deadline_admission then queued = redis.call('ZCARD', K_WAITERS) end
   for _ = 1, n do
@@ -49,7 +49,7 @@ local function renew_waiters(A, i, n, now, cfg, r)
     local id = member_id(member)
     i = i + 2
     if redis.call('ZSCORE', K_WAITERS, member) then
-      local start, hold = late_waiter(now, cfg, member, remaining, queued)
+      local start, hold = late_waiter(now, cfg, member, remaining, queued, seen)
       if start then
         late[#late + 1] = member
         r.too_late[#r.too_late + 1] = id

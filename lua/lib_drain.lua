@@ -155,17 +155,22 @@ end
 -- A parked waiter (its member, and the ms it may still wait) re-estimated by its pod's heartbeat
 -- (the waiters of its lane before it ahead of it): (start, hold) when it would now finish its
 -- wait past its deadline (past_deadline), else nil. queued: the gate's waiters (read once per
--- heartbeat by the caller). No command while even the whole wait list would drain in time at its
--- band's rate (start_bound of queued + 1 bounds expected_start from above).
-local function late_waiter(now, cfg, member, remaining, queued)
+-- heartbeat by the caller); seen: the caller's table of what this call worked out per band (its
+-- rate and hold, worked out once). No command while even the whole wait list would drain in time
+-- at its band's rate (start_bound of queued + 1 bounds expected_start from above).
+local function late_waiter(now, cfg, member, remaining, queued, seen)
   local lane = member_lane(member)
   if lane == nil or not cfg.deadline_admission or cfg.fence > now then return nil end
   if remaining >= NO_DEADLINE_MS then return nil end
   local r = lane_band(lane)
-  local rate = drain_rate(now, r)
-  if rate == nil then return nil end
-  local hold = 0
-  if cfg.deadline_finish then hold = band_hold(now, r, nil) or 0 end
+  local band = seen[r]
+  if band == nil then
+    band = {rate = drain_rate(now, r) or false, hold = 0}
+    if band.rate and cfg.deadline_finish then band.hold = band_hold(now, r, nil) or 0 end
+    seen[r] = band
+  end
+  local rate, hold = band.rate, band.hold
+  if not rate then return nil end
   if start_bound(queued + 1, rate) + hold <= remaining then return nil end
   local before = nil
   local function count(l)

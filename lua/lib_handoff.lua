@@ -22,7 +22,7 @@ local function next_turn()
     local _, f2, r2 = fair_parse(top[2])
     if r2 == r then bound = f2 end
   end
-  adm_prefetch('rsv:' .. r, 'vt:' .. r)
+  adm_prefetch('rsv:' .. r, 'vt:' .. r, 'dr:' .. r)  -- (dr: the band's drain, drain_note)
   local rsv = adm_get('rsv:' .. r)
   if rsv then
     local rlane = member_lane(rsv)
