@@ -1,5 +1,6 @@
-"""flood: deadline-aware admission against waiting deadlines out, and (``_flood_bands.py``)
-interactive calls against a batch flood with and without headroom between bands, in one run.
+"""flood: deadline-aware admission against waiting deadlines out, (``_flood_bands.py``)
+interactive calls against a batch flood with and without headroom between bands, and
+(``_flood_revoke.py``) against long batch calls with revocation, in one run.
 
 One gate of ``FLOOR`` units and ``CALLERS`` closed-loop callers from one client process, each
 call holding its permit for a uniform 0.1-0.3 s (the gate drains ~20 calls/s) and asking with a
@@ -37,7 +38,7 @@ from typing import Any
 
 from fleetgate.client import DeadlineExceeded, DeadlineUnreachable, Overloaded
 
-from . import _flood_bands
+from . import _flood_bands, _flood_revoke
 from ._common import Flavor, Headline, Options, figure, log, open_fleet, save, table
 from ._server import private_redis
 
@@ -164,7 +165,7 @@ def _spread(back: list[float]) -> tuple[float, float]:
 
 def run(opts: Options) -> list[Headline]:
     """The deadline mix (two ways) and the returns of callers refused together, then the bands
-    part (``benchmarks/_flood_bands.py``)."""
+    part (``benchmarks/_flood_bands.py``) and the revocation part (``_flood_revoke.py``)."""
     warm, window = opts.pick((10.0, 40.0), (5.0, 15.0))
     ways = [Way("off", False), Way("on", True)]
     with private_redis() as rp:
@@ -174,7 +175,7 @@ def run(opts: Options) -> list[Headline]:
         log(f"{NAME}: {RETURN_CALLERS} callers refused at once by a full wait list")
         back = opts.flavor.run(_returns(rp.url, opts.flavor, warm))
         headlines = _report(opts, rp.url, ways, back)
-    return headlines + _flood_bands.run(opts)
+    return headlines + _flood_bands.run(opts) + _flood_revoke.run(opts)
 
 
 def _report(opts: Options, url: str, ways: list[Way], back: list[float]) -> list[Headline]:

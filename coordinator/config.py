@@ -7,8 +7,9 @@ Shape (see ``example.toml`` next to this module for every key with its default):
                    scrape_timeout, max_body_bytes, adaptive, prune_idle_after
     [[gates]]      name, floor, ceiling, max_queued, lease_ms, waiter_ms,
                    max_queued_per_tenant, shed_below, tenant_weights (a table name -> int),
-                   token_limit, token_ceiling, deadline_admission,
-                   band_share (a table priority -> fraction of the limit),
+                   token_limit, token_ceiling, deadline_admission (true, false, "start"
+                   or "finish"), band_share (a table priority -> fraction of the limit),
+                   revoke_after (seconds),
                    base_url | metrics_url (a string or a list, one per replica), model_name, server,
                    signal
 

@@ -166,3 +166,11 @@ def test_deadline_admission_by_the_start_or_the_end_of_the_call() -> None:
     assert parse(BASE + "deadline_admission = false\n").gates[-1].settings.argv()[9] == 0
     with pytest.raises(ConfigError, match="deadline_admission"):
         parse(BASE + 'deadline_admission = "end"\n')
+
+
+def test_revoke_after_decodes_and_reaches_the_settings() -> None:
+    assert parse(BASE).gates[0].settings.as_cfg()["revoke_after_ms"] == ""  # never
+    gate = parse(BASE + "revoke_after = 2.5\n").gates[-1]
+    assert gate.settings.revoke_after == 2.5 and gate.settings.as_cfg()["revoke_after_ms"] == 2500
+    with pytest.raises(ConfigError, match="revoke_after"):
+        parse(BASE + "revoke_after = 0.01\n")
