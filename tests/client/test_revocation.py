@@ -130,3 +130,24 @@ def test_map_queues_a_revoked_item_again_and_completes(rut: RedisUnderTest) -> N
     assert running <= FLOOR
     # without revocation the call would have waited for a 3 s batch call to end
     assert granted - asked < 2.0
+
+
+def test_the_blocking_api_sees_a_revocation(rut: RedisUnderTest) -> None:
+    """A SyncFleet lease's ``revoked_sync`` (a threading.Event) is set when a call of a higher
+    priority, on another thread, waits past revoke_after; leaving the block raises
+    LeaseRevoked, and the waiting call gets the unit."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fleetgate.client import LeaseRevoked, SyncFleet
+
+    with SyncFleet(
+        rut.url, prefix=rut.prefix, registry=CollectorRegistry(), heartbeat_interval=HB
+    ) as fleet, ThreadPoolExecutor(1) as pool:  # fmt: skip
+        gate = fleet.gate("rvsync", floor=1, revoke_after=REVOKE_AFTER)
+        with pytest.raises(LeaseRevoked), gate.permit(deadline=None) as lease:
+            urgent = pool.submit(gate.acquire, 20, priority=10)
+            assert lease.revoked_sync.wait(10) and lease.is_revoked
+            assert not urgent.done()  # the revoked lease holds its unit until it is released
+        high = urgent.result(timeout=10)
+        assert not high.is_revoked
+        gate.release(high)
