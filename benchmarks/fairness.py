@@ -45,6 +45,7 @@ import redis
 from fleetgate.admission import class_member, encode_tenant_weights, lane_class
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import script_source
+from fleetgate.settings import GateSettings
 
 from ._common import Flavor, Headline, Options, figure, log, percentiles, save, table
 from ._server import (
@@ -419,9 +420,9 @@ class TenantBench(Bench):
         self.n = 0
 
     def acq_args(self, wid: str, *more: str) -> list[Any]:  # type: ignore[override]
-        """acquire.lua's ARGV (12 default settings left to the stored config, no fence, no
+        """acquire.lua's ARGV (the default settings left to the stored config, no fence, no
         releases, no reports)."""
-        args: list[Any] = ["", "", "", "", "", "", "", "", "", "", "", "", 0, 0, 0]
+        args: list[Any] = [*[""] * len(GateSettings().argv()), 0, 0, 0]
         for i in (wid, *more):
             args += [i, HOUR_MS, self.cls()]
         return args

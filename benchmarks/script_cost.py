@@ -35,6 +35,7 @@ import redis
 from fleetgate.admission import class_member
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import lib_source
+from fleetgate.settings import GateSettings
 
 from ._common import (
     Headline,
@@ -54,6 +55,10 @@ NAME = "script_cost"
 GATE = "bench-script-cost"
 PODS = 10
 HOUR_MS = 3_600_000
+# acquire's default settings (the gate is configured already: they are never read)
+_SETTINGS = GateSettings(
+    floor=1, ceiling=1, max_queued=10**7, lease_ms=HOUR_MS, waiter_ms=HOUR_MS
+).argv()
 GROWTH_TARGET = 1.5
 KINDS = ("acquire (park) + cancel", "release + hand-off + acquire (park)")
 CHUNK = 50  # pairs per pipeline
@@ -75,8 +80,8 @@ class Bench:
 
     @staticmethod
     def acq_args(wid: str) -> list[Any]:
-        # 11 default settings, no fence, no release, no report, one request of the default class
-        return [1, 1, 10**7, HOUR_MS, HOUR_MS, "", 0, "", "", 1, "", "", 0, 0, 0, wid, HOUR_MS, ""]
+        # the default settings, no fence, no release, no report, one request of the default class
+        return [*_SETTINGS, 0, 0, 0, wid, HOUR_MS, ""]
 
     def note_parked(self, ids: list[str], replies: list[Any]) -> None:
         for wid, reply in zip(ids, replies, strict=True):
