@@ -51,7 +51,7 @@ def connect_sentinel(target: SentinelTarget, options: dict[str, Any], dedicated:
         to_sentinels["username"] = target.sentinel_username
     if target.sentinel_password is not None:
         to_sentinels["password"] = target.sentinel_password
-    manager = Sentinel(list(target.sentinels), sentinel_kwargs=to_sentinels)  # type: ignore[no-untyped-call]
+    manager = Sentinel(list(target.sentinels), sentinel_kwargs=to_sentinels)  # type: ignore[no-untyped-call, unused-ignore]
     master.setdefault("max_connections", 1 if dedicated else MAX_CONNECTIONS)
     master.setdefault("timeout", POOL_TIMEOUT)
     pool = _BlockingSentinelPool(  # type: ignore[no-untyped-call]
