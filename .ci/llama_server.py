@@ -13,8 +13,13 @@ the client), not product code.
   is weight-bound and more slots mean more throughput), written with the `gguf` package and
   cached under ~/.cache/fleetgate/models/random-llama-<hash of its parameters>.gguf.
 
+`make test` runs it first (the README's test command builds what tests/real_server/ needs).
+Where the server cannot be built (no cmake or C++ compiler, no route to PyPI) it says why and
+exits 0, and those tests skip saying so -- unless FLEETGATE_REQUIRE_REAL_SERVER is set (CI,
+.ci/run): then it fails, as do the tests, so CI cannot pass without them.
+
   python .ci/llama_server.py            # build what is missing (progress lines on stdout)
-  python .ci/llama_server.py --paths    # print {"binary", "model", "built"} as JSON, build nothing
+  python .ci/llama_server.py --paths    # print {"binary", "model", "ready"} as JSON, build nothing
 """
 
 from __future__ import annotations
@@ -237,8 +242,23 @@ def main(argv: list[str] | None = None) -> int:
         with _locked(model_path().parent / ".lock"):
             write_model()
     if args.only != "model":
-        with _locked(build_dir() / ".lock"):
-            build_server()
+        missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+        if missing and not binary_path().is_file():
+            return _cannot_build(f"{' and '.join(missing)} not found on PATH")
+        try:
+            with _locked(build_dir() / ".lock"):
+                build_server()
+        except (subprocess.CalledProcessError, OSError) as exc:
+            return _cannot_build(str(exc))
+    return 0
+
+
+def _cannot_build(why: str) -> int:
+    """Not built: fatal where the real-server tests are required, else a note (they skip)."""
+    if os.environ.get("FLEETGATE_REQUIRE_REAL_SERVER"):
+        log(f"cannot build llama-server: {why} (FLEETGATE_REQUIRE_REAL_SERVER is set)")
+        return 1
+    log(f"cannot build llama-server: {why}; tests/real_server/ will skip, saying so")
     return 0
 
 

@@ -21,8 +21,10 @@ estimate alone, else unknown; never above the request capacity the server states
    cutting by at most half; without a usable estimate to ``0.8*T``. At most once per drain
    period, else ``hold_cooldown``. Ends slow start; the new target is remembered as ``C``. A
    cut inside the drain period is allowed when the engine runs fewer than the target while
-   queueing (its capacity is lower). A server that does not count undispatched requests
-   (llama.cpp) queues what the fleet holds beyond what runs and waits, once every slot is busy.
+   queueing (its capacity is lower); a queue no larger than the fleet's excess over the target
+   is that excess draining and never ends the period by time alone. A server that does not
+   count undispatched requests (llama.cpp) queues what the fleet holds beyond what runs and
+   waits, once every slot is busy.
    A **foreign** saturation -- the fleet holds nothing, less than ``fleet_share`` (1/2) of what
    the server runs, or less than the queue (it cannot relieve it) -- cuts to ``0.8*T`` once per
    saturated stretch and changes nothing learned (``C``, the KV estimate at saturation, slow
@@ -115,7 +117,17 @@ def _may_decrease(
         # punishment of the same excess.
         return True
     settled = obs.in_flight is not None and obs.in_flight <= state.target
-    return state.drained or settled or elapsed >= p.drain_polls * p.poll_interval
+    if state.drained or settled:
+        return True
+    # The engine runs the target and queues no more than the fleet holds above it: that is the
+    # excess of before the cut, whose leases end only as their calls do (never revoked), so
+    # however long it takes it is no sign the cut was too small; cutting again would only
+    # learn a capacity below what the engine sustains.
+    excess = None if obs.in_flight is None else obs.in_flight - state.target
+    queue = obs.waiting_capacity
+    if excess is not None and queue is not None and math.isfinite(excess) and queue <= excess:
+        return False
+    return elapsed >= p.drain_polls * p.poll_interval
 
 
 def _sustainable(obs: Observation) -> float | None:

@@ -139,6 +139,29 @@ def test_one_decrease_per_drain_period() -> None:
     assert (d.target, d.reason) == (45, Reason.DECREASE)
 
 
+def test_a_queue_no_larger_than_our_excess_is_the_drain_not_a_second_cut() -> None:
+    """llama.cpp, 4 slots, polls every 0.5 s: the first ramp's 8 is cut to 4 (``run=4 wait=4
+    held=8``). The leases of the overshoot end only as their calls do (~1 s each, longer on a
+    loaded machine), so polls later the fleet still holds 5 of which 1 waits. A queue no larger
+    than what the fleet holds above the target is that excess draining, however long it takes:
+    it held the target (a second cut learned capacity 3 of a 4-slot server)."""
+    p = ControllerParams(floor=1, ceiling=32, poll_interval=0.5)
+    d = step(state(8), saturated(running=4, in_flight=8, waiting=4), p, now=0)
+    assert (d.target, d.reason, d.state.capacity) == (4, Reason.DECREASE, 4)
+    draining = [(8, 4), (6, 2), (5, 1), (5, 1), (5, 1), (5, 1), (4, 0)]
+    for n, (held, queued) in enumerate(draining, 1):
+        d = step(d.state, saturated(running=4, in_flight=held, waiting=queued), p, now=0.5 * n)
+        assert (d.target, d.state.capacity) == (4, 4), (n, d)
+        assert d.reason is (Reason.HOLD_COOLDOWN if queued else Reason.HOLD_CAPACITY), (n, d)
+    # A queue larger than the excess is not only ours draining: after the drain period it cuts.
+    d = step(state(8), saturated(running=4, in_flight=8, waiting=4), p, now=0)
+    for n in (1, 2):
+        d = step(d.state, saturated(running=4, in_flight=6, waiting=3), p, now=0.5 * n)
+        assert d.reason is Reason.HOLD_COOLDOWN
+    d = step(d.state, saturated(running=4, in_flight=6, waiting=3), p, now=1.5)
+    assert (d.target, d.reason) == (3, Reason.DECREASE)
+
+
 def test_no_second_decrease_within_half_a_poll() -> None:
     d = step(state(100, slow_start=False), saturated(running=50, in_flight=100), P, now=0)
     d = step(d.state, saturated(running=40, in_flight=40), P, now=5.9)

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import redis.asyncio as aredis
 
-from fleetgate.client import Gate
+from fleetgate.client import DeadlineExceeded, Gate
 from fleetgate.coordinator.config import Config
 from fleetgate.keys import GateKeys
 from fleetgate.tools.redisproc import free_port
@@ -79,9 +79,16 @@ class LlamaServer:
         cmd = [
             str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
             "--port", str(self.port), "-np", str(slots), "-c", str(CTX_PER_SLOT * slots),
-            # both cores for decoding; enough HTTP threads that every caller reaches the server
-            # (deferred requests hold one each), whatever the test's number of callers
-            "-t", "2", "--threads-http", "64", "--metrics", "--no-webui",
+            # One decoding thread. With two on a 2-core machine, anything else runnable (this
+            # test's own callers, Redis, another suite) preempts one of them and the other
+            # spins at ggml's per-operation barrier until it is back: a 64-token call went from
+            # ~2 s to 16-27 s (250-400 ms a token) with one or two busy processes beside it,
+            # and past 30 s on a loaded machine: the "stall" (docs/servers.md). One thread
+            # takes its share of the CPU and never waits for a descheduled peer (78-100 ms a
+            # token in the same conditions, and faster than two on an idle machine here).
+            # Enough HTTP threads that every caller reaches the server (deferred requests hold
+            # one each), whatever the test's number of callers.
+            "-t", "1", "--threads-http", "64", "--metrics", "--no-webui",
             "--cache-ram", "0",
         ]  # fmt: skip
         with log_path.open("wb") as log:
@@ -103,11 +110,14 @@ class LlamaServer:
                 time.sleep(0.1)
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 2 s: llama-server does not exit on SIGTERM while calls
+        are in flight (20 s and counting with 8 of them), and until it does those calls hang
+        and the port stays taken. A restart in the tests is an operator's, not a drain."""
         if self.proc is None:
             return
         self.proc.terminate()
         try:
-            self.proc.wait(15)
+            self.proc.wait(2)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
@@ -213,7 +223,8 @@ class Callers:
     permit of ``gate`` or (``gate`` None) straight to the server. ``done`` holds the monotonic
     time of every call that completed with 200. Any other answer, or no answer, fails the test;
     with ``tolerate`` (a server restarted on purpose) it is kept in ``errors`` and the caller
-    tries again 50 ms later."""
+    tries again 50 ms later -- as is a permit's deadline run out (callers queued behind the
+    calls the restart cut off)."""
 
     http: httpx.AsyncClient
     count: int
@@ -238,9 +249,14 @@ class Callers:
         while not stop.is_set():
             if self.gate is None:
                 await self._call()
-            else:
+                continue
+            try:
                 async with self.gate.permit(deadline=PERMIT_DEADLINE):
                     await self._call()
+            except DeadlineExceeded as exc:
+                if not self.tolerate:
+                    raise
+                self.errors.append(repr(exc))
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[Callers]:

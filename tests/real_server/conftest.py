@@ -1,9 +1,10 @@
 """Fixtures of the real-server room: llama.cpp's ``llama-server`` and its random-weight model,
 built and cached by ``make llama-server`` (``.ci/llama_server.py``).
 
-Without the binary every test here skips, saying how to build it; with
-``FLEETGATE_REQUIRE_REAL_SERVER=1`` (CI, ``.ci/run``) it fails instead, so CI cannot pass by
-skipping them. The model is written here when only it is missing (seconds).
+``make test`` builds both first (cached: a second run does nothing). Without the binary (a
+machine without cmake or a C++ compiler, or a bare ``pytest``) every test here skips, saying how
+to build it; with ``FLEETGATE_REQUIRE_REAL_SERVER=1`` (CI, ``.ci/run``) it fails instead, so CI
+cannot pass by skipping them. The model is written here when only it is missing (seconds).
 """
 
 from __future__ import annotations
@@ -22,11 +23,6 @@ from ._llama import BUILD_SCRIPT, SLOTS, LlamaServer, built_paths
 @pytest.fixture(scope="session")
 def llama_build() -> tuple[Path, Path]:
     """The llama-server binary and the model's path."""
-    opted_in = ("FLEETGATE_REAL_SERVER", "FLEETGATE_REQUIRE_REAL_SERVER")
-    if not any(os.environ.get(var) for var in opted_in):
-        # Opt-in for now: an intermittent stall of llama-server (a call unanswered for 30 s, the
-        # server idle; docs/servers.md) fails about one run in three; CI must not flake.
-        pytest.skip("the real-server tests are opt-in: FLEETGATE_REAL_SERVER=1 (docs/servers.md)")
     paths = built_paths()
     binary, model = Path(str(paths["binary"])), Path(str(paths["model"]))
     if not binary.is_file():
@@ -65,3 +61,4 @@ def own_llama(llama_build: tuple[Path, Path], tmp_path: Path) -> Iterator[LlamaS
         yield server
     finally:
         server.stop()
+

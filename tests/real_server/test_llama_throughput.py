@@ -1,24 +1,29 @@
 """Throughput through the adaptive gate against a static limit of N and against no gate, on one
 real llama-server in one run (rounds interleaved A S G, G S A so that drift hits all alike).
 
-The same closed-loop callers (3 per slot) in each mode; a call generates N_PREDICT tokens. The
-bound asserted is loose (adaptive >= 0.9 x no gate: the machine is shared and noisy); the
-throughput goal (>= 0.97 and >= the best static limit) is for the benchmark's medians, not for CI.
+The same closed-loop callers (3 per slot) in each mode; a call generates N_PREDICT tokens. Each
+measured window is read from the server's own counters: how many slots were busy per decode step
+on average (N when the server never waits for a request), and slot-tokens decoded per second
+(every decode step adds its busy slots); calls completed are printed too. The assertion is on the
+busy slots: adaptive >= 0.9 x no gate. Not on calls/s nor tokens/s: a window holds only 10-40
+calls, and the speed of a decode step follows the machine's load, which on a shared 2-core box
+swung 2x between two rounds of the same mode (no gate 90 then 39 slot-tokens/s, calls/s 0.5 or
+1.5 by chance), while what the gate decides -- whether a freed slot gets its next request at
+once -- shows in the busy slots whatever the speed. The throughput goal (>= 0.97 and >= the best
+static limit) is for the benchmark's medians, not for CI.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
-from fleetgate.client import DeadlineExceeded, Fleet, Gate
+from fleetgate.client import Fleet, Gate
 from fleetgate.keys import GateKeys
 
 from ..conftest import RedisUnderTest
@@ -47,15 +52,15 @@ ORDERS = (("adaptive", "static", "none"), ("none", "static", "adaptive"))
 WARMUP, MEASURE = 2.0, 8.0
 
 
-@contextlib.asynccontextmanager
-async def _open_stall(mode: str) -> AsyncIterator[None]:
-    """A call llama-server left unanswered for 30 s (httpx.ReadTimeout; seen here in 3 runs of
-    11, each time after the phases had switched modes), or the static gate's callers waiting
-    out their deadline behind such calls: open, reported as an expected failure, not a red CI."""
-    try:
-        yield
-    except (DeadlineExceeded, httpx.ReadTimeout) as exc:
-        pytest.xfail(f"open: a call unanswered for 30 s in the {mode} phase: {exc!r}")
+async def _decoded(http: httpx.AsyncClient) -> tuple[float, float]:
+    """Decode steps the server has run since it started, and slot-tokens (busy slots summed
+    over those steps), from its /metrics: ``n_decode_total`` and ``n_busy_slots_per_decode``."""
+    resp = await http.get("/metrics")
+    resp.raise_for_status()
+    samples = (line.split() for line in resp.text.splitlines() if line and line[0] != "#")
+    values = {name: float(value) for name, value in samples}
+    steps = values["llamacpp:n_decode_total"]
+    return steps, steps * values["llamacpp:n_busy_slots_per_decode"]
 
 
 async def _converged(record: PollRecord, timeout: float) -> int:
@@ -74,9 +79,7 @@ async def test_adaptive_gate_keeps_the_server_about_as_busy_as_no_gate(
     rut: RedisUnderTest, async_redis: aredis.Redis, llama: LlamaServer
 ) -> None:
     keys = GateKeys.of(rut.prefix, GATE)
-    # The static limit is a configured fixed gate, as an operator would set it. Left out of
-    # the config (a client-side floor of N alone), its callers once waited 30 s for permits
-    # with the server idle (DeadlineExceeded, gate 'llama-static'): open, not diagnosed here.
+    # The static limit is a configured fixed gate, as an operator would set it.
     static_gate = f"""
 [[gates]]
 name = "{STATIC}"
@@ -86,7 +89,9 @@ ceiling = {SLOTS}
 max_queued = 1000
 """
     cfg = coordinator_config(rut.url, rut.prefix, llama_gate(GATE, llama.url) + static_gate)
-    rates: dict[str, list[float]] = {"adaptive": [], "static": [], "none": []}
+    busy: dict[str, list[float]] = {"adaptive": [], "static": [], "none": []}
+    tokens: dict[str, list[float]] = {"adaptive": [], "static": [], "none": []}
+    calls: dict[str, list[float]] = {"adaptive": [], "static": [], "none": []}
     settle: list[int] = []
     async with (
         Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet,
@@ -103,22 +108,25 @@ max_queued = 1000
         for order in ORDERS:
             for mode in order:
                 callers = Callers(http, 3 * SLOTS, gates[mode])
-                async with _open_stall(mode), callers.running():
+                async with callers.running():
                     await asyncio.sleep(WARMUP)
                     if mode == "adaptive":
                         # measured at its target: after the other modes' load, which this
                         # gate saw as foreign, it has to converge again first
                         settle.append(await _converged(record, timeout=30 * POLL))
-                    start = time.monotonic()
+                    start, (steps, decoded) = time.monotonic(), await _decoded(http)
                     await asyncio.sleep(MEASURE)
-                    end = time.monotonic()
-                rates[mode].append(callers.rate(start, end))
-    adaptive, static, none = (sum(rates[m]) / len(rates[m]) for m in ("adaptive", "static", "none"))
+                    end, (steps_end, decoded_end) = time.monotonic(), await _decoded(http)
+                busy[mode].append(round((decoded_end - decoded) / (steps_end - steps), 2))
+                tokens[mode].append(round((decoded_end - decoded) / (end - start), 1))
+                calls[mode].append(round(callers.rate(start, end), 2))
+    adaptive, static, none = (sum(busy[m]) / len(busy[m]) for m in ("adaptive", "static", "none"))
     print(
         f"real-server: throughput N={SLOTS}, {3 * SLOTS} callers, {N_PREDICT} tokens a call, "
-        f"calls/s per round: {rates}; mean adaptive {adaptive:.2f}, static {static:.2f}, "
-        f"no gate {none:.2f}; adaptive/no gate {adaptive / none:.3f}, adaptive/static "
-        f"{adaptive / static:.3f}; polls to settle per adaptive round {settle}; "
-        f"median target {median([t for t in record.targets() if t is not None])}"
+        f"busy slots per decode step per round: {busy}; slot-tokens/s: {tokens}; calls/s: "
+        f"{calls}; mean busy slots adaptive {adaptive:.2f}, static {static:.2f}, no gate "
+        f"{none:.2f}; adaptive/no gate {adaptive / none:.3f}, adaptive/static "
+        f"{adaptive / static:.3f}; polls to settle per adaptive round {settle}; median target "
+        f"{median([t for t in record.targets() if t is not None])}"
     )
-    assert adaptive >= 0.9 * none, rates
+    assert adaptive >= 0.9 * none, (busy, tokens, calls)
