@@ -20,6 +20,7 @@ from fleetgate.ask import Ask
 from fleetgate.client import Lease
 
 from ._inbound import Inbound
+from ._tokens import Estimate
 from .config import RouteConfig
 
 __all__ = ["Exchange", "Message", "Permit", "Receive", "Scope", "Send", "log_access"]
@@ -40,15 +41,22 @@ class Permit:
         self.lease = lease
         self.done = False
 
-    async def release(self, outcome: str | None = None, latency: float | None = None) -> None:
+    async def release(
+        self, outcome: str | None = None, latency: float | None = None, tokens: int | None = None
+    ) -> None:
         """Release; with ``outcome``, report it first -- its latency only when ``ok``, as
-        ``gate.map`` does (the latency of a failure says nothing of the server's speed)."""
+        ``gate.map`` does (the latency of a failure says nothing of the server's speed), and
+        ``tokens``, what the call used, when the answer said so."""
         if self.done:
             return
         self.done = True
         try:
             if outcome is not None:
-                self.lease.report(outcome, latency if outcome == "ok" else None)
+                held = latency if outcome == "ok" else None
+                if tokens is None:
+                    self.lease.report(outcome, held)
+                else:
+                    self.lease.report(outcome, held, tokens=tokens)
         finally:
             await self.lease.release()
 
@@ -73,6 +81,8 @@ class Exchange:
     wait_ms: float | None = None  # the wait for the permit, once granted
     ask: Ask | None = None  # the permit asked for, once the headers are parsed
     note: str = ""
+    estimate: Estimate | None = None  # the body's token estimate, on a route with tokens
+    used: int | None = None  # the tokens the answer's usage said the call used
 
     # set by the step named, read by the steps after it
     begun: float = field(init=False)  # the app: the loop's time at arrival (the deadline's start)
@@ -100,6 +110,12 @@ def log_access(ex: Exchange, status: str, seconds: float) -> None:
         if ask is not None
         else ""
     )
+    if ask is not None and (ask.tokens or ex.used is not None):
+        cls += f" tokens={ask.tokens}"
+        if ex.used is not None:
+            cls += f" used={ex.used}"
+            if ex.used > 0 and ask.tokens > 0:
+                cls += f" err={abs(ask.tokens - ex.used) / ex.used:.2f}"
     access_log.info(
         '%s "%s %s" %s %dB %.1fms route=%s gate=%s wait=%s%s%s',
         ex.client,

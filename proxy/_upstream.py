@@ -24,6 +24,7 @@ from ._answers import Answers, http_date
 from ._coalesce import install
 from ._exchange import Exchange
 from ._inbound import CallerStopped
+from ._tokens import Settle
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
 from .policy import (
@@ -246,6 +247,9 @@ class Relay:
         content: Any
         if inbound.complete and not inbound.too_large:
             content = await inbound.read_all()
+            estimate = ex.estimate
+            if estimate is not None and estimate.body is not None:
+                content = estimate.body  # with stream_options.include_usage (_tokens)
             # the body is all here: its length is the framing (the caller's Content-Length,
             # checked to be one number, said the same or the body was chunked)
             headers = [(k, v) for k, v in headers if k != b"content-length"]
@@ -287,7 +291,11 @@ class Relay:
         if await self._refused(ex, answer):
             return
         queue: asyncio.Queue[object] = asyncio.Queue()
-        reader = asyncio.ensure_future(self._read(ex, answer, queue))
+        settle = None
+        if ex.estimate is not None and 200 <= answer.response.status_code < 300:
+            kind = answer.response.headers.get("content-type", "")
+            settle = Settle(kind.lower(), ex.estimate.added_usage)
+        reader = asyncio.ensure_future(self._read(ex, answer, queue, settle))
         ex.inbound.on_gone(functools.partial(_cancel, reader))
         response = answer.response
         status = response.status_code
@@ -347,9 +355,12 @@ class Relay:
             return True
         return False
 
-    async def _read(self, ex: Exchange, answer: Answer, queue: asyncio.Queue[object]) -> None:
+    async def _read(
+        self, ex: Exchange, answer: Answer, queue: asyncio.Queue[object], settle: Settle | None
+    ) -> None:
         """Take the body from the upstream as fast as it comes into ``queue`` (then ``_END``,
-        or None when cut short); free the permit when it ends."""
+        or None when cut short); free the permit when it ends, with the tokens the answer
+        said it used when ``settle`` reads them (what it returns is what the caller gets)."""
         limit = self.max_response_bytes
         loop = asyncio.get_running_loop()
         route = ex.route
@@ -363,11 +374,23 @@ class Relay:
             # Answer.aclose looked at it
             stream = response.stream
             assert isinstance(stream, httpx.AsyncByteStream)  # the async transport's
+            if settle is None:
+                async for chunk in stream:
+                    total += len(chunk)
+                    if total > limit:
+                        raise _TooLarge
+                    queue.put_nowait(chunk)
+                return
             async for chunk in stream:
                 total += len(chunk)
                 if total > limit:
                     raise _TooLarge
-                queue.put_nowait(chunk)
+                out = settle.feed(chunk)
+                if out:
+                    queue.put_nowait(out)
+            rest = settle.end()
+            if rest:
+                queue.put_nowait(rest)
 
         errors = self.metrics.upstream_errors
         try:
@@ -394,4 +417,9 @@ class Relay:
             queue.put_nowait(_END)
         finally:
             await answer.aclose(complete=complete)
-            await ex.permit.release(outcome, loop.time() - ex.sent_at)
+            used = None
+            if settle is not None and complete:
+                used = ex.used = settle.used
+            if used is not None and ex.asked().tokens <= 0:
+                used = None  # nothing asked to count it against (the ratio would skew)
+            await ex.permit.release(outcome, loop.time() - ex.sent_at, used)

@@ -43,10 +43,11 @@ from ._checks import content_length, refusal
 from ._exchange import Exchange, Permit, Receive, Scope, Send, log_access
 from ._inbound import BodyBudget, CallerStopped, Inbound
 from ._shared import WorkerContext, WorkerGauges
+from ._tokens import Learnt, TokenPlan, load_tokenizer
 from ._upstream import Relay
 from .config import ProxyConfig, RouteConfig
 from .metrics import ProxyMetrics
-from .policy import BadHeader, deadline_ms_of, deadline_of, parse_ask
+from .policy import TOKENS, BadHeader, deadline_ms_of, deadline_of, parse_ask
 
 __all__ = ["ProxyApp"]
 
@@ -55,6 +56,12 @@ log = logging.getLogger("fleetgate.proxy")
 
 class _Model(msgspec.Struct):
     model: str | None = None
+
+
+def _single_tokens_header(ex: Exchange) -> bool:
+    """Whether the request named its tokens (``X-Fleetgate-Tokens``): they win over the
+    estimate."""
+    return any(k == TOKENS for k, _ in ex.scope["headers"])
 
 
 async def _give_back(lease: Lease) -> None:
@@ -102,8 +109,18 @@ class ProxyApp:
         self.via_name = via.encode("ascii")
         self.via = (b"via", b"1.1 " + self.via_name)
         self.relay = Relay(config, self.metrics, self.answers, self.via)
+        self._learnt: dict[str, Learnt] = {}
+        #: the token estimate of each route with ``tokens = "openai"``, by id(route)
+        self.plans: dict[int, TokenPlan] = {}
         for route in config.routes:
             self.gate(route)  # registered now: live pod of the gate, defaults in Redis
+            if route.tokens == "openai":
+                learnt = self._learnt.get(route.gate)
+                if learnt is None:
+                    learnt = self._learnt[route.gate] = Learnt(self.gate(route))
+                tokenizer = load_tokenizer(route.tokenizer)
+                plan = TokenPlan(tokenizer, route.output_tokens, route.stream_usage, learnt)
+                self.plans[id(route)] = plan
 
     def gate(self, route: RouteConfig) -> Gate:
         """The fleet's gate of ``route`` (one per gate name, with the route's defaults)."""
@@ -122,6 +139,7 @@ class ProxyApp:
 
     async def aclose(self) -> None:
         """Close the upstream connection pools."""
+        await asyncio.gather(*(learnt.aclose() for learnt in self._learnt.values()))
         await self.relay.aclose()
 
     # -- ASGI --------------------------------------------------------------------------------
@@ -246,8 +264,13 @@ class ProxyApp:
             return
         ex.target = target
         # the whole body first (a permit means the upstream is working) unless the route streams
-        if not route.stream_uploads and await self._body(ex, deadline_ms_of(ex.ask)) is None:
-            return
+        if not route.stream_uploads:
+            body = await self._body(ex, deadline_ms_of(ex.ask))
+            if body is None:
+                return
+            plan = self.plans.get(id(route))
+            if plan is not None and ex.method == "POST":
+                await self._estimate(ex, plan, body)
         gauge = self._gauges.get(route.label)
         if gauge is None:
             gauge = self._gauges[route.label] = self.metrics.in_flight.labels(route.label)
@@ -279,6 +302,24 @@ class ProxyApp:
             msg = f"no route for path {ex.path!r} and {shown}"
             await self.answers.error(ex, 404, "no_route", msg)
         return found
+
+    async def _estimate(self, ex: Exchange, plan: TokenPlan, body: bytes) -> None:
+        """The tokens ``ex`` asks for on a route with ``tokens = "openai"``: its body's estimate
+        (none when it is no OpenAI-compatible body), within the gate's token ceiling, unless an
+        ``X-Fleetgate-Tokens`` header named them."""
+        learnt = plan.learnt
+        if not learnt.done:  # once per gate and process: the ceiling to clamp to
+            await learnt.ready(0.5)
+        learnt.read()  # a refresh in the background when the last is old
+        path = ex.target.partition(b"?")[0].decode("latin-1")
+        ask = ex.asked()
+        estimate = plan.estimate(path, body, ask.tenant)
+        if estimate is None:
+            return
+        ex.estimate = estimate
+        if _single_tokens_header(ex):
+            return
+        ex.ask = dataclasses.replace(ask, tokens=plan.clamp(estimate.tokens))
 
     async def _body(self, ex: Exchange, deadline_ms: int) -> bytes | None:
         """The whole body of ``ex`` within what is left of its deadline of ``deadline_ms``
@@ -354,5 +395,7 @@ class ProxyApp:
             self._children[key] = children
         children[0].inc()
         children[1].observe(seconds)
+        if ex.used is not None and ex.ask is not None and ex.ask.tokens > 0:
+            self.metrics.settled(ex.label, ex.ask.tokens, ex.used)
         if self.config.proxy.access_log:
             log_access(ex, status, seconds)

@@ -10,7 +10,8 @@ Shape (``example.toml`` next to this module shows every key with its default)::
     [[routes]]   path, strip_path, models, upstream, gate, deadline_ms, max_deadline_ms, priority,
                  min_priority, max_priority, tenant, tenants, weight, max_weight,
                  stream_uploads, stream_timeout_s, connect_timeout_s, retry_after_s,
-                 max_retry_after_s, gate_defaults
+                 max_retry_after_s, tokens, tokenizer, output_tokens, stream_usage,
+                 gate_defaults
 
 A request goes to the first route whose ``path`` is a prefix of its path (on a ``/`` boundary)
 and, when the route lists ``models``, whose JSON body names one of them in ``model``. Every
@@ -26,7 +27,7 @@ import ipaddress
 import os
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -189,6 +190,20 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the most a Retry-After computed from the gate's estimate may say (a call refused for its
     #: deadline: when the queue ahead is expected to have drained enough)
     max_retry_after_s: Annotated[int, Meta(ge=1, le=3600)] = 60
+    #: "openai": a POST to /v1/chat/completions, /v1/completions or /v1/embeddings asks the
+    #: gate for the tokens its JSON body estimates (prompt + output) and reports what the
+    #: answer's usage says it used (docs/proxy.md "Token budgets through the proxy"); "off":
+    #: no tokens but what an X-Fleetgate-Tokens header asks
+    tokens: Literal["off", "openai"] = "off"
+    #: how prompt text is counted: "" (characters / 4, rounded up), "tiktoken:<encoding>" or
+    #: "module:function" (a callable taking the text, returning its token count)
+    tokenizer: str = ""
+    #: the output tokens of a request that names no max_tokens, until the tenant's use is learnt
+    output_tokens: Annotated[int, Meta(ge=0, le=10_000_000)] = 512
+    #: add stream_options.include_usage to a streamed request that did not ask for it (the
+    #: usage chunk it adds is taken out of the caller's stream); off for an upstream that
+    #: refuses the option (its streams then settle nothing)
+    stream_usage: bool = True
     #: the gate's settings registered only if Redis has none (as Fleet.gate's keyword arguments)
     gate_defaults: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -211,6 +226,19 @@ class RouteConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(
                 "stream_uploads: a route that names models reads the body whole to route it"
             )
+        if self.tokens != "off" and self.stream_uploads:
+            raise ConfigError(
+                "stream_uploads: a route that estimates tokens reads the body whole to count them"
+            )
+        if self.tokenizer:
+            from ._tokens import load_tokenizer  # only when a route names one
+
+            try:
+                load_tokenizer(self.tokenizer)
+            except (ImportError, ValueError, AttributeError) as exc:
+                raise ConfigError(
+                    f"tokenizer: {self.tokenizer!r} cannot be loaded: {exc}"
+                ) from None
         lo, hi = self.priority_range
         if not lo <= self.priority <= hi:
             raise ConfigError(

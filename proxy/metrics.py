@@ -14,11 +14,15 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["LATENCY_BUCKETS", "ProxyMetrics"]
+__all__ = ["ESTIMATE_ERROR_BUCKETS", "LATENCY_BUCKETS", "ProxyMetrics"]
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
 )  # fmt: skip
+
+
+#: |estimated - used| / used of a call's tokens (0.2: within 20 %)
+ESTIMATE_ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10)
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,16 @@ class ProxyMetrics:
     disconnects: Counter
     upstream_errors: Counter
     buffered_bytes: Gauge
+    tokens_asked: Counter
+    tokens_used: Counter
+    token_estimate_error: Histogram
+
+    def settled(self, route: str, asked: int, used: int) -> None:
+        """A call on ``route`` asked ``asked`` tokens and its answer said it used ``used``."""
+        self.tokens_asked.labels(route).inc(asked)
+        self.tokens_used.labels(route).inc(used)
+        if used > 0:
+            self.token_estimate_error.labels(route).observe(abs(asked - used) / used)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ProxyMetrics:
@@ -78,5 +92,26 @@ class ProxyMetrics:
                 "for a permit or not yet sent upstream); at most max_buffered_bytes",
                 registry=registry,
                 multiprocess_mode="livesum",
+            ),
+            tokens_asked=Counter(
+                "fleetgate_proxy_tokens_asked",
+                "Tokens the permits of calls whose answer said its usage asked for (the estimate "
+                "or X-Fleetgate-Tokens), by route",
+                ("route",),
+                registry=registry,
+            ),
+            tokens_used=Counter(
+                "fleetgate_proxy_tokens_used",
+                "Tokens those calls used (the answer's usage), by route",
+                ("route",),
+                registry=registry,
+            ),
+            token_estimate_error=Histogram(
+                "fleetgate_proxy_token_estimate_error",
+                "|tokens asked - tokens used| / tokens used of each call whose answer said its "
+                "usage, by route",
+                ("route",),
+                buckets=ESTIMATE_ERROR_BUCKETS,
+                registry=registry,
             ),
         )

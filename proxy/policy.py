@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Final, Literal
 
-from fleetgate.admission import MAX_PRIORITY, MIN_PRIORITY
+from fleetgate.admission import MAX_PRIORITY, MAX_TOKENS, MIN_PRIORITY
 from fleetgate.ask import Ask
 from fleetgate.keys import name_problem
 from fleetgate.observed import OVERLOADED_STATUSES, TIMEOUT_STATUSES
@@ -56,7 +56,8 @@ PRIORITY: Final = b"x-fleetgate-priority"
 TENANT: Final = b"x-fleetgate-tenant"
 WEIGHT: Final = b"x-fleetgate-weight"
 DEADLINE: Final = b"x-fleetgate-deadline-ms"
-FLEETGATE_HEADERS: Final = frozenset({PRIORITY, TENANT, WEIGHT, DEADLINE})
+TOKENS: Final = b"x-fleetgate-tokens"
+FLEETGATE_HEADERS: Final = frozenset({PRIORITY, TENANT, WEIGHT, DEADLINE, TOKENS})
 
 #: RFC 9110 7.6.1 (plus Proxy-Authorization/-Authenticate: meant for this hop, never forwarded)
 HOP_BY_HOP: Final = frozenset(
@@ -131,7 +132,7 @@ def parse_ask(headers: Headers, route: RouteConfig) -> Ask:
     """The :class:`Ask` of a request to ``route`` (absent headers take the route's defaults).
 
     Malformed values (not an integer, a priority outside [-100, 100], a weight < 1, a deadline
-    <= 0 or above a day, a tenant that is no valid name, a header given twice) raise
+    <= 0 or above a day, tokens < 0, a tenant that is no valid name, a header given twice) raise
     :class:`BadHeader`. Well-formed values beyond the route's allowance are clamped: priority
     to [min_priority, max_priority], weight to [1, max_weight], the deadline to
     max_deadline_ms, and a tenant the route does not allow becomes the route's tenant.
@@ -162,6 +163,13 @@ def parse_ask(headers: Headers, route: RouteConfig) -> Ask:
             raise BadHeader(DEADLINE, expected)
         deadline = min(asked, route.deadline_cap_ms)
 
+    tokens = 0
+    text = _single(headers, TOKENS)
+    if text is not None:
+        tokens = _int(TOKENS, text, f"an integer in [0, {MAX_TOKENS}]")
+        if not 0 <= tokens <= MAX_TOKENS:
+            raise BadHeader(TOKENS, f"expected an integer in [0, {MAX_TOKENS}], got {tokens}")
+
     tenant: str | None = route.tenant or None
     text = _single(headers, TENANT)
     if text is not None:
@@ -170,7 +178,9 @@ def parse_ask(headers: Headers, route: RouteConfig) -> Ask:
             raise BadHeader(TENANT, problem)
         if route.any_tenant or text in route.tenants:
             tenant = text
-    return Ask(weight=weight, priority=priority, tenant=tenant, deadline=deadline / 1000)
+    return Ask(
+        weight=weight, priority=priority, tenant=tenant, deadline=deadline / 1000, tokens=tokens
+    )
 
 
 def _connection_tokens(headers: Headers) -> set[bytes]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -41,6 +42,102 @@ class UpstreamLog:
     headers: list[dict[str, str]] = field(default_factory=list)
     sse_sent: list[float] = field(default_factory=list)
     stream_done: list[float] = field(default_factory=list)
+    #: the OpenAI-like endpoints: each request's JSON body, and the tokens each answer said
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)
+
+
+def server_tokens(text: str) -> int:
+    """How the test upstream counts tokens (not the proxy's characters / 4): words cut into
+    pieces of at most 6 characters, each punctuation mark one token -- about 1.2 tokens a word of
+    English, as BPE tokenizers count."""
+    return len(_PIECES.findall(text))
+
+
+_PIECES = re.compile(r"\w{1,6}|[^\w\s]")
+
+
+def _chat_prompt(body: dict[str, Any]) -> int:
+    if "messages" in body:  # a chat template of 5 tokens a message and 2 for the reply
+        return 2 + sum(5 + server_tokens(str(m.get("content") or "")) for m in body["messages"])
+    prompt = body.get("prompt", "")
+    return (
+        sum(server_tokens(p) if isinstance(p, str) else 1 for p in prompt)
+        if isinstance(prompt, list)
+        else server_tokens(str(prompt))
+    )
+
+
+def openai_routes(state: UpstreamLog) -> list[Route]:
+    """An OpenAI-like ``/v1/chat/completions`` and ``/v1/completions`` (the output: the
+    ``x-output-tokens`` header's count of words, at most ``max_tokens``; held ``x-hold-ms``;
+    streamed when asked, with ``"usage":null`` in every chunk and a usage-only last chunk when
+    ``stream_options.include_usage``, as OpenAI's API does) and ``/v1/embeddings`` (usage:
+    the input's tokens)."""
+
+    async def completions(request: Request) -> Response:
+        body = json.loads(await request.body())
+        state.bodies.append(body)
+        bound = body.get("max_completion_tokens") or body.get("max_tokens")
+        out = int(request.headers.get("x-output-tokens", "16"))
+        out = min(out, bound) if bound else out
+        prompt = _chat_prompt(body)
+        usage = {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+        state.running += 1
+        state.peak = max(state.peak, state.running)
+        try:
+            await asyncio.sleep(float(request.headers.get("x-hold-ms", "0")) / 1000)
+        finally:
+            state.running -= 1
+        state.used.append(prompt + out)
+        chat = "messages" in body
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": "cmpl-1", "object": kind, "created": 1700000000, "model": "m"}
+        if not body.get("stream"):
+            text = "word " * out
+            choice = {"index": 0, "finish_reason": "length"}
+            choice |= (
+                {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            )
+            answer = {**head, "choices": [choice], "usage": usage}
+            return Response(json.dumps(answer), media_type="application/json")
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        kind += ".chunk" if chat else ""
+
+        async def events() -> Any:
+            for i in range(out):
+                delta = {"delta": {"content": "word "}} if chat else {"text": "word "}
+                chunk: dict[str, Any] = {**head, "object": kind, "choices": [{"index": 0, **delta}]}
+                if with_usage:
+                    chunk["usage"] = None
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+                if i % 4 == 3:
+                    await asyncio.sleep(0)
+            if with_usage:
+                last = {**head, "object": kind, "choices": [], "usage": usage}
+                yield f"data: {json.dumps(last, separators=(',', ':'))}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def embeddings(request: Request) -> Response:
+        body = json.loads(await request.body())
+        state.bodies.append(body)
+        given = body.get("input", "")
+        texts = given if isinstance(given, list) else [given]
+        prompt = sum(server_tokens(t) for t in texts)
+        state.used.append(prompt)
+        data = [
+            {"object": "embedding", "index": i, "embedding": [0.0, 1.0]} for i in range(len(texts))
+        ]
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt}
+        return JSONResponse({"object": "list", "data": data, "model": "e", "usage": usage})
+
+    return [
+        Route("/v1/chat/completions", completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+    ]
 
 
 def upstream_app(hold_s: float = 0.05) -> Starlette:
@@ -48,7 +145,7 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
     ``/echo``: the request's headers and body; ``/status/N``: status N with a body and a header
     of its own; ``/sse?n=N&ms=M``: N events M ms apart; ``/hang``: never answers (counts the
     cancellation); ``/big?mb=N``: N MiB at once; ``/cookie?v=V``: sets the cookie
-    ``session=V``."""
+    ``session=V``; the OpenAI-like endpoints of :func:`openai_routes`."""
     state = UpstreamLog()
 
     async def work(request: Request) -> Response:
@@ -141,6 +238,7 @@ def upstream_app(hold_s: float = 0.05) -> Starlette:
             Route("/big", big, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/cookie", cookie, methods=["GET"]),
+            *openai_routes(state),
         ]
     )
     app.state.log = state
