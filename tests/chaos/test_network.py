@@ -9,8 +9,9 @@ the simulator.
   (lost wake-ups are recovered by the listener's reconnect or the heartbeat).
 * ``CLIENT KILL`` of the wake-up connections (by id, repeatedly): grants keep flowing, no
   fallback, no slot idle longer than about a heartbeat.
-* ``CLIENT KILL TYPE normal`` (every client connection): each kill is an outage of a moment;
-  the pods fall back, recover, and never exceed their documented bound.
+* ``CLIENT KILL TYPE normal`` (every client connection): each kill is an outage of a moment
+  for the calls in flight; the pods that met it fall back, recover, and never exceed their
+  documented bound.
 """
 
 from __future__ import annotations
@@ -227,10 +228,14 @@ def test_client_kill_under_load(
     # heartbeat interval; the heartbeat reports granted waiters).
     assert len(notice) > 20 and notice[-1][0] <= HB + 0.5
     assert all(not e for e in errs.values()), errs
-    # Killing every client connection is a momentary outage: bounded by the pods' shares
-    # (plus what each pod held beyond its share at the kill, until those calls end).
+    # Killing every client connection is a momentary outage for the calls in flight then:
+    # bounded by the pods' shares (plus what each pod held beyond its share at the kill, until
+    # those calls end). Each kill reached every pod (its wake-up connection at least), but how
+    # many pods fall back is up to chance: a connection idle in the pool at the kill is replaced
+    # by redis-py 8.2's pool before its next command (8.1's handed it out broken, so every pod
+    # fell back), and a pod with no call in flight then does not notice the kill.
+    assert all(killed >= pods for _, killed in rounds), rounds
     assert normal_max <= limit + pods * (loops - share)
-    assert normal_fallbacks >= 1
 
 
 @pytest.mark.timeout(60)

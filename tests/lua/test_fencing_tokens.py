@@ -99,9 +99,20 @@ async def _next_token_after_loss(
             lose()
             # X counts its lease again (adoption after its fallback, or its heartbeat)
             await _until(lambda: holders.zscore(f"fg:{{{GATE}}}:holders", x_id), 10, "X adopted")
-            # Y meets the loss (its idle gate's next beat fails on a broken connection)
-            await _until(lambda: fleet.fallback_active, 10, "Y in fallback")
-            await _until(lambda: not fleet.fallback_active, 10, "Y back in fleet mode")
+            # Y meets the loss, and is back in fleet mode on the server that lost the counter
+            # before it asks again: its idle gate's next beat registers Y anew there (its entry
+            # was lost with the rest). Whether Y passes through the fallback on the way is the
+            # connection pool's business, not what this test is about: redis-py 8.1's pool
+            # handed out the connection the server had closed (that beat failed: fallback, then
+            # back), 8.2's replaces it (as 7.x and 5.x do) and the beat reaches the new server
+            # at once, the restart being invisible to an idle pod (docs/failure-modes.md).
+            pods = GateKeys.of("fg", GATE).pods
+            await _until(
+                lambda: holders.zscore(pods, fleet.pod_key) is not None
+                and not fleet.fallback_active,
+                10,
+                "Y registered again after the loss, in fleet mode",
+            )
             async with fleet.gate(GATE).permit(deadline=10) as lease:
                 fresh = lease.token
         redis.Redis.from_url(rut.url).set(stop, 1)
