@@ -209,6 +209,18 @@ def figure(ncols: int = 1) -> tuple[Any, Any]:
 # -- command line -----------------------------------------------------------------------------
 
 
+def latency_cdf(ax: Any, curves: Sequence[tuple[str, Sequence[float]]], xlabel: str) -> None:
+    """On ``ax``: each (label, latencies in seconds) as the fraction of calls under a latency
+    (ms, log scale)."""
+    for label, latencies in curves:
+        xs = sorted(x * 1000 for x in latencies)
+        ax.plot(xs, [i / max(1, len(xs) - 1) for i in range(len(xs))], label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of calls")
+    ax.legend()
+
+
 def main(argv: Sequence[str] | None = None, only: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks",

@@ -27,7 +27,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._common import Flavor, Headline, Options, figure, log, open_fleet, save, table
+from ._common import (
+    Flavor,
+    Headline,
+    Options,
+    figure,
+    latency_cdf,
+    log,
+    open_fleet,
+    save,
+    table,
+)
 from ._server import private_redis
 
 NAME = "flood_bands"
@@ -160,14 +170,8 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
         "headroom_p99_over_no_flood": ratio,
     }
     fig, axes = figure(2)
-    ax = axes[0][0]
-    for w in ways:
-        xs = sorted(x * 1000 for x in w.latencies)
-        ax.plot(xs, [i / max(1, len(xs) - 1) for i in range(len(xs))], label=w.label)
-    ax.set_xscale("log")
-    ax.set_xlabel("interactive latency, wait + hold (ms)")
-    ax.set_ylabel("fraction of calls")
-    ax.legend()
+    curves = [(w.label, w.latencies) for w in ways]
+    latency_cdf(axes[0][0], curves, "interactive latency, wait + hold (ms)")
     ax = axes[0][1]
     ax.bar([w.label for w in ways], [w.batch_done / w.window if w.window else 0 for w in ways])
     ax.set_ylabel("batch calls done per second")

@@ -29,7 +29,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._common import Flavor, Headline, Options, figure, log, open_fleet, save, table
+from ._common import (
+    Flavor,
+    Headline,
+    Options,
+    figure,
+    latency_cdf,
+    log,
+    open_fleet,
+    save,
+    table,
+)
 from ._server import private_redis
 
 NAME = "flood_revoke"
@@ -182,15 +192,11 @@ def _report(opts: Options, url: str, ways: list[Way], hold: tuple[float, float])
         "headroom_and_revocation_batch_completed": complete,
     }
     fig, axes = figure(1)
-    ax = axes[0][0]
-    for w in ways:
-        xs = sorted(x * 1000 for x in w.latencies)
-        ax.plot(xs, [i / max(1, len(xs) - 1) for i in range(len(xs))], label=w.label)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"interactive latency, wait + hold (ms); batch calls of {hold[0]:.0f}-"
-                  f"{hold[1]:.0f} s")  # fmt: skip
-    ax.set_ylabel("fraction of calls")
-    ax.legend()
+    latency_cdf(
+        axes[0][0],
+        [(w.label, w.latencies) for w in ways],
+        f"interactive latency, wait + hold (ms); batch calls of {hold[0]:.0f}-{hold[1]:.0f} s",
+    )
     save(NAME, opts, url, data, text, fig)
     return [
         Headline(
