@@ -14,7 +14,7 @@ for the int fields of :data:`FIELDS`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Final, TypedDict
 
 import msgspec
 from msgspec import Meta
@@ -27,6 +27,14 @@ from fleetgate.admission import (
     validate_tenant_weights,
 )
 from fleetgate.bands import BandShare, validate_band_share
+from fleetgate.deadlines import (
+    DeadlineAdmission,
+    RevokeAfter,
+    admission_code,
+    check_deadline_admission,
+    check_revoke_after,
+    revoke_ms,
+)
 from fleetgate.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -44,24 +52,19 @@ __all__ = [
     "TIME_FIELDS",
     "TOKEN_FIELDS",
     "Ceiling",
-    "DeadlineAdmission",
     "Floor",
     "GateSettings",
     "GateSettingsKwargs",
     "LeaseMs",
     "MaxQueued",
     "MaxQueuedPerTenant",
-    "RevokeAfter",
     "ShedBelow",
     "TokenCeiling",
     "TokenLimit",
     "WaiterMs",
-    "admission_code",
     "bounds",
     "check_admission",
     "check_ceiling",
-    "check_deadline_admission",
-    "check_revoke_after",
     "check_setting_names",
     "check_tokens",
     "settings_differing",
@@ -96,19 +99,6 @@ TokenLimit = Annotated[
 TokenCeiling = Annotated[
     int, Meta(ge=1, le=MAX_TOKENS, description="bound of the token budget and of one call's tokens")
 ]
-#: Bounds of ``revoke_after`` (seconds): below a heartbeat's reach it means "at once", above an
-#: hour it is no plan.
-MIN_REVOKE_AFTER: Final = 0.1
-MAX_REVOKE_AFTER: Final = 3600.0
-RevokeAfter = Annotated[
-    float,
-    Meta(
-        ge=MIN_REVOKE_AFTER,
-        le=MAX_REVOKE_AFTER,
-        description="seconds a higher band's head waits before lower bands are asked to give back",
-    ),
-]
-
 # Why each lower bound exists (appended to the client's error message).
 _WHY_LOW = {
     "floor": "a cap <= 0 would block every call",
@@ -117,25 +107,6 @@ _WHY_LOW = {
     "lease_ms": "leases shorter than 100 ms cannot be renewed in time",
     "waiter_ms": "waiters shorter than 100 ms cannot be refreshed in time",
 }
-
-
-#: ``deadline_admission``: True or ``"start"`` (the deadline must cover the expected wait),
-#: ``"finish"`` (the wait and the band's mean hold), False (off).
-DeadlineAdmission = bool | Literal["start", "finish"]
-
-
-def admission_code(value: DeadlineAdmission) -> int:
-    """``deadline_admission`` as the scripts take it: 0 off, 1 start, 2 finish."""
-    return 2 if value == "finish" else 1 if value is True or value == "start" else 0
-
-
-def check_deadline_admission(value: object) -> None:
-    """Raise a :class:`ConfigError` naming the field unless ``value`` is a bool, ``"start"``
-    or ``"finish"``."""
-    if not isinstance(value, bool) and value not in ("start", "finish"):
-        raise ConfigError(
-            f'deadline_admission: expected true, false, "start" or "finish", got {value!r}'
-        )
 
 
 class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -201,7 +172,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _text(self.token_ceiling),
             admission_code(self.deadline_admission),
             self._band_share.encoded,
-            _revoke_ms(self.revoke_after),
+            revoke_ms(self.revoke_after),
             self._tenant_weights.encoded,
         ]
 
@@ -221,7 +192,7 @@ class GateSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         cfg["token_ceiling"] = _text(self.token_ceiling)
         cfg["deadline_admission"] = admission_code(self.deadline_admission)
         cfg["band_share"] = self._band_share.encoded
-        cfg["revoke_after_ms"] = _revoke_ms(self.revoke_after)
+        cfg["revoke_after_ms"] = revoke_ms(self.revoke_after)
         return cfg
 
     @property
@@ -369,27 +340,6 @@ assert TOKEN_FIELDS == ("token_limit", "token_ceiling")
 assert TIME_FIELDS == ("deadline_admission",)
 assert BAND_FIELDS == ("band_share",)
 assert REVOKE_FIELDS == ("revoke_after",)
-
-
-def _revoke_ms(seconds: float | None) -> int | str:
-    """``revoke_after`` as the scripts take it: ms, ``''`` for None."""
-    return "" if seconds is None else max(1, round(seconds * 1000))
-
-
-def check_revoke_after(value: object) -> None:
-    """Raise a :class:`ConfigError` naming the field unless ``value`` is None or seconds in
-    [MIN_REVOKE_AFTER, MAX_REVOKE_AFTER]."""
-    if value is None:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not MIN_REVOKE_AFTER <= value <= MAX_REVOKE_AFTER
-    ):
-        raise ConfigError(
-            f"revoke_after: expected None or seconds in [{MIN_REVOKE_AFTER}, "
-            f"{MAX_REVOKE_AFTER:.0f}], got {value!r}"
-        )
 
 
 def _text(value: int | None) -> int | str:
