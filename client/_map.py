@@ -71,11 +71,8 @@ _REVOKED = object()
 
 
 async def _revocation(lease: _Releasable) -> None:
-    """Return once ``lease`` is revoked (the gate asked for it back)."""
-    event = getattr(lease, "revoked", None)
-    if isinstance(event, asyncio.Event):
-        await event.wait()
-        return
+    """Return once ``lease`` is revoked (the gate asked for it back): for a lease of another
+    event loop, whose flag is all this loop can read."""
     while not lease.is_revoked:  # noqa: ASYNC110 - the flag is set on another loop's thread
         await asyncio.sleep(REVOKED_POLL_S)
 
@@ -325,20 +322,39 @@ class _MapRun:
 
     async def _unless_revoked(self, lease: _Releasable, call: Awaitable[Any]) -> Any:
         """``call``'s result, or :data:`_REVOKED` if ``lease`` is revoked first (the call is
-        cancelled then)."""
+        cancelled then). A lease of this loop cancels the call from the heartbeat that learns it
+        (``when_revoked``: no task or event per call); one of another loop is watched."""
         task = asyncio.ensure_future(call)
-        watch = asyncio.ensure_future(_revocation(lease))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
+        cut: list[bool] = []
+
+        def revoked() -> None:
+            cut.append(True)
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return _REVOKED
+
+        hook = getattr(lease, "when_revoked", None)
+        watch = None if hook is not None else asyncio.ensure_future(_revocation(lease))
+        if hook is not None:
+            hook(revoked)
+        try:
+            if watch is None:
+                await asyncio.wait({task})  # (a cancellation of this task stops here)
+            else:
+                await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not task.done():
+                    revoked()
+                    await asyncio.wait({task})
+            if cut and task.cancelled():
+                return _REVOKED
+            return task.result()
         finally:
+            if hook is not None:
+                hook(None)
             for t in (task, watch):
-                t.cancel()
-            await asyncio.gather(task, watch, return_exceptions=True)
+                if t is not None:
+                    t.cancel()
+            await asyncio.gather(
+                *(t for t in (task, watch) if t is not None), return_exceptions=True
+            )
 
     async def _attempt(self, item: Any, report: CallReport) -> Any:
         self.calls += 1

@@ -108,8 +108,9 @@ async def _next_token_after_loss(
             # at once, the restart being invisible to an idle pod (docs/failure-modes.md).
             pods = GateKeys.of("fg", GATE).pods
             await _until(
-                lambda: holders.zscore(pods, fleet.pod_key) is not None
-                and not fleet.fallback_active,
+                lambda: (
+                    holders.zscore(pods, fleet.pod_key) is not None and not fleet.fallback_active
+                ),
                 10,
                 "Y registered again after the loss, in fleet mode",
             )

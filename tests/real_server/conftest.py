@@ -61,4 +61,3 @@ def own_llama(llama_build: tuple[Path, Path], tmp_path: Path) -> Iterator[LlamaS
         yield server
     finally:
         server.stop()
-
