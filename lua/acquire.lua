@@ -79,7 +79,7 @@ observe(ARGV, 17 + n_release, 16 + n_release + n_obs)
 settle_tags(ARGV, 17 + n_release, 16 + n_release + n_obs)
 
 local now = now_ms()
-local cfg = load_cfg({ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+local cfg = load_cfg(now, {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8],
   ARGV[9], ARGV[10], ARGV[11], ARGV[12], ARGV[13]}, true)
 gate_birth(now, cfg, num(ARGV[14], 0))
 -- behind the recovery fence nothing is granted at once: every request parks (or is refused)

@@ -12,7 +12,7 @@
 -- pause before fleet mode resumes (Fleet._probe_loop), and the heartbeat is paused until then,
 -- so a lease adopted by the first pass must not lapse.
 local now = now_ms()
-local cfg = load_cfg()
+local cfg = load_cfg(now)
 gate_birth(now, cfg, num(ARGV[1], 0))
 reap(now)
 raise_seq(num(ARGV[2], 0))

@@ -5,7 +5,7 @@
 --   and is now released, 0 = unknown id (already expired, cancelled or released).
 local id, member = ARGV[1], ARGV[2] or ''
 local now = now_ms()
-local cfg = load_cfg()
+local cfg = load_cfg(now)
 local outcome = 0
 if member ~= '' and redis.call('ZSCORE', K_WAITERS, member) then
   remove_waiters({member})

@@ -85,7 +85,7 @@ local function heartbeat_gate(A)
   local i_tail = i_waiters + 1 + 2 * n_waiters
   local max_token = num(A[i_tail], 0)
   local now = now_ms()
-  local cfg = load_cfg({A[i_tail + 2], A[i_tail + 3], A[i_tail + 4], A[i_tail + 5],
+  local cfg = load_cfg(now, {A[i_tail + 2], A[i_tail + 3], A[i_tail + 4], A[i_tail + 5],
     A[i_tail + 6], nil, nil, A[i_tail + 9], A[i_tail + 10], A[i_tail + 11], A[i_tail + 12],
     A[i_tail + 13]})
   -- before anything is renewed or counted again: this pod's own leases, adopted below, are

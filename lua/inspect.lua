@@ -9,7 +9,8 @@
 --       snapshot shows what an acquire would register
 -- Returns a JSON object: now, schema, cfg, target, limit, floor, ceiling, max_queued,
 --   max_queued_per_tenant, shed_below, tenant_weights, lease_ms, waiter_ms (the configuration
---   in force), token_limit and token_ceiling (the token budget in force, absent: none),
+--   in force), token_limit and token_ceiling (the token budget in force, absent: none;
+--   token_tuned: the budget is the coordinator's live token target, not the configured one),
 --   deadline_admission (on or off), deadline_finish, revoke_after_ms (0: never), band_share
 --   (priority -> permille of the limit that band
 --   and the ones below it may hold) and band_units (priority -> units its leases hold), obs
@@ -26,7 +27,7 @@ local INSPECT_MAX = 1000
 local n = math.floor(num(ARGV[1], 0))
 if n > INSPECT_MAX then n = INSPECT_MAX end
 local now = now_ms()
-local cfg = load_cfg({ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], nil, nil, ARGV[9],
+local cfg = load_cfg(now, {ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], nil, nil, ARGV[9],
   ARGV[10], ARGV[11], ARGV[12], ARGV[13]})
 
 local function pairs_to_map(flat)
@@ -99,6 +100,7 @@ local out = cjson.encode({
   ceiling = cfg.ceiling,
   token_limit = cfg.tlim,
   token_ceiling = cfg.token_ceiling,
+  token_tuned = cfg.token_tuned or false,
   deadline_admission = cfg.deadline_admission,
   deadline_finish = cfg.deadline_finish,
   revoke_after_ms = cfg.revoke_after or 0,

@@ -23,14 +23,27 @@ local N_SETTINGS = #CFG_FIELDS
 local CFG_READ = {'schema'}
 for i = 1, N_SETTINGS do CFG_READ[i + 1] = CFG_FIELDS[i] end
 CFG_READ[N_SETTINGS + 2] = 'fence'
+-- The coordinator's tuned token budget (publish.lua: a second target beside the limit's, written
+-- with the same epoch fence and lifetime): its value and the server time it lapses at. Not
+-- settings: a client never registers them, and a gate without them is a configured gate too.
+CFG_READ[N_SETTINGS + 3] = 'token_target'
+CFG_READ[N_SETTINGS + 4] = 'token_target_until'
 
 -- The token budget of cfg (tokens held at once by all leases; docs/admission.md "Token
 -- budgets"): cfg.tlim, the budget in force (nil: the gate has none, tokens are counted but never
 -- limit a grant), and cfg.token_ceiling, the most tokens one call may ask (never below the
--- budget; nil without a budget). A token ceiling without a budget is no budget.
-local function token_budget(cfg, limit, ceiling)
+-- budget; nil without a budget). A token ceiling without a budget is no budget. tuned: the
+-- coordinator's live token target (nil: none, or lapsed): it replaces the configured budget
+-- while it lives, never the ceiling (a call the configuration admits is never refused because
+-- the budget was tuned down: it waits until the budget has room for it).
+local function token_budget(cfg, limit, ceiling, tuned)
   if limit == nil or limit < 1 then return end
-  cfg.tlim = math.floor(limit)
+  limit = math.floor(limit)
+  cfg.tlim = limit
+  if tuned and tuned >= 1 then
+    cfg.tlim = math.floor(tuned)
+    cfg.token_tuned = true
+  end
   cfg.token_ceiling = math.max(cfg.tlim, math.floor(ceiling or limit))
 end
 
@@ -116,7 +129,7 @@ local function check_schema(stored)
   return s
 end
 
--- The gate's configuration in force. The stored configuration (fg:{G}:cfg: the coordinator's
+-- The gate's configuration in force at server time now (ms). The stored configuration (fg:{G}:cfg: the coordinator's
 -- publish, or what the first client registered) is the one source every script reads: a field
 -- it lacks takes DEFAULT, never a caller's value, so the arrival (acquire), the hand-offs of
 -- release, cancel and resize, the heartbeat and the snapshot all answer by the same settings.
@@ -130,7 +143,7 @@ end
 -- Checks the schema first.
 -- register: a gate with no configuration at all gets the caller's defaults stored (a client may
 -- register defaults only where none exist; the coordinator's publish overwrites them).
-local function load_cfg(d, register)
+local function load_cfg(now, d, register)
   d = d or {}
   local v = redis.call('HMGET', K_CFG, unpack(CFG_READ))
   local schema = check_schema(table.remove(v, 1))
@@ -163,7 +176,9 @@ local function load_cfg(d, register)
   cfg.ceiling = math.max(cfg.floor, cfg_field(v, d, 2, 'ceiling'))
   cfg.max_queued_per_tenant = math.max(0, math.floor(num(v[6], num(d[6], cfg.max_queued))))
   cfg.shed_below = math.floor(num(v[7], num(d[7], 0)))
-  token_budget(cfg, num(v[8], num(d[8], nil)), num(v[9], num(d[9], nil)))
+  local tuned = num(v[N_SETTINGS + 2], nil)
+  if tuned and num(v[N_SETTINGS + 3], 0) <= now then tuned = nil end  -- lapsed: the configured
+  token_budget(cfg, num(v[8], num(d[8], nil)), num(v[9], num(d[9], nil)), tuned)
   -- deadline-aware admission (lib_drain.lua): on unless the configuration says 0; 2: the
   -- deadline covers the band's expected hold too ('finish')
   local da = num(v[10], num(d[10], 1))

@@ -6,8 +6,10 @@
 -- KEYS: 1 the gate's base name (see lib_gate.lua)
 -- ARGV: 1 epoch  2 ttl_ms (of the target)  3 target value, or '' to leave the target alone
 --       4 n = number of cfg fields, then n (field, value) pairs for fg:{G}:cfg (the pair
---       'tenant_weights', 'name}w}...' replaces fg:{G}:tw instead; a value '' deletes the
---       field; 'schema' is never written),
+--       'tenant_weights', 'name}w}...' replaces fg:{G}:tw instead; the pair 'token_target', T
+--       publishes the tuned token budget T for ttl_ms, as the target is (its lapse time
+--       beside it: 'token_target_until'; '' withdraws it); a value '' deletes the field;
+--       'schema' is never written),
 --       then (field, value) pairs for fg:{G}:util (the rest of ARGV)
 -- Returns {accepted, limit, stored_epoch, granted}: accepted = 0 when epoch < the epoch stored in
 --   the target (a deposed leader waking up writes nothing: not the target, not the cfg, not the
@@ -17,7 +19,7 @@ local epoch, ttl, value = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local now = now_ms()
 local stored = num(redis.call('HGET', K_TARGET, 'epoch'), nil)
 if stored and epoch < stored then
-  return {0, current_limit(now, load_cfg()), stored, 0}
+  return {0, current_limit(now, load_cfg(now)), stored, 0}
 end
 local n_cfg = tonumber(ARGV[4])
 local cfg_pairs, util_pairs = {}, {}
@@ -25,6 +27,15 @@ check_schema(redis.call('HGET', K_CFG, 'schema'))
 for i = 5, 4 + 2 * n_cfg, 2 do
   if ARGV[i] == 'tenant_weights' then
     store_tenant_weights(ARGV[i + 1])  -- replaced whole: fg:{G}:tw
+  elseif ARGV[i] == 'token_target' then  -- the second target: it lapses as the first does
+    if ARGV[i + 1] == '' then
+      redis.call('HDEL', K_CFG, 'token_target', 'token_target_until')
+    else
+      cfg_pairs[#cfg_pairs + 1] = 'token_target'
+      cfg_pairs[#cfg_pairs + 1] = math.floor(num(ARGV[i + 1], 0))
+      cfg_pairs[#cfg_pairs + 1] = 'token_target_until'
+      cfg_pairs[#cfg_pairs + 1] = now + ttl
+    end
   elseif ARGV[i + 1] == '' then
     redis.call('HDEL', K_CFG, ARGV[i])  -- unset in the configuration: the default applies
   elseif ARGV[i] ~= 'schema' then
@@ -44,5 +55,5 @@ if value ~= '' then
 else
   redis.call('HSET', K_TARGET, 'epoch', epoch)
 end
-local lim, granted = settle(now, load_cfg())
+local lim, granted = settle(now, load_cfg(now))
 return {1, lim, epoch, granted}

@@ -17,7 +17,7 @@ local released = remove_leases(ARGV, 2 + m, #ARGV)
 if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 if redis.call('ZCARD', K_WAITERS) > 0 then
   local now = now_ms()
-  local cfg = load_cfg()
+  local cfg = load_cfg(now)
   handoff(now, cfg, current_limit(now, cfg))
 end
 adm_flush()

@@ -19,7 +19,7 @@ if want < 0 then error('fleetgate: resize wants tokens >= 0, got ' .. tostring(A
 local now = now_ms()
 local expiry = tonumber(redis.call('ZSCORE', K_HOLDERS, id))
 if expiry == nil or expiry <= now then return {-1, id, 0} end
-local cfg = load_cfg()
+local cfg = load_cfg(now)
 local have = tokens_asked(id)
 if want == have then return {1, id, have} end
 if cfg.token_ceiling and want > cfg.token_ceiling then return {-2, id, cfg.token_ceiling} end

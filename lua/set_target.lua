@@ -7,7 +7,7 @@
 --   (a deposed leader waking up cannot overwrite its successor).
 local value, epoch, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local now = now_ms()
-local cfg = load_cfg()
+local cfg = load_cfg(now)
 local stored = num(redis.call('HGET', K_TARGET, 'epoch'), nil)
 if stored and epoch < stored then
   return {0, current_limit(now, cfg), stored, 0}

@@ -216,6 +216,9 @@ class Snapshot(msgspec.Struct):
     #: the token budget in force and the most one call may ask (None: no token budget)
     token_limit: int | None = None
     token_ceiling: int | None = None
+    #: the budget in force is the coordinator's tuned token target (live), not the configured
+    #: ``token_limit``
+    token_tuned: bool = False
     #: tokens held, counted as ``units``
     tokens: int = 0
     #: whether a call that would start after its deadline is refused at once
