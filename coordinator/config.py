@@ -9,7 +9,7 @@ Shape (see ``example.toml`` next to this module for every key with its default):
                    max_queued_per_tenant, shed_below, tenant_weights (a table name -> int),
                    token_limit, token_ceiling, deadline_admission (true, false, "start"
                    or "finish"), band_share (a table priority -> fraction of the limit),
-                   revoke_after (seconds),
+                   revoke_after (seconds), tune_tokens, token_max,
                    base_url | metrics_url (a string or a list, one per replica), model_name, server,
                    signal
 
@@ -22,7 +22,10 @@ its floor must be safe, because the cuts stop there. ``model_name`` filters the 
 ``model_name`` label; unset means the gate's own name when the endpoint exposes that label value,
 else "every model on that endpoint" (logged once), because the served model name often differs
 from the gate name and most servers serve one model. ``server`` names the server kind (default
-``auto``: detected from the exposition); see ``docs/servers.md``.
+``auto``: detected from the exposition); see ``docs/servers.md``. A gate with a ``token_limit``
+and a metrics source has its token budget tuned from the KV cache its server states and its
+preemptions (``tune_tokens``, default true; ``token_max`` bounds it where the server states no
+capacity, default 4 x ``token_limit``; ``docs/aimd.md``, "The token budget").
 
 Environment overrides, applied on top of the file (an empty value counts as unset):
 
@@ -67,7 +70,14 @@ from fleetgate.configfile import (
 )
 from fleetgate.errors import ConfigError
 from fleetgate.keys import validate_gate_name
-from fleetgate.settings import DEFAULT_CEILING, Floor, GateSettings, check_ceiling, check_tokens
+from fleetgate.settings import (
+    DEFAULT_CEILING,
+    Floor,
+    GateSettings,
+    TokenLimit,
+    check_ceiling,
+    check_tokens,
+)
 
 from .scrape.adapters import ADAPTERS, AUTO, validate_server
 from .scrape.signals import derive_metrics_url, validate_metrics_url
@@ -185,11 +195,25 @@ class GateConfig(GateSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     server: str = AUTO
     #: what drives the target: ``auto`` | ``metrics`` | ``latency`` | ``fixed`` (module doc)
     signal: str = "auto"
+    #: tune the token budget from the server's KV cache (a gate with ``token_limit`` and a
+    #: metrics source; the configured ``token_limit`` is where tuning starts and what the budget
+    #: lapses to without a leader)
+    tune_tokens: bool = True
+    #: the tuned token budget's upper bound (default: the capacity the server states, else
+    #: 4 x ``token_limit``)
+    token_max: TokenLimit | None = None
 
     def __post_init__(self) -> None:
         checked("name", validate_gate_name, self.name)
         check_ceiling(self.floor, self.ceiling)
         check_tokens(self.token_limit, self.token_ceiling)
+        if self.token_max is not None and (
+            self.token_limit is None or self.token_max < self.token_limit
+        ):
+            raise ConfigError(
+                f"token_max: {self.token_max} needs a token_limit at or below it "
+                f"(token_limit = {self.token_limit})"
+            )
         # The errors name the entry: tenant_weights['a b{']: tenant 'a b{' contains '{': ...
         msgspec.structs.force_setattr(
             self, "tenant_weights", validate_tenant_weights(self.tenant_weights)
@@ -248,6 +272,12 @@ class GateConfig(GateSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     def latency_driven(self) -> bool:
         """True when the client-observed latency drives the gate (``signal``)."""
         return self.signal == "latency" or (self.signal == "auto" and not self.has_metrics)
+
+    @property
+    def tokens_tuned(self) -> bool:
+        """True when the coordinator may tune the gate's token budget (it has one, a metrics
+        source, and ``tune_tokens``); the coordinator's ``adaptive`` switch applies on top."""
+        return self.tune_tokens and self.token_limit is not None and self.has_metrics
 
     @property
     def has_metrics(self) -> bool:

@@ -20,6 +20,10 @@ class CoordinatorMetrics:
     saturated: Gauge
     in_flight: Gauge
     decisions: Counter
+    token_target: Gauge
+    tokens_held: Gauge
+    kv_tokens: Gauge
+    token_decisions: Counter
     scrape_errors: Counter
     scrape_seconds: Histogram
     poll_seconds: Histogram
@@ -52,6 +56,17 @@ def _per_gate(registry: CollectorRegistry) -> dict[str, Any]:
         "decisions": Counter(
             "fleetgate_coordinator_decisions",
             "Controller decisions by reason",
+            ("gate", "reason"),
+            registry=registry,
+        ),
+        "token_target": gauge(
+            "token_target", "Token budget published (gates whose token budget is tuned)"
+        ),
+        "tokens_held": gauge("tokens_held", "Tokens held fleet-wide at the last poll"),
+        "kv_tokens": gauge("kv_tokens", "The KV cache in tokens, as the server states it"),
+        "token_decisions": Counter(
+            "fleetgate_coordinator_token_decisions",
+            "Token budget decisions by reason",
             ("gate", "reason"),
             registry=registry,
         ),

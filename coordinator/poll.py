@@ -112,8 +112,11 @@ class Poll:
         signals = await asyncio.gather(*(self.scrape(g) for g in gates))
         observed = await observing
         in_flight = await self._in_flight(gates)
+        tokens = await self._tokens_held(gates)
         pubs = [
-            self.gates.decide(g, s, in_flight.get(g.name), now, r, self.urls_of(g))
+            self.gates.decide(
+                g, s, in_flight.get(g.name), now, r, self.urls_of(g), tokens.get(g.name)
+            )
             for g, s, r in zip(gates, signals, observed, strict=True)
         ]
         assert self._election is not None
@@ -188,6 +191,19 @@ class Poll:
                 self._failed(f"gate {gate.name}: in-flight unknown", exc)
                 await self.faults.diagnose(exc)
         return counts
+
+    async def _tokens_held(self, gates: tuple[GateConfig, ...]) -> dict[str, int]:
+        """Tokens held fleet-wide per gate whose token budget is tuned (one pipeline); unknown
+        for all of them when a key is broken (their budgets hold this poll)."""
+        tuned = [g for g in gates if g.name in self.gates.tokens]
+        try:
+            return await self.publisher.tokens_held(tuned)
+        except REDIS_ERRORS:
+            raise
+        except Exception as exc:
+            self._failed("tokens held unknown", exc)
+            await self.faults.diagnose(exc)
+            return {}
 
     async def _publish(self, epoch: int, ttl_ms: int, pubs: list[Publication]) -> list[bool | None]:
         """Publish all gates in one pipeline; if one gate's keys are broken, publish the others

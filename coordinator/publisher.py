@@ -20,11 +20,12 @@ from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.registry import read_registry
 from fleetgate.scripts import PRUNED, GateScripts
 from fleetgate.units import EXTRA_FIELD, units_held
-from fleetgate.util_hash import STATE_FIELD, UtilHash
+from fleetgate.util_hash import STATE_FIELD, TOKEN_STATE_FIELD, UtilHash
 
 from .config import GateConfig
 from .control import Observed, Outcome
 from .scrape.signal_struct import Signals
+from .token_tuning import TokenDecision, dump_token_state
 
 __all__ = ["Publication", "Publisher"]
 
@@ -45,13 +46,22 @@ class Publication(msgspec.Struct, frozen=True):
     #: the URLs the poll read (detection may find another path than the configured one);
     #: empty: the gate's configured ``metrics_urls``
     metrics_urls: tuple[str, ...] = ()
+    #: the token budget's decision (None: the gate's budget is not tuned)
+    tokens: TokenDecision | None = None
+    #: the tokens the fleet held at the poll (None: unknown, or not read)
+    tokens_held: int | None = None
 
     def snapshot(self) -> UtilHash:
         """The gate's util snapshot after this poll."""
-        s, d, o = self.signals, self.decision, self.observed
+        s, d, o, t = self.signals, self.decision, self.observed, self.tokens
         outcomes = o.outcomes if o is not None else None
         latency = o is not None and o.latency_driven
         return UtilHash(
+            kv_tokens=s.kv_tokens if s and t else None,
+            tokens_held=self.tokens_held if t else None,
+            token_target=t.budget if t else None,
+            token_reason=t.reason.value if t else None,
+            token_state=dump_token_state(t.state) if t else None,
             running=s.running if s else None,
             waiting_capacity=s.waiting_capacity if s else None,
             kv_cache_usage=s.kv_cache_usage if s else None,
@@ -114,26 +124,46 @@ class Publisher:
             out[g.name] = units_held(int(replies[2 * i]), replies[2 * i + 1])
         return out
 
-    async def stored_states(self, names: Sequence[str]) -> dict[str, tuple[str | None, bool]]:
-        """Per gate, the controller state the previous leader stored (None: none) and whether
-        its last published target has run out (absent, or expired by Redis' clock)."""
+    async def tokens_held(self, gates: Sequence[GateConfig]) -> dict[str, int]:
+        """Tokens held fleet-wide per gate (one pipeline), counted as the scripts count them:
+        expired-but-unreaped leases included, 0 without a holder."""
+        if not gates:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for g in gates:
+            keys = self.keys(g.name)
+            pipe.zcard(keys.holders)
+            pipe.hget(keys.adm, "tok")
+        replies = await pipe.execute()
+        out: dict[str, int] = {}
+        for i, g in enumerate(gates):
+            holders, tok = int(replies[2 * i]), replies[2 * i + 1]
+            out[g.name] = max(0, int(float(tok))) if holders and tok else 0
+        return out
+
+    async def stored_states(
+        self, names: Sequence[str]
+    ) -> dict[str, tuple[str | None, bool, str | None]]:
+        """Per gate, the controller state the previous leader stored (None: none), whether
+        its last published target has run out (absent, or expired by Redis' clock), and the
+        token budget controller's stored state (None: none)."""
         pipe = self.client.pipeline(transaction=False)
         for name in names:
-            pipe.hget(self.keys(name).util, STATE_FIELD)
+            pipe.hmget(self.keys(name).util, [STATE_FIELD, TOKEN_STATE_FIELD])
             pipe.hget(self.keys(name).target, "expires_at")
         raw = await pipe.execute()
         # after the reads (a target read live stays live until then); not in the pipeline:
         # redis-py refuses TIME in a Cluster pipeline
         sec, usec = await self.client.time()
         now_ms = int(sec) * 1000 + int(usec) // 1000
-        out: dict[str, tuple[str | None, bool]] = {}
+        out: dict[str, tuple[str | None, bool, str | None]] = {}
         for i, name in enumerate(names):
-            state, expires_at = raw[2 * i], raw[2 * i + 1]
+            (state, token_state), expires_at = raw[2 * i], raw[2 * i + 1]
             try:
                 lapsed = expires_at is None or float(expires_at) <= now_ms
             except ValueError:
                 lapsed = True
-            out[name] = (state, lapsed)
+            out[name] = (state, lapsed, token_state)
         return out
 
     async def publish(
@@ -162,7 +192,10 @@ class Publisher:
     @staticmethod
     def _payload(p: Publication) -> tuple[int | None, dict[str, int | str], dict[str, str]]:
         target = p.decision.target if p.decision.publish else None
-        return target, p.gate.as_cfg(), p.snapshot().encode(observed=p.observed is not None)
+        cfg: dict[str, int | str] = p.gate.as_cfg()
+        if p.tokens is not None and p.tokens.publish:
+            cfg = {**cfg, "token_target": p.tokens.budget}  # the second target (publish.lua)
+        return target, cfg, p.snapshot().encode(observed=p.observed is not None)
 
     async def registered_gates(self) -> list[str]:
         """The registered gate names, sorted. An entry that is no valid gate name (anyone may

@@ -11,7 +11,9 @@ The text of each kind of field:
 * a gauge or a time: ``repr(float)`` (``"12.0"``), the latencies ``"%.6f"`` seconds; an int
   ``str(int)``; a flag ``"1"``/``"0"``; unknown ``""``;
 * ``metrics_url``: the URLs the poll read, comma-joined; ``state``: the controller state as JSON
-  (the warm-failover state a new leader resumes from).
+  (the warm-failover state a new leader resumes from); ``token_state`` likewise for a gate whose
+  token budget is tuned (the ``token_*``, ``kv_tokens`` and ``tokens_held`` fields are written
+  for those gates only).
 
 A field that does not parse (garbled by hand, written by another version) reads as unknown:
 None, or False for the flags. The client-observed fields (``obs_*``) are written only by a poll
@@ -25,10 +27,12 @@ from typing import Final
 
 import msgspec
 
-__all__ = ["LATENCY_FIELDS", "OBSERVED_FIELDS", "STATE_FIELD", "UtilHash"]
+__all__ = ["LATENCY_FIELDS", "OBSERVED_FIELDS", "STATE_FIELD", "TOKEN_STATE_FIELD", "UtilHash"]
 
 #: the field holding the controller state (read alone at a leader's takeover)
 STATE_FIELD: Final = "state"
+#: the field holding the token budget controller's state (read with it)
+TOKEN_STATE_FIELD: Final = "token_state"
 #: what the callers reported in the last poll
 OBSERVED_FIELDS: Final = ("obs_calls", "obs_overloaded", "obs_timeout")
 #: a latency-driven gate's reading; written with ``signal`` (``"latency"``)
@@ -72,6 +76,14 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
     signal: str | None = None
     latency_p50: float | None = None
     latency_no_load: float | None = None
+    #: a gate whose token budget the coordinator tunes: the KV cache the server states (tokens),
+    #: the tokens the fleet held at the poll, the budget chosen, why, and the controller's state
+    #: (JSON); all None for other gates
+    kv_tokens: float | None = None
+    tokens_held: int | None = None
+    token_target: int | None = None
+    token_reason: str | None = None
+    token_state: str | None = None
 
     def encode(self, *, observed: bool = True) -> dict[str, str]:
         """The hash's fields as text; ``observed`` False leaves out :data:`OBSERVED_FIELDS`,
@@ -96,6 +108,12 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
             "error": _text(self.error),
             STATE_FIELD: _text(self.state),
         }
+        if self.token_target is not None:
+            fields["kv_tokens"] = _float_text(self.kv_tokens)
+            fields["tokens_held"] = _text(self.tokens_held)
+            fields["token_target"] = _text(self.token_target)
+            fields["token_reason"] = _text(self.token_reason)
+            fields[TOKEN_STATE_FIELD] = _text(self.token_state)
         if observed:
             fields["obs_calls"] = _text(self.obs_calls)
             fields["obs_overloaded"] = _text(self.obs_overloaded)
@@ -134,6 +152,11 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
             signal=raw.get("signal") or None,
             latency_p50=_float(raw.get("latency_p50")),
             latency_no_load=_float(raw.get("latency_no_load")),
+            kv_tokens=_float(raw.get("kv_tokens")),
+            tokens_held=_int(raw.get("tokens_held")),
+            token_target=_int(raw.get("token_target")),
+            token_reason=raw.get("token_reason") or None,
+            token_state=raw.get(TOKEN_STATE_FIELD) or None,
         )
 
 

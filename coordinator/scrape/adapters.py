@@ -103,6 +103,7 @@ class GaugeAdapter:
     max_requests: str | None = None
     kv_tokens: str | None = None
     kv_info: tuple[str, str, str] | None = None
+    kv_blocks: tuple[str, str] | None = None
     props_path: str | None = None
     hidden_queue: bool = False
     total_label: str | None = None
@@ -116,6 +117,8 @@ class GaugeAdapter:
             names.add(self.capacity[0])
         if self.kv_info is not None:
             names.add(self.kv_info[0])
+        if self.kv_blocks is not None:
+            names.update(self.kv_blocks)
         object.__setattr__(self, "_wanted", frozenset(names))
 
     @property
@@ -174,7 +177,9 @@ class GaugeAdapter:
                 continue  # a breakdown of the total beside it
             acc = accs.get(key)
             if acc is None:
-                acc = accs[key] = _Acc(use_max=key in self.kv_usage)
+                # fractions and a block's size are the engines' maximum, not their sum
+                per_block = self.kv_blocks is not None and key == self.kv_blocks[1]
+                acc = accs[key] = _Acc(use_max=key in self.kv_usage or per_block)
             if not _valid(s.value):
                 acc.refuse(key, s.value)
                 continue
@@ -203,6 +208,8 @@ class GaugeAdapter:
         stated, tokens = get(self.max_requests), get(self.kv_tokens)
         if self.kv_info is not None:
             tokens = _info_tokens(samples, *self.kv_info)
+        elif self.kv_blocks is not None:
+            tokens = _block_tokens(get(self.kv_blocks[0]), get(self.kv_blocks[1]))
         reported = (kv, preemptions, rejections, stated, tokens)
         errors = [a.bad for a in (running, cap, waiting, *reported) if a.bad]
         return Signals(
@@ -243,6 +250,15 @@ def _info_tokens(samples: list[Sample], metric: str, blocks: str, size: str) -> 
     return acc
 
 
+def _block_tokens(blocks: _Acc, per_block: _Acc) -> _Acc:
+    """KV tokens as blocks (summed over engines) x tokens per block; unknown without both."""
+    acc = _Acc(bad=blocks.bad or per_block.bad)
+    b, t = blocks.value(), per_block.value()
+    if b is not None and t is not None:
+        acc.add("kv blocks x tokens per block", b * t)
+    return acc
+
+
 VLLM = GaugeAdapter(
     server="vllm",
     running="vllm:num_requests_running",
@@ -266,7 +282,12 @@ SGLANG = GaugeAdapter(
     total_label="priority",
 )
 TGI = GaugeAdapter(
-    server="tgi", running="tgi_batch_current_size", waiting="tgi_queue_size", model_label=None
+    server="tgi",
+    running="tgi_batch_current_size",
+    waiting="tgi_queue_size",
+    model_label=None,
+    # set once at warm-up: the tokens a batch may hold (the KV cache TGI sized for itself)
+    kv_tokens="tgi_batch_max_total_tokens",
 )
 TEI = GaugeAdapter(server="tei", running=None, waiting="te_queue_size", model_label=None)
 LLAMACPP = GaugeAdapter(
@@ -285,6 +306,7 @@ TRTLLM = GaugeAdapter(
     shard_labels=frozenset({"pid"}),
     preemptions="trtllm_num_paused_requests",
     max_requests="trtllm_max_num_active_requests",
+    kv_blocks=("trtllm_kv_cache_max_blocks", "trtllm_kv_cache_tokens_per_block"),
     metrics_path="/prometheus/metrics",
 )
 NIM = GaugeAdapter(

@@ -174,7 +174,7 @@ async def test_stored_controller_states_are_read_on_cluster(cluster_rut: RedisUn
     stored = await publisher.stored_states(["live", "lapsed", "none"])
     await client.aclose()
     assert stored == {
-        "live": ('{"target":40}', False),
-        "lapsed": ('{"target":40}', True),
-        "none": (None, True),
+        "live": ('{"target":40}', False, None),
+        "lapsed": ('{"target":40}', True, None),
+        "none": (None, True, None),
     }

@@ -45,6 +45,32 @@ trtllm_max_num_active_requests{engine_type="undefined",model_name="undefined",pi
 # HELP trtllm_num_paused_requests Number of paused requests
 # TYPE trtllm_num_paused_requests gauge
 trtllm_num_paused_requests{engine_type="undefined",model_name="undefined",pid="41"} 0.0
+# HELP trtllm_kv_cache_max_blocks Engine KV cache block capacity
+# TYPE trtllm_kv_cache_max_blocks gauge
+trtllm_kv_cache_max_blocks{engine_type="undefined",model_name="undefined",pid="41"} 1000.0
+trtllm_kv_cache_max_blocks{engine_type="undefined",model_name="undefined",pid="42"} 1000.0
+# HELP trtllm_kv_cache_tokens_per_block Tokens per KV-cache block
+# TYPE trtllm_kv_cache_tokens_per_block gauge
+trtllm_kv_cache_tokens_per_block{engine_type="undefined",model_name="undefined",pid="41"} 64.0
+trtllm_kv_cache_tokens_per_block{engine_type="undefined",model_name="undefined",pid="42"} 64.0
+"""
+
+# TGI 3 (metrics-exporter-prometheus; set at warm-up, backends/v3/src/lib.rs).
+TGI = """\
+# TYPE tgi_batch_current_size gauge
+tgi_batch_current_size 5
+# TYPE tgi_queue_size gauge
+tgi_queue_size 0
+# TYPE tgi_batch_current_max_tokens gauge
+tgi_batch_current_max_tokens 2304
+# TYPE tgi_batch_max_total_tokens gauge
+tgi_batch_max_total_tokens 131072
+"""
+
+# TEI: a queue, no KV cache.
+TEI = """\
+# TYPE te_queue_size gauge
+te_queue_size 3
 """
 
 # vLLM V1: cache_config_info is an info gauge (value 1), the configuration in its labels, one
@@ -105,13 +131,36 @@ def test_stated_request_capacity_per_kind() -> None:
     assert get_adapter("llamacpp").parse(LLAMACPP, None).max_requests is None  # it is in /props
 
 
-def test_kv_cache_tokens_are_read_from_vllm_cache_config_and_sglang() -> None:
-    """vLLM: num_gpu_blocks x block_size of each engine's cache_config_info, summed; SGLang's
-    max_total_num_tokens, once per shard. Reported (for token budgets), not a request count."""
-    assert get_adapter("vllm").parse(VLLM, "m").kv_tokens == 2 * 27000 * 16
-    assert get_adapter("sglang").parse(SGLANG, None).kv_tokens == 480000.0
+@pytest.mark.parametrize(
+    ("kind", "text", "model", "tokens"),
+    [
+        ("vllm", VLLM, "m", 2 * 27000 * 16),  # each engine's blocks x block size, summed
+        ("sglang", SGLANG, None, 480000.0),  # once per shard
+        ("tgi", TGI, None, 131072.0),
+        # the pid series of one process count once: 1,000 blocks of 64 tokens
+        ("trtllm", TRTLLM, None, 1000.0 * 64),
+        ("nim", NIM, None, None),
+        ("llamacpp", LLAMACPP, None, None),
+        ("tei", TEI, None, None),
+    ],
+)
+def test_kv_cache_tokens_per_kind(
+    kind: str, text: str, model: str | None, tokens: float | None
+) -> None:
+    """The KV cache in tokens each kind states (what a gate's token budget is tuned to), from
+    a recorded exposition; unknown for the kinds that state none."""
+    sig = get_adapter(kind).parse(text, model)
+    assert sig.ok and sig.kv_tokens == tokens
+
+
+def test_kv_cache_tokens_are_unknown_until_stated() -> None:
+    """vLLM writes num_gpu_blocks "None" until it has profiled its memory; TensorRT-LLM's
+    blocks without their size are no token count."""
     unprofiled = VLLM.replace('num_gpu_blocks="27000"', 'num_gpu_blocks="None"')
     sig = get_adapter("vllm").parse(unprofiled, "m")
+    assert sig.ok and sig.kv_tokens is None
+    sizeless = "\n".join(ln for ln in TRTLLM.splitlines() if "tokens_per_block" not in ln)
+    sig = get_adapter("trtllm").parse(sizeless, None)
     assert sig.ok and sig.kv_tokens is None
 
 

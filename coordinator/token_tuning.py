@@ -1,0 +1,311 @@
+"""The token budget's controller: one pure step per poll, as the request limit has its AIMD.
+
+A gate with a ``token_limit`` (tokens held at once by all its leases) and a metrics source gets
+its budget tuned from what the server says of its KV cache; the tuned value is published as a
+second target (``publish.lua``'s ``token_target``: the same epoch fence and lifetime as the
+limit's target), and lapses to the configured ``token_limit`` when no leader renews it. No I/O
+and no clock reads here: the caller passes ``now`` (a clock every leader shares) and what it
+observed, so the rule is tested without a server; the state is stored with the gate's util
+snapshot (``token_state``), so a new leader continues where the old one stopped.
+
+The rule, per poll (constants in :class:`TokenParams`; ``docs/aimd.md``, "The token budget"):
+
+``S`` is the capacity the server states, in tokens (vLLM's ``cache_config_info`` blocks x
+block size, SGLang's ``max_total_num_tokens``, TGI's ``tgi_batch_max_total_tokens``,
+TensorRT-LLM's KV blocks x tokens per block), times ``overcommit``; ``L`` the budget learnt at
+the last exhaustion (scaled by how ``S`` moved since); the bound is the smaller of the two
+known, else ``token_max`` (default 4 x ``token_limit``).
+
+1. signals unknown (scrape failed) -> ``hold_unknown``, not re-published (the published budget
+   lapses to ``token_limit``); after ``unknown_reset_polls`` such polls, ``token_limit`` is
+   published once (``reset``).
+2. **exhausted** -- the server preempted (retracted, paused) since the last poll, or its KV
+   usage is at ``kv_full`` while requests wait for capacity -> ``exhausted``: cut to
+   ``decrease`` (0.8) of the smaller of the budget and what the fleet holds, remembered as
+   ``L``; once per drain period (until the fleet holds no more than the cut, or
+   ``drain_polls`` polls), else ``hold_cooldown``. The cut is the only step that lowers the
+   budget below the bound: a stated capacity says how much fits, a preemption that the
+   estimates behind the charges are short.
+3. budget above the bound -> ``capacity``: straight down to it (a stated capacity is a fact).
+4. **near full** -- the fleet holds ``near_full`` (0.8) of the budget or more -- and not
+   exhausted: below the bound -> ``grow``: ``min(2 x budget, bound)``; at a learnt bound with
+   no stated capacity, a ``probe`` of +5 % after ``probe_polls`` clean near-full polls (a
+   capacity that grew without a signal is found); else ``hold_capacity``.
+5. otherwise -> ``hold_idle``.
+
+The budget is always within [``low``, ``high``]: ``low`` is the token ceiling (the largest call
+the configuration admits must fit alone), else 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import msgspec
+
+from fleetgate.errors import ConfigError
+
+__all__ = [
+    "TokenDecision",
+    "TokenParams",
+    "TokenReason",
+    "TokenState",
+    "TokenView",
+    "dump_token_state",
+    "load_token_state",
+    "token_step",
+]
+
+_EPS = 1e-9
+
+
+class TokenReason(str, enum.Enum):
+    """Why a step chose its token budget (the ``reason`` label of the token metrics)."""
+
+    GROW = "grow"
+    CAPACITY = "capacity"
+    EXHAUSTED = "exhausted"
+    PROBE = "probe"
+    HOLD_IDLE = "hold_idle"
+    HOLD_CAPACITY = "hold_capacity"
+    HOLD_COOLDOWN = "hold_cooldown"
+    HOLD_UNKNOWN = "hold_unknown"
+    RESET = "reset"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TokenParams(msgspec.Struct, frozen=True):
+    """Bounds and constants of one gate's token budget. Defaults are the documented rule."""
+
+    #: the configured ``token_limit``: where tuning starts and what the budget lapses to
+    configured: int
+    #: the budget never goes below this (the token ceiling, else 1) ...
+    low: int = 1
+    #: ... nor above this (``token_max``; default 4 x ``configured``)
+    high: int | None = None
+    poll_interval: float = 2.0
+    unknown_reset_polls: int = 3
+    #: an exhaustion cuts to this fraction of the smaller of the budget and the fleet's tokens
+    decrease: float = 0.8
+    #: near full when the fleet holds at least this fraction of the budget
+    near_full: float = 0.8
+    #: KV usage (a fraction) at which a server with requests waiting is exhausted
+    kv_full: float = 0.98
+    #: the budget may reach this multiple of the stated capacity (1: what the cache holds)
+    overcommit: float = 1.0
+    #: a cut is repeated no sooner than this many polls unless the fleet holds no more than it
+    drain_polls: float = 3.0
+    #: clean near-full polls at a learnt bound (no stated capacity) before a probe above it
+    probe_polls: int = 10
+    #: a probe's step, as a fraction of the budget
+    probe: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not (
+            self.configured >= 1
+            and 1 <= self.low
+            and (self.high is None or self.high >= self.low)
+            and self.poll_interval > 0
+            and self.unknown_reset_polls >= 1
+            and 0 < self.decrease < 1
+            and 0 < self.near_full <= 1
+            and 0 < self.kv_full <= 1
+            and self.overcommit > 0
+            and self.drain_polls >= 0
+            and self.probe_polls >= 1
+            and 0 < self.probe <= 1
+        ):
+            raise ConfigError(f"token budget constants out of range: {self!r}")
+
+    @property
+    def bound(self) -> int:
+        """The highest budget: ``high``, else 4 x the configured one (never below ``low``)."""
+        return max(self.low, self.high if self.high is not None else 4 * self.configured)
+
+    def clamp(self, value: float) -> int:
+        """``value`` (rounded down) within [``low``, :attr:`bound`]."""
+        return max(self.low, min(self.bound, math.floor(value + _EPS)))
+
+
+class TokenState(msgspec.Struct, frozen=True):
+    """What the token controller remembers between polls (stored for warm failover). Every field
+    but ``budget`` has a default, so an older or newer state still loads."""
+
+    budget: int
+    #: the budget chosen at the last exhaustion (``L``), None before the first
+    learnt: float | None = None
+    #: the stated capacity when ``L`` was learnt (to scale it when the capacity moves)
+    learnt_stated: float | None = None
+    #: ``now`` of the last cut (shared clock), None before the first
+    last_cut: float | None = None
+    near_full_streak: int = 0
+    unknown_streak: int = 0
+
+    @classmethod
+    def initial(cls, params: TokenParams) -> TokenState:
+        """A fresh controller: at the configured budget."""
+        return cls(budget=params.clamp(params.configured))
+
+
+class TokenView(msgspec.Struct, frozen=True):
+    """One poll's view of a gate's KV cache: the server's signals and the fleet's tokens.
+    ``None`` = unknown, never 0."""
+
+    #: the KV cache in tokens, as the server states it
+    stated: float | None = None
+    #: KV usage, a fraction (1 = full)
+    kv_usage: float | None = None
+    #: requests preempted, retracted, paused or refused since the last poll
+    preempted: float | None = None
+    #: requests waiting for capacity
+    waiting: float | None = None
+    #: tokens the fleet's leases hold
+    held: int | None = None
+    #: the scrape was usable
+    ok: bool = True
+
+
+class TokenDecision(msgspec.Struct, frozen=True):
+    """One step's outcome: publish ``budget`` as the token target when ``publish``."""
+
+    state: TokenState
+    budget: int
+    reason: TokenReason
+    publish: bool
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+def _stated(view: TokenView, p: TokenParams) -> float | None:
+    stated = _finite(view.stated)
+    return stated * p.overcommit if stated is not None and stated >= 1 else None
+
+
+def _learnt(state: TokenState, stated: float | None) -> float | None:
+    """``L``, scaled by how the stated capacity moved since it was learnt."""
+    if state.learnt is None:
+        return None
+    if stated is not None and state.learnt_stated:
+        return state.learnt * stated / state.learnt_stated
+    return state.learnt
+
+
+def _exhausted(view: TokenView, p: TokenParams) -> bool:
+    preempted, usage, waiting = _finite(view.preempted), _finite(view.kv_usage), view.waiting
+    if preempted is not None and preempted > 0:
+        return True
+    return usage is not None and usage >= p.kv_full and waiting is not None and waiting > 0
+
+
+def _may_cut(state: TokenState, view: TokenView, p: TokenParams, now: float) -> bool:
+    """One cut per drain period: it ends when the fleet holds no more than the cut, or after
+    ``drain_polls`` polls (the excess of before the cut leaves only as its calls end)."""
+    if state.last_cut is None or now < state.last_cut:
+        return True
+    if view.held is not None and view.held <= state.budget:
+        return True
+    return now - state.last_cut >= p.drain_polls * p.poll_interval
+
+
+def token_step(
+    state: TokenState, view: TokenView | None, p: TokenParams, now: float
+) -> TokenDecision:
+    """Advance one gate's token budget by one poll (module docstring). Pure."""
+    budget = p.clamp(state.budget)
+    state = msgspec.structs.replace(state, budget=budget)
+    if view is None or not view.ok:
+        return _unknown(state, p)
+    state = msgspec.structs.replace(state, unknown_streak=0)
+    stated = _stated(view, p)
+    if _exhausted(view, p):
+        if not _may_cut(state, view, p, now):
+            new = msgspec.structs.replace(state, near_full_streak=0)
+            return TokenDecision(new, budget, TokenReason.HOLD_COOLDOWN, True)
+        base = min(budget, view.held) if view.held is not None and view.held > 0 else budget
+        cut = p.clamp(min(base * p.decrease, budget - 1))
+        new = msgspec.structs.replace(
+            state,
+            budget=cut,
+            learnt=float(cut),
+            learnt_stated=stated,
+            last_cut=now,
+            near_full_streak=0,
+        )
+        return TokenDecision(new, cut, TokenReason.EXHAUSTED, True)
+    known = [b for b in (stated, _learnt(state, stated)) if b is not None]
+    bound = p.clamp(min(known)) if known else p.bound
+    if budget > bound:
+        new = msgspec.structs.replace(state, budget=bound, near_full_streak=0)
+        return TokenDecision(new, bound, TokenReason.CAPACITY, True)
+    held = view.held
+    if held is None or held < p.near_full * budget:
+        new = msgspec.structs.replace(state, near_full_streak=0)
+        return TokenDecision(new, budget, TokenReason.HOLD_IDLE, True)
+    streak = state.near_full_streak + 1
+    if budget < bound:
+        grown = p.clamp(min(2 * budget, bound))
+        new = msgspec.structs.replace(state, budget=grown, near_full_streak=streak)
+        return TokenDecision(new, grown, TokenReason.GROW, True)
+    if stated is None and state.learnt is not None and streak >= p.probe_polls:
+        probed = p.clamp(budget + max(1.0, budget * p.probe))
+        if probed > budget:
+            # the probe raises the learnt bound with it: a clean probe is proof of room
+            new = msgspec.structs.replace(
+                state, budget=probed, learnt=float(probed), near_full_streak=0
+            )
+            return TokenDecision(new, probed, TokenReason.PROBE, True)
+    new = msgspec.structs.replace(state, near_full_streak=streak)
+    return TokenDecision(new, budget, TokenReason.HOLD_CAPACITY, True)
+
+
+def _unknown(state: TokenState, p: TokenParams) -> TokenDecision:
+    """No usable view: hold unpublished (the published budget lapses); after
+    ``unknown_reset_polls`` such polls, back to the configured budget, published once."""
+    streak = state.unknown_streak + 1
+    if streak >= p.unknown_reset_polls:
+        configured = p.clamp(p.configured)
+        first = streak == p.unknown_reset_polls
+        new = TokenState(
+            budget=configured,
+            learnt=state.learnt,
+            learnt_stated=state.learnt_stated,
+            unknown_streak=streak,
+        )
+        reason = TokenReason.RESET if first else TokenReason.HOLD_UNKNOWN
+        return TokenDecision(new, configured, reason, first and state.budget != configured)
+    new = msgspec.structs.replace(state, unknown_streak=streak, near_full_streak=0)
+    return TokenDecision(new, state.budget, TokenReason.HOLD_UNKNOWN, False)
+
+
+_DECODER = msgspec.json.Decoder(TokenState)
+
+
+def dump_token_state(state: TokenState) -> str:
+    """``state`` as JSON text, for the util snapshot's ``token_state``."""
+    return msgspec.json.encode(state).decode()
+
+
+def load_token_state(
+    data: bytes | str | None, params: TokenParams, *, lapsed: bool = False
+) -> TokenState:
+    """The stored state, clamped to ``params``; a fresh one if absent or unreadable. ``lapsed``:
+    the last published target ran out (no leader for longer than its lifetime): the budget in
+    force is the configured one again, so the state continues from there, its learning kept."""
+    if not data:
+        return TokenState.initial(params)
+    try:
+        state = _DECODER.decode(data)
+    except msgspec.DecodeError:
+        return TokenState.initial(params)
+    if lapsed:
+        return TokenState(
+            budget=params.clamp(params.configured),
+            learnt=state.learnt,
+            learnt_stated=state.learnt_stated,
+        )
+    return msgspec.structs.replace(state, budget=params.clamp(state.budget))

@@ -1,0 +1,140 @@
+"""The token budget's rule (coordinator/token_tuning.py), pure: state and view in, budget out."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from fleetgate.coordinator.token_tuning import (
+    TokenParams,
+    TokenReason,
+    TokenState,
+    TokenView,
+    dump_token_state,
+    load_token_state,
+    token_step,
+)
+from fleetgate.errors import ConfigError
+
+CAPACITY = 16_384
+
+
+def run(
+    p: TokenParams, state: TokenState, polls: int, view_of: object, start: float = 0.0
+) -> list[int]:
+    """The budgets of ``polls`` polls; ``view_of(budget)`` is what each poll sees."""
+    budgets = []
+    for i in range(polls):
+        view = view_of(state.budget)  # type: ignore[operator]
+        d = token_step(state, view, p, start + i * p.poll_interval)
+        state = d.state
+        budgets.append(d.budget)
+    return budgets
+
+
+def busy(budget: int) -> TokenView:
+    """A fleet that fills its budget; the server states its cache and preempts nothing."""
+    return TokenView(stated=CAPACITY, kv_usage=0.5, preempted=0, waiting=0, held=budget)
+
+
+@pytest.mark.parametrize("start", [CAPACITY // 4, 4 * CAPACITY])
+def test_the_budget_reaches_the_stated_capacity_from_either_side(start: int) -> None:
+    p = TokenParams(configured=start)
+    budgets = run(p, TokenState.initial(p), 8, busy)
+    first = next(i for i, b in enumerate(budgets) if abs(b - CAPACITY) <= 0.1 * CAPACITY)
+    assert first <= 2 and budgets[-1] == CAPACITY
+    assert all(b <= max(start, CAPACITY) for b in budgets)
+
+
+def test_a_too_large_budget_is_cut_to_the_capacity_even_when_idle() -> None:
+    p = TokenParams(configured=4 * CAPACITY)
+    d = token_step(TokenState.initial(p), TokenView(stated=CAPACITY, held=0), p, 0.0)
+    assert (d.budget, d.reason, d.publish) == (CAPACITY, TokenReason.CAPACITY, True)
+
+
+def test_an_idle_budget_holds_and_is_renewed() -> None:
+    p = TokenParams(configured=CAPACITY // 4)
+    d = token_step(TokenState.initial(p), TokenView(stated=CAPACITY, held=100), p, 0.0)
+    assert (d.budget, d.reason, d.publish) == (CAPACITY // 4, TokenReason.HOLD_IDLE, True)
+
+
+def test_a_preemption_cuts_below_what_the_fleet_holds_and_is_remembered() -> None:
+    p = TokenParams(configured=CAPACITY)
+    s = TokenState.initial(p)
+    d = token_step(s, TokenView(stated=CAPACITY, preempted=3, held=15_000), p, 0.0)
+    assert d.reason is TokenReason.EXHAUSTED and d.budget == int(15_000 * 0.8)
+    # growth stops at the learnt level although the server states more
+    budgets = run(p, d.state, 5, busy, start=10.0)
+    assert budgets == [d.budget] * 5
+    # ... until the stated capacity moves: the learnt level scales with it
+    grown = lambda b: msgspec.structs.replace(busy(b), stated=2 * CAPACITY)  # noqa: E731
+    doubled = run(p, d.state, 2, grown, start=10.0)
+    assert doubled[-1] == 2 * d.budget
+
+
+def test_kv_exhaustion_with_requests_waiting_cuts_too() -> None:
+    p = TokenParams(configured=CAPACITY)
+    full = TokenView(stated=CAPACITY, kv_usage=0.99, waiting=2, held=CAPACITY)
+    assert token_step(TokenState.initial(p), full, p, 0.0).reason is TokenReason.EXHAUSTED
+    full_no_queue = TokenView(stated=CAPACITY, kv_usage=0.99, waiting=0, held=CAPACITY)
+    d = token_step(TokenState.initial(p), full_no_queue, p, 0.0)
+    assert d.reason is not TokenReason.EXHAUSTED
+
+
+def test_one_cut_per_drain_period() -> None:
+    p = TokenParams(configured=CAPACITY, poll_interval=1.0)
+    view = TokenView(stated=CAPACITY, preempted=1, held=CAPACITY)
+    first = token_step(TokenState.initial(p), view, p, 0.0)
+    second = token_step(first.state, view, p, 1.0)  # the excess is still held
+    assert second.reason is TokenReason.HOLD_COOLDOWN and second.budget == first.budget
+    drained = TokenView(stated=CAPACITY, preempted=1, held=first.budget - 1)
+    assert token_step(first.state, drained, p, 1.0).reason is TokenReason.EXHAUSTED
+    assert token_step(first.state, view, p, 3.0).reason is TokenReason.EXHAUSTED
+
+
+def test_without_a_stated_capacity_it_grows_to_token_max_and_probes_after_a_cut() -> None:
+    p = TokenParams(configured=1000, high=3000, probe_polls=3)
+    no_stated = lambda b: TokenView(kv_usage=0.5, preempted=0, waiting=0, held=b)  # noqa: E731
+    assert run(p, TokenState.initial(p), 3, no_stated) == [2000, 3000, 3000]
+    cut = token_step(TokenState(budget=3000), TokenView(preempted=1, held=3000), p, 0.0)
+    budgets = run(p, cut.state, 4, no_stated, start=10.0)
+    assert budgets[:2] == [2400, 2400] and budgets[2] == 2520  # +5 % after 3 clean polls
+
+
+def test_bounds_hold_the_token_ceiling_and_token_max() -> None:
+    p = TokenParams(configured=1000, low=800, high=1200)
+    d = token_step(TokenState.initial(p), TokenView(preempted=5, held=500), p, 0.0)
+    assert d.budget == 800  # the largest call the configuration admits still fits
+    assert run(p, TokenState.initial(p), 3, lambda b: TokenView(held=b)) == [1200] * 3
+
+
+def test_unknown_polls_hold_unpublished_then_reset_to_the_configured_budget_once() -> None:
+    p = TokenParams(configured=1000, unknown_reset_polls=3)
+    s = TokenState(budget=4000, learnt=4000.0)
+    out = []
+    for i in range(4):
+        d = token_step(s, TokenView(ok=False), p, float(i))
+        s = d.state
+        out.append((d.budget, d.reason, d.publish))
+    assert out == [
+        (4000, TokenReason.HOLD_UNKNOWN, False),
+        (4000, TokenReason.HOLD_UNKNOWN, False),
+        (1000, TokenReason.RESET, True),
+        (1000, TokenReason.HOLD_UNKNOWN, False),
+    ]
+    assert s.learnt == 4000.0  # what was learnt is kept
+
+
+def test_stored_state_round_trips_and_garbage_starts_fresh() -> None:
+    p = TokenParams(configured=1000)
+    s = TokenState(budget=3000, learnt=2500.0, learnt_stated=16384.0, last_cut=12.5)
+    assert load_token_state(dump_token_state(s), p) == s
+    assert load_token_state("{not json", p) == TokenState.initial(p)
+    assert load_token_state(None, p) == TokenState.initial(p)
+    lapsed = load_token_state(dump_token_state(s), p, lapsed=True)
+    assert (lapsed.budget, lapsed.learnt) == (1000, 2500.0)
+
+
+def test_constants_out_of_range_are_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="token budget constants"):
+        TokenParams(configured=1000, low=2000, high=1500)
