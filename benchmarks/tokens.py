@@ -19,11 +19,22 @@ out, a quarter of the cache). Every call sits inside a permit of one gate; one g
   reporting the tokens its answer's ``usage`` says it used (``lease.report(tokens=...)``).
   Tenants share it by tokens (3:1).
 
+* **tuned token budgets** (issue "token budgets that tune themselves"): the token budget way, but
+  the gate's ``token_limit`` starts 4x too small and 4x too large, and an in-process coordinator
+  (polling every second) tunes it from the simulator's ``vllm:cache_config_info`` and
+  preemptions (``docs/aimd.md``, "The token budget"); ``token_ceiling`` 4x the cache, so no
+  call is refused while the budget is too small. Compared with the best **static budget** of a
+  sweep (0.5-1.25x the cache) in the same run, each led by the same coordinator with
+  ``tune_tokens = false`` (the same poll beside the callers, only the tuning differs); the
+  static and tuned ways alternate, so a change of the machine's load falls on both.
+
 Figures per way over a window after a warm-up: goodput (prompt + output tokens of the calls
 completed per second), the simulator's preemptions in the window, each tenant's share of the
 tokens completed (target: within 10 % of its weight's share, 0.75 / 0.25), and for the token
 budget the estimate error the gate learnt (``gate.snapshot().token_usage``: 1 - tokens used
-per token charged). Goals: goodput >= 1.2 x the best request-only cap, 0 preemptions. Part of
+per token charged). Goals: goodput >= 1.2 x the best request-only cap, 0 preemptions; tuned
+from either side: within 10 % of the stated cache in <= 8 polls, 0 preemptions in the window
+(steady state), goodput >= 0.97 x the best static budget. Part of
 the goodput comes from the shares themselves: by tokens, the chat tenant gets three quarters
 of the cache, and short calls complete more tokens per KV token held than long ones.
 """
@@ -31,6 +42,7 @@ of the cache, and short calls complete more tokens per KV token held than long o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,7 +51,8 @@ from typing import Any
 import httpx
 
 from ._common import Flavor, Headline, Options, figure, log, open_fleet, save, table
-from ._server import private_redis
+from ._server import PREFIX, private_redis
+from ._tokens_tuned import POLL, converged_at, tuned_coordinator
 from .burst import sim_process
 
 NAME = "tokens"
@@ -50,9 +63,12 @@ KIND_OF = {"a": "chat", "b": "long"}
 TENANTS = {"a": 3, "b": 1}
 CALLERS = 48  # per tenant
 GOODPUT_TARGET, SHARE_TOLERANCE = 1.2, 0.10
-#: token budgets tried, as multiples of the cache: 1x never overcommits it; above 1x it counts
-#: on calls holding less than their peak most of the time (the headline is the 1x budget)
-BUDGETS = (1.0,)
+#: static token budgets tried, as multiples of the cache: 1x never overcommits it; above 1x it
+#: counts on calls holding less than their peak most of the time (the headline is the 1x budget)
+BUDGETS, QUICK_BUDGETS = (0.5, 0.75, 1.0, 1.25), (0.5, 1.0)
+#: where the tuned ways' token_limit starts, as multiples of the cache
+TUNED_FROM = (0.25, 4.0)
+TUNED_GOODPUT, TUNED_POLLS = 0.97, 8
 
 
 def prompt_text(tokens: int) -> str:
@@ -73,7 +89,10 @@ class Way:
 
     label: str
     cap: int | None  # request-only cap, or None for a token budget
-    budget: int = KV_TOKENS  # the token budget (with cap None)
+    budget: int = KV_TOKENS  # the token budget (with cap None): where a tuned one starts
+    tuned: bool = False  # the coordinator tunes the budget
+    led: bool = False  # a coordinator leads the gate (tuning or not)
+    polls: list[dict[str, Any]] = field(default_factory=list)  # its decisions
     done: list[tuple[float, str, int]] = field(default_factory=list)  # (time, tenant, tokens)
     preemptions: int = 0
     window: float = 0.0
@@ -97,13 +116,20 @@ async def _run_way(
         settings |= {"floor": SLOTS, "token_limit": way.budget}
     else:
         settings |= {"floor": way.cap, "ceiling": way.cap}
+    if way.led:
+        settings["token_ceiling"] = 4 * KV_TOKENS
     stop_at = time.monotonic() + warm + window
     start = time.monotonic() + warm
     limits = httpx.Limits(max_connections=2 * CALLERS * len(TENANTS))
-    async with (
-        open_fleet(url, flavor) as fleet,
-        httpx.AsyncClient(base_url=sim_url, limits=limits, timeout=120) as http,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        if way.led:
+            way.polls = await stack.enter_async_context(
+                tuned_coordinator(url, PREFIX, sim_url, name, settings, TENANTS, tune=way.tuned)
+            )
+        fleet = await stack.enter_async_context(open_fleet(url, flavor))
+        http = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=sim_url, limits=limits, timeout=120)
+        )
         gate = fleet.gate(name, **settings)
         prompts = {kind: (prompt_text(p), out) for kind, (p, out) in KINDS.items()}
 
@@ -142,22 +168,36 @@ def run(opts: Options) -> list[Headline]:
     caps = opts.pick([6, 8, 12, 16, 24, 32, 48], [8, 16, 32])
     warm, window = opts.pick((5.0, 40.0), (3.0, 15.0))
     ways = [Way(f"cap{n}", n) for n in caps]
-    ways += [Way(f"budget{f:g}x", None, round(f * KV_TOKENS)) for f in BUDGETS]
+    static = [
+        Way(f"budget{f:g}x", None, round(f * KV_TOKENS), led=True)
+        for f in opts.pick(BUDGETS, QUICK_BUDGETS)
+    ]
+    tuned = [
+        Way(f"tuned{f:g}x", None, round(f * KV_TOKENS), tuned=True, led=True) for f in TUNED_FROM
+    ]
+    # alternate: the 1x budget, a tuned way, the rest of the sweep, the other tuned way
+    one = next(w for w in static if w.budget == KV_TOKENS)
+    ways += [one, tuned[0], *(w for w in static if w is not one), tuned[1]]
     sim_args = ["--capacity", str(SLOTS), "--kv-tokens", str(KV_TOKENS)]
     sim_args += ["--block-size", str(BLOCK), "--ms-per-token", str(MS_PER_TOKEN)]
     sim_args += ["--prefill-ms-per-token", str(PREFILL_MS_PER_TOKEN)]
     with private_redis() as rp, sim_process("vllm", *sim_args) as sim:
         for way in ways:
-            log(f"{NAME}: {way.label} ({warm:.0f} s warm-up, {window:.0f} s window)")
-            opts.flavor.run(_run_way(rp.url, sim.url, way, warm, window, opts.flavor))
+            # a tuned way's warm-up holds its convergence (<= 8 polls) and a drain period
+            w = max(warm, (TUNED_POLLS + 3) * POLL) if way.tuned else warm
+            log(f"{NAME}: {way.label} ({w:.0f} s warm-up, {window:.0f} s window)")
+            opts.flavor.run(_run_way(rp.url, sim.url, way, w, window, opts.flavor))
         return _report(opts, rp.url, ways)
 
 
 def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
     static = [w for w in ways if w.cap is not None]
     best = max(static, key=Way.goodput)
-    budget = next(w for w in ways if w.cap is None)
+    budgets = [w for w in ways if w.cap is None and not w.tuned]
+    budget = next(w for w in budgets if w.budget == KV_TOKENS)
     ratio = budget.goodput() / best.goodput() if best.goodput() else 0.0
+    best_budget = max(budgets, key=Way.goodput)
+    tuned = [w for w in ways if w.tuned]
     weight_share = {t: w / sum(TENANTS.values()) for t, w in TENANTS.items()}
     rows = [
         (
@@ -180,6 +220,12 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
         + ", ".join(f"{t or 'default'} {e:.1%}" for t, e in sorted(errors.items()))
     )
     share_ok = all(abs(budget.share(t) - s) <= SHARE_TOLERANCE * s for t, s in weight_share.items())
+    tuned_rows, tuned_data = _tuned_figures(tuned, best_budget)
+    text += "\n\n" + table(
+        ("tuned from", "within 10 % at poll", "budget at the end", "preemptions", "vs best budget"),
+        tuned_rows,
+    )
+    text += f"\nbest static token budget: {best_budget.label}"
     data = {
         "kv_tokens": KV_TOKENS,
         "block_size": BLOCK,
@@ -205,8 +251,10 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
         "best_cap": best.label,
         "budget_vs_best_cap": ratio,
         "estimate_error": errors,
+        "best_static_budget": best_budget.label,
+        "tuned": tuned_data,
     }
-    fig, ax = figure(2)
+    fig, ax = figure(3)
     labels = [w.label for w in ways]
     colors = ["C0"] * len(static) + ["C2"] * (len(ways) - len(static))
     ax[0][0].bar(labels, [w.goodput() for w in ways], color=colors)
@@ -215,8 +263,17 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
     ax[0][1].bar(labels, [w.preemptions for w in ways], color=colors)
     ax[0][1].set_ylabel("preemptions in the window")
     ax[0][1].set_title(f"KV cache {KV_TOKENS:,} tokens, {SLOTS} slots")
+    for w in tuned:
+        ax[0][2].plot([p["budget"] for p in w.polls], marker=".", label=w.label)
+    ax[0][2].axhline(KV_TOKENS, color="grey", linestyle="--", label="stated KV cache")
+    ax[0][2].set_yscale("log", base=2)
+    ax[0][2].set_xlabel(f"poll ({POLL:g} s)")
+    ax[0][2].set_ylabel("token budget published")
+    ax[0][2].set_title("the coordinator tuning the budget")
+    ax[0][2].legend()
     save(NAME, opts, url, data, text, fig)
     return [
+        *_tuned_headlines(tuned_data),
         Headline(
             NAME,
             "goodput: token budget / best request-only cap",
@@ -237,5 +294,50 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
             f"{budget.share('a'):.3f}",
             f"0.75 +- {SHARE_TOLERANCE:.0%}",
             share_ok,
+        ),
+    ]
+
+
+def _tuned_figures(
+    tuned: list[Way], best_budget: Way
+) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+    """Per tuned way: the poll from which its budget stays within 10 % of the stated cache, its
+    preemptions in the window (steady state) and its goodput against the best static budget."""
+    rows, data = [], {}
+    for w in tuned:
+        at = converged_at(w.polls, KV_TOKENS)
+        vs = w.goodput() / best_budget.goodput() if best_budget.goodput() else 0.0
+        end = w.polls[-1]["budget"] if w.polls else None
+        rows.append((w.label, at if at is not None else "never", end, w.preemptions, f"{vs:.3f}"))
+        data[w.label] = {
+            "start": w.budget,
+            "converged_at_poll": at,
+            "vs_best_static_budget": vs,
+            "preemptions": w.preemptions,
+            "polls": w.polls,
+        }
+    return rows, data
+
+
+def _tuned_headlines(data: dict[str, Any]) -> list[Headline]:
+    polls = [d["converged_at_poll"] for d in data.values()]
+    worst = max((p if p is not None else 10**9 for p in polls), default=10**9)
+    vs = min((d["vs_best_static_budget"] for d in data.values()), default=0.0)
+    pre = sum(d["preemptions"] for d in data.values())
+    return [
+        Headline(
+            NAME,
+            "tuned budget within 10 % of the cache, from 0.25x and 4x: at poll (worst)",
+            str(worst) if worst < 10**9 else "never",
+            f"<= {TUNED_POLLS}",
+            worst <= TUNED_POLLS,
+        ),
+        Headline(NAME, "preemptions in steady state, tuned (both)", str(pre), "0", pre == 0),
+        Headline(
+            NAME,
+            "goodput: tuned / best static budget (worse of both)",
+            f"{vs:.3f}",
+            f">= {TUNED_GOODPUT}",
+            vs >= TUNED_GOODPUT,
         ),
     ]

@@ -9,7 +9,7 @@ Shape (see ``example.toml`` next to this module for every key with its default):
                    max_queued_per_tenant, shed_below, tenant_weights (a table name -> int),
                    token_limit, token_ceiling, deadline_admission (true, false, "start"
                    or "finish"), band_share (a table priority -> fraction of the limit),
-                   revoke_after (seconds), tune_tokens, token_max,
+                   revoke_after (seconds), tune_tokens,
                    base_url | metrics_url (a string or a list, one per replica), model_name, server,
                    signal
 
@@ -24,8 +24,9 @@ else "every model on that endpoint" (logged once), because the served model name
 from the gate name and most servers serve one model. ``server`` names the server kind (default
 ``auto``: detected from the exposition); see ``docs/servers.md``. A gate with a ``token_limit``
 and a metrics source has its token budget tuned from the KV cache its server states and its
-preemptions (``tune_tokens``, default true; ``token_max`` bounds it where the server states no
-capacity, default 4 x ``token_limit``; ``docs/aimd.md``, "The token budget").
+preemptions (``tune_tokens``, default true), never above its ``token_ceiling`` (default: the
+``token_limit``, so without a ceiling the budget is only ever cut; ``docs/aimd.md``, "The token
+budget").
 
 Environment overrides, applied on top of the file (an empty value counts as unset):
 
@@ -74,7 +75,6 @@ from fleetgate.settings import (
     DEFAULT_CEILING,
     Floor,
     GateSettings,
-    TokenLimit,
     check_ceiling,
     check_tokens,
 )
@@ -199,21 +199,11 @@ class GateConfig(GateSettings, frozen=True, forbid_unknown_fields=True, kw_only=
     #: metrics source; the configured ``token_limit`` is where tuning starts and what the budget
     #: lapses to without a leader)
     tune_tokens: bool = True
-    #: the tuned token budget's upper bound (default: the capacity the server states, else
-    #: 4 x ``token_limit``)
-    token_max: TokenLimit | None = None
 
     def __post_init__(self) -> None:
         checked("name", validate_gate_name, self.name)
         check_ceiling(self.floor, self.ceiling)
         check_tokens(self.token_limit, self.token_ceiling)
-        if self.token_max is not None and (
-            self.token_limit is None or self.token_max < self.token_limit
-        ):
-            raise ConfigError(
-                f"token_max: {self.token_max} needs a token_limit at or below it "
-                f"(token_limit = {self.token_limit})"
-            )
         # The errors name the entry: tenant_weights['a b{']: tenant 'a b{' contains '{': ...
         msgspec.structs.force_setattr(
             self, "tenant_weights", validate_tenant_weights(self.tenant_weights)

@@ -32,8 +32,7 @@ def token_control_for(gate: GateConfig, settings: CoordinatorSettings) -> TokenC
         return None
     params = TokenParams(
         configured=gate.token_limit,
-        low=gate.token_ceiling or 1,
-        high=gate.token_max,
+        high=gate.token_ceiling or gate.token_limit,
         poll_interval=settings.poll_interval,
         unknown_reset_polls=settings.target_ttl_polls,
     )

@@ -14,27 +14,35 @@ The rule, per poll (constants in :class:`TokenParams`; ``docs/aimd.md``, "The to
 block size, SGLang's ``max_total_num_tokens``, TGI's ``tgi_batch_max_total_tokens``,
 TensorRT-LLM's KV blocks x tokens per block), times ``overcommit``; ``L`` the budget learnt at
 the last exhaustion (scaled by how ``S`` moved since); the bound is the smaller of the two
-known, else ``token_max`` (default 4 x ``token_limit``).
+known, never above ``high`` (the gate's ``token_ceiling``, else its ``token_limit``: as the
+request limit's target never passes the ceiling; the scripts clamp a published budget to it too).
 
 1. signals unknown (scrape failed) -> ``hold_unknown``, not re-published (the published budget
    lapses to ``token_limit``); after ``unknown_reset_polls`` such polls, ``token_limit`` is
    published once (``reset``).
-2. **exhausted** -- the server preempted (retracted, paused) since the last poll, or its KV
+2. budget above ``S`` -> ``capacity``: straight down to it, even on a poll that saw
+   preemptions (they are the budget's excess, not a short estimate: nothing is learnt); the
+   drain period starts, as after a cut.
+3. **exhausted** -- the server preempted (retracted, paused) since the last poll, or its KV
    usage is at ``kv_full`` while requests wait for capacity -> ``exhausted``: cut to
    ``decrease`` (0.8) of the smaller of the budget and what the fleet holds, remembered as
-   ``L``; once per drain period (until the fleet holds no more than the cut, or
-   ``drain_polls`` polls), else ``hold_cooldown``. The cut is the only step that lowers the
+   ``L``; only while the fleet holds no more than the budget (more is the excess of before a
+   cut or a capacity step, draining: ``hold_cooldown``; with its tokens unknown, once per
+   ``drain_polls`` polls). The cut is the only step that lowers the
    budget below the bound: a stated capacity says how much fits, a preemption that the
    estimates behind the charges are short.
-3. budget above the bound -> ``capacity``: straight down to it (a stated capacity is a fact).
-4. **near full** -- the fleet holds ``near_full`` (0.8) of the budget or more -- and not
+4. budget above the bound (``L``, or ``high``) -> ``capacity``: down to it.
+5. **near full** -- the fleet holds ``near_full`` (0.8) of the budget or more -- and not
    exhausted: below the bound -> ``grow``: ``min(2 x budget, bound)``; at a learnt bound with
    no stated capacity, a ``probe`` of +5 % after ``probe_polls`` clean near-full polls (a
    capacity that grew without a signal is found); else ``hold_capacity``.
-5. otherwise -> ``hold_idle``.
+6. otherwise -> ``hold_idle``.
 
-The budget is always within [``low``, ``high``]: ``low`` is the token ceiling (the largest call
-the configuration admits must fit alone), else 1.
+The budget is always within [``low``, ``high``] (``low`` 1 by default). It never lowers the
+token ceiling (the configuration's: a call it admits is not refused because the budget was
+tuned down); a call heavier than the tuned budget waits until the budget has room for it. A
+gate whose budget starts below its largest calls needs a ``token_ceiling`` that admits them,
+else they are refused before the first tuned budget is published.
 """
 
 from __future__ import annotations
@@ -82,9 +90,9 @@ class TokenParams(msgspec.Struct, frozen=True):
 
     #: the configured ``token_limit``: where tuning starts and what the budget lapses to
     configured: int
-    #: the budget never goes below this (the token ceiling, else 1) ...
+    #: the budget never goes below this ...
     low: int = 1
-    #: ... nor above this (``token_max``; default 4 x ``configured``)
+    #: ... nor above this (the token ceiling; None: ``configured``)
     high: int | None = None
     poll_interval: float = 2.0
     unknown_reset_polls: int = 3
@@ -96,7 +104,7 @@ class TokenParams(msgspec.Struct, frozen=True):
     kv_full: float = 0.98
     #: the budget may reach this multiple of the stated capacity (1: what the cache holds)
     overcommit: float = 1.0
-    #: a cut is repeated no sooner than this many polls unless the fleet holds no more than it
+    #: with the fleet's tokens unknown, a cut is repeated no sooner than this many polls
     drain_polls: float = 3.0
     #: clean near-full polls at a learnt bound (no stated capacity) before a probe above it
     probe_polls: int = 10
@@ -122,8 +130,8 @@ class TokenParams(msgspec.Struct, frozen=True):
 
     @property
     def bound(self) -> int:
-        """The highest budget: ``high``, else 4 x the configured one (never below ``low``)."""
-        return max(self.low, self.high if self.high is not None else 4 * self.configured)
+        """The highest budget: ``high``, else the configured one (never below ``low``)."""
+        return max(self.low, self.high if self.high is not None else self.configured)
 
     def clamp(self, value: float) -> int:
         """``value`` (rounded down) within [``low``, :attr:`bound`]."""
@@ -203,11 +211,13 @@ def _exhausted(view: TokenView, p: TokenParams) -> bool:
 
 
 def _may_cut(state: TokenState, view: TokenView, p: TokenParams, now: float) -> bool:
-    """One cut per drain period: it ends when the fleet holds no more than the cut, or after
-    ``drain_polls`` polls (the excess of before the cut leaves only as its calls end)."""
+    """Cut only when the fleet holds no more than the budget: while it holds more (the excess of
+    before a cut, whose leases end only as their calls do) a preemption is that excess, and a
+    lower budget relieves nothing until it has drained. With the fleet's tokens unknown, one
+    cut per ``drain_polls`` polls."""
+    if view.held is not None:
+        return view.held <= state.budget
     if state.last_cut is None or now < state.last_cut:
-        return True
-    if view.held is not None and view.held <= state.budget:
         return True
     return now - state.last_cut >= p.drain_polls * p.poll_interval
 
@@ -222,6 +232,14 @@ def token_step(
         return _unknown(state, p)
     state = msgspec.structs.replace(state, unknown_streak=0)
     stated = _stated(view, p)
+    if stated is not None and budget > p.clamp(stated):
+        # Above what the cache holds: straight down to it, whatever else this poll saw. A
+        # preemption now is the budget's excess, not a short estimate: nothing is learnt, and
+        # the drain period starts (the excess leaves only as its calls end).
+        new = msgspec.structs.replace(
+            state, budget=p.clamp(stated), last_cut=now, near_full_streak=0
+        )
+        return TokenDecision(new, new.budget, TokenReason.CAPACITY, True)
     if _exhausted(view, p):
         if not _may_cut(state, view, p, now):
             new = msgspec.structs.replace(state, near_full_streak=0)
@@ -240,7 +258,7 @@ def token_step(
     known = [b for b in (stated, _learnt(state, stated)) if b is not None]
     bound = p.clamp(min(known)) if known else p.bound
     if budget > bound:
-        new = msgspec.structs.replace(state, budget=bound, near_full_streak=0)
+        new = msgspec.structs.replace(state, budget=bound, last_cut=now, near_full_streak=0)
         return TokenDecision(new, bound, TokenReason.CAPACITY, True)
     held = view.held
     if held is None or held < p.near_full * budget:

@@ -87,6 +87,11 @@ class GateStatus(msgspec.Struct, kw_only=True):
     #: the token budget in force (None: none) and the tokens held
     token_limit: int | None = None
     tokens: int = 0
+    #: the budget in force is the coordinator's tuned one (its reason at the last poll, and
+    #: the KV cache the server states, in tokens; None: unknown)
+    token_tuned: bool = False
+    token_reason: str | None = None
+    kv_tokens: float | None = None
     #: the schema of the gate's state (``fg:{G}:cfg`` field ``schema``; 0: no configuration yet)
     schema: int = 0
     max_queued_per_tenant: int = 0
@@ -191,6 +196,9 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         units=snap.units,
         token_limit=snap.token_limit,
         tokens=snap.tokens,
+        token_tuned=snap.token_tuned,
+        token_reason=util.token_reason,
+        kv_tokens=util.kv_tokens,
         schema=_int(snap.cfg.get("schema")) or 0,
         max_queued_per_tenant=snap.max_queued_per_tenant,
         shed_below=snap.shed_below,
@@ -269,7 +277,7 @@ def format_status(status: FleetStatus, now: float) -> str:
             f"{g.server or '-':<8} {g.schema or '-':>6}"
         )
         if g.token_limit is not None:
-            lines.append(f"  tokens held: {g.tokens}/{g.token_limit}")
+            lines.append(f"  tokens held: {g.tokens}/{g.token_limit}{_tuned(g)}")
         lines.extend(_observed_lines(g))
         lines.extend(_queue_lines(g))
     if not status.gates:
@@ -279,6 +287,14 @@ def format_status(status: FleetStatus, now: float) -> str:
         more = f" (+{len(status.invalid_gates) - 5} more)" if len(status.invalid_gates) > 5 else ""
         lines.append(f"skipped invalid registry entries: {shown}{more}")
     return "\n".join(lines)
+
+
+def _tuned(g: GateStatus) -> str:
+    """How the token budget in force came about: tuned (why, and the KV cache stated)."""
+    if not g.token_tuned:
+        return ""
+    kv = f", server's KV cache {g.kv_tokens:,.0f}" if g.kv_tokens is not None else ""
+    return f" (tuned: {g.token_reason or '-'}{kv})"
 
 
 def _ms(seconds: float | None) -> str:

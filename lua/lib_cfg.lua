@@ -34,17 +34,18 @@ CFG_READ[N_SETTINGS + 4] = 'token_target_until'
 -- limit a grant), and cfg.token_ceiling, the most tokens one call may ask (never below the
 -- budget; nil without a budget). A token ceiling without a budget is no budget. tuned: the
 -- coordinator's live token target (nil: none, or lapsed): it replaces the configured budget
--- while it lives, never the ceiling (a call the configuration admits is never refused because
--- the budget was tuned down: it waits until the budget has room for it).
+-- while it lives, up to the ceiling (as the limit's target stops at the ceiling), and never
+-- moves the ceiling (a call the configuration admits is never refused because the budget was
+-- tuned down: it waits until the budget has room for it).
 local function token_budget(cfg, limit, ceiling, tuned)
   if limit == nil or limit < 1 then return end
   limit = math.floor(limit)
+  cfg.token_ceiling = math.max(limit, math.floor(ceiling or limit))
   cfg.tlim = limit
   if tuned and tuned >= 1 then
-    cfg.tlim = math.floor(tuned)
+    cfg.tlim = math.min(math.floor(tuned), cfg.token_ceiling)
     cfg.token_tuned = true
   end
-  cfg.token_ceiling = math.max(cfg.tlim, math.floor(ceiling or limit))
 end
 
 -- Band shares (docs/admission.md "Headroom between bands"), as fleetgate.settings encodes them:

@@ -15,6 +15,11 @@ class StubValues:
     running: float = 0.0
     waiting_capacity: float = 0.0
     model: str = "stub-model"
+    #: the KV cache the engine states (cache_config_info), in blocks of ``block_size`` tokens
+    #: (None: not stated), and its preemptions counter (None: not exported)
+    kv_blocks: int | None = None
+    block_size: int = 16
+    preemptions: float | None = None
 
 
 def exposition(v: StubValues) -> str:
@@ -30,7 +35,24 @@ def exposition(v: StubValues) -> str:
         "# TYPE vllm:num_requests_waiting_by_reason gauge\n"
         f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {v.waiting_capacity}\n'
         f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 0.0\n'
+        + _kv_lines(v, labels)
     )
+
+
+def _kv_lines(v: StubValues, labels: str) -> str:
+    text = ""
+    if v.kv_blocks is not None:
+        text += (
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{v.block_size}",engine="0",'
+            f'num_gpu_blocks="{v.kv_blocks}"}} 1.0\n'
+        )
+    if v.preemptions is not None:
+        text += (
+            "# TYPE vllm:num_preemptions_total counter\n"
+            f"vllm:num_preemptions_total{{{labels}}} {v.preemptions}\n"
+        )
+    return text
 
 
 def metrics_stub(values: StubValues) -> Starlette:

@@ -39,7 +39,7 @@ def busy(budget: int) -> TokenView:
 
 @pytest.mark.parametrize("start", [CAPACITY // 4, 4 * CAPACITY])
 def test_the_budget_reaches_the_stated_capacity_from_either_side(start: int) -> None:
-    p = TokenParams(configured=start)
+    p = TokenParams(configured=start, high=4 * CAPACITY)  # a token ceiling of 4x the cache
     budgets = run(p, TokenState.initial(p), 8, busy)
     first = next(i for i, b in enumerate(budgets) if abs(b - CAPACITY) <= 0.1 * CAPACITY)
     assert first <= 2 and budgets[-1] == CAPACITY
@@ -49,6 +49,7 @@ def test_the_budget_reaches_the_stated_capacity_from_either_side(start: int) -> 
 def test_a_too_large_budget_is_cut_to_the_capacity_even_when_idle() -> None:
     p = TokenParams(configured=4 * CAPACITY)
     d = token_step(TokenState.initial(p), TokenView(stated=CAPACITY, held=0), p, 0.0)
+    assert d.budget == CAPACITY
     assert (d.budget, d.reason, d.publish) == (CAPACITY, TokenReason.CAPACITY, True)
 
 
@@ -59,7 +60,7 @@ def test_an_idle_budget_holds_and_is_renewed() -> None:
 
 
 def test_a_preemption_cuts_below_what_the_fleet_holds_and_is_remembered() -> None:
-    p = TokenParams(configured=CAPACITY)
+    p = TokenParams(configured=CAPACITY, high=4 * CAPACITY)
     s = TokenState.initial(p)
     d = token_step(s, TokenView(stated=CAPACITY, preempted=3, held=15_000), p, 0.0)
     assert d.reason is TokenReason.EXHAUSTED and d.budget == int(15_000 * 0.8)
@@ -81,18 +82,34 @@ def test_kv_exhaustion_with_requests_waiting_cuts_too() -> None:
     assert d.reason is not TokenReason.EXHAUSTED
 
 
-def test_one_cut_per_drain_period() -> None:
+def test_no_cut_while_the_fleet_holds_more_than_the_budget() -> None:
+    """The excess of before a cut is still held: a preemption then is that excess draining."""
     p = TokenParams(configured=CAPACITY, poll_interval=1.0)
     view = TokenView(stated=CAPACITY, preempted=1, held=CAPACITY)
     first = token_step(TokenState.initial(p), view, p, 0.0)
-    second = token_step(first.state, view, p, 1.0)  # the excess is still held
-    assert second.reason is TokenReason.HOLD_COOLDOWN and second.budget == first.budget
+    for t in (1.0, 5.0):
+        later = token_step(first.state, view, p, t)  # the excess is still held
+        assert later.reason is TokenReason.HOLD_COOLDOWN and later.budget == first.budget
     drained = TokenView(stated=CAPACITY, preempted=1, held=first.budget - 1)
     assert token_step(first.state, drained, p, 1.0).reason is TokenReason.EXHAUSTED
-    assert token_step(first.state, view, p, 3.0).reason is TokenReason.EXHAUSTED
+    # the fleet's tokens unknown: one cut per drain_polls polls
+    blind = TokenView(stated=CAPACITY, preempted=1)
+    assert token_step(first.state, blind, p, 1.0).reason is TokenReason.HOLD_COOLDOWN
+    assert token_step(first.state, blind, p, 3.0).reason is TokenReason.EXHAUSTED
 
 
-def test_without_a_stated_capacity_it_grows_to_token_max_and_probes_after_a_cut() -> None:
+def test_a_budget_above_the_stated_capacity_goes_to_it_and_learns_nothing() -> None:
+    """Preemptions while the budget is above what the cache holds are the budget's excess: the
+    step to the capacity is not a learnt cut, and growth back to the capacity stays open."""
+    p = TokenParams(configured=4 * CAPACITY)
+    view = TokenView(stated=CAPACITY, preempted=12, held=3 * CAPACITY)
+    d = token_step(TokenState.initial(p), view, p, 0.0)
+    assert (d.budget, d.reason, d.state.learnt) == (CAPACITY, TokenReason.CAPACITY, None)
+    # the excess drains: still preempting while held above the budget, no cut
+    assert token_step(d.state, view, p, 1.0).reason is TokenReason.HOLD_COOLDOWN
+
+
+def test_without_a_stated_capacity_it_grows_to_the_ceiling_and_probes_after_a_cut() -> None:
     p = TokenParams(configured=1000, high=3000, probe_polls=3)
     no_stated = lambda b: TokenView(kv_usage=0.5, preempted=0, waiting=0, held=b)  # noqa: E731
     assert run(p, TokenState.initial(p), 3, no_stated) == [2000, 3000, 3000]
@@ -101,15 +118,24 @@ def test_without_a_stated_capacity_it_grows_to_token_max_and_probes_after_a_cut(
     assert budgets[:2] == [2400, 2400] and budgets[2] == 2520  # +5 % after 3 clean polls
 
 
-def test_bounds_hold_the_token_ceiling_and_token_max() -> None:
+def test_bounds_hold() -> None:
     p = TokenParams(configured=1000, low=800, high=1200)
     d = token_step(TokenState.initial(p), TokenView(preempted=5, held=500), p, 0.0)
-    assert d.budget == 800  # the largest call the configuration admits still fits
+    assert d.budget == 800
     assert run(p, TokenState.initial(p), 3, lambda b: TokenView(held=b)) == [1200] * 3
 
 
+def test_without_a_token_ceiling_the_budget_is_only_ever_cut() -> None:
+    """The configured budget is the bound (high None), as a gate's ceiling bounds its target:
+    the server's larger cache does not raise it; its smaller cache and preemptions lower it."""
+    p = TokenParams(configured=CAPACITY // 2)
+    assert run(p, TokenState.initial(p), 3, busy) == [CAPACITY // 2] * 3
+    p = TokenParams(configured=2 * CAPACITY)
+    assert run(p, TokenState.initial(p), 2, busy) == [CAPACITY] * 2
+
+
 def test_unknown_polls_hold_unpublished_then_reset_to_the_configured_budget_once() -> None:
-    p = TokenParams(configured=1000, unknown_reset_polls=3)
+    p = TokenParams(configured=1000, high=8000, unknown_reset_polls=3)
     s = TokenState(budget=4000, learnt=4000.0)
     out = []
     for i in range(4):
@@ -126,7 +152,7 @@ def test_unknown_polls_hold_unpublished_then_reset_to_the_configured_budget_once
 
 
 def test_stored_state_round_trips_and_garbage_starts_fresh() -> None:
-    p = TokenParams(configured=1000)
+    p = TokenParams(configured=1000, high=8000)
     s = TokenState(budget=3000, learnt=2500.0, learnt_stated=16384.0, last_cut=12.5)
     assert load_token_state(dump_token_state(s), p) == s
     assert load_token_state("{not json", p) == TokenState.initial(p)

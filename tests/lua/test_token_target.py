@@ -115,3 +115,20 @@ def test_a_gate_without_a_token_budget_ignores_a_token_target(r: redis.Redis) ->
     snap = json.loads(g.call("inspect", 0))
     assert snap.get("token_limit") is None and snap["token_tuned"] is False
     assert g.acquire(("p:1", 500), ("p:2", 500)) == [GRANTED, GRANTED]
+
+
+def test_a_tuned_budget_stops_at_the_token_ceiling(r: redis.Redis) -> None:
+    """As the limit's target stops at the ceiling: a budget published above the token ceiling
+    (by an older coordinator, or by hand) is the ceiling."""
+    g = TokenGate(r, floor=4, token_limit=CONFIGURED)
+    assert publish(g, 1, LONG_MS, 5000) == 1
+    assert budget(g) == (CONFIGURED, True)  # the ceiling defaults to the configured budget
+    cfg = dict(
+        GateSettings(
+            floor=4, lease_ms=LONG_MS, waiter_ms=LONG_MS, token_limit=CONFIGURED, token_ceiling=3000
+        ).as_cfg()
+    )
+    cfg["token_target"] = 5000
+    flat = [x for kv in cfg.items() for x in kv]
+    assert int(g.call("publish", 1, LONG_MS, "", len(cfg), *flat)[0]) == 1
+    assert budget(g) == (3000, True)
