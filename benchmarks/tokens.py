@@ -52,6 +52,7 @@ import httpx
 
 from ._common import Flavor, Headline, Options, figure, log, open_fleet, save, table
 from ._server import PREFIX, private_redis
+from ._tokens_proxy import TENANT_HEADER, estimate_errors, proxy_for
 from ._tokens_tuned import POLL, converged_at, tuned_coordinator
 from .burst import sim_process
 
@@ -92,6 +93,8 @@ class Way:
     budget: int = KV_TOKENS  # the token budget (with cap None): where a tuned one starts
     tuned: bool = False  # the coordinator tunes the budget
     led: bool = False  # a coordinator leads the gate (tuning or not)
+    proxied: bool = False  # the calls go through fleetgate proxy (it estimates their tokens)
+    proxy_errors: dict[str, dict[str, float]] = field(default_factory=dict)  # per route
     polls: list[dict[str, Any]] = field(default_factory=list)  # its decisions
     done: list[tuple[float, str, int]] = field(default_factory=list)  # (time, tenant, tokens)
     preemptions: int = 0
@@ -132,17 +135,35 @@ async def _run_way(
         )
         gate = fleet.gate(name, **settings)
         prompts = {kind: (prompt_text(p), out) for kind, (p, out) in KINDS.items()}
+        via = http
+        if way.proxied:  # the callers count no tokens: the proxy estimates them
+            proxy_url = stack.enter_context(proxy_for(url, PREFIX, sim_url, name, list(KINDS)))
+            via = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=proxy_url, limits=limits, timeout=120)
+            )
+
+        async def call(tenant: str) -> int:
+            """One call of ``tenant``'s kind; the tokens its answer says it used."""
+            kind = KIND_OF[tenant]
+            text, out = prompts[kind]
+            body = {"model": "sim-model", "prompt": text, "max_tokens": out}
+            if way.proxied:
+                resp = await via.post(
+                    f"/{kind}/v1/completions", json=body, headers={TENANT_HEADER: tenant}
+                )
+                resp.raise_for_status()
+                return int(resp.json()["usage"]["total_tokens"])
+            tokens = charge(text, out) if way.cap is None else 0
+            async with gate.permit(deadline=120, tenant=tenant, tokens=tokens) as lease:
+                resp = await http.post("/v1/completions", json=body)
+                resp.raise_for_status()
+                used = int(resp.json()["usage"]["total_tokens"])
+                lease.report("ok", tokens=used)
+            return used
 
         async def caller(tenant: str) -> None:
             while time.monotonic() < stop_at:
-                text, out = prompts[KIND_OF[tenant]]
-                tokens = charge(text, out) if way.cap is None else 0
-                body = {"model": "sim-model", "prompt": text, "max_tokens": out}
-                async with gate.permit(deadline=120, tenant=tenant, tokens=tokens) as lease:
-                    resp = await http.post("/v1/completions", json=body)
-                    resp.raise_for_status()
-                    used = int(resp.json()["usage"]["total_tokens"])
-                    lease.report("ok", tokens=used)
+                used = await call(tenant)
                 now = time.monotonic()
                 if start <= now <= stop_at:
                     way.done.append((now, tenant, used))
@@ -157,6 +178,8 @@ async def _run_way(
         await asyncio.gather(*callers, return_exceptions=True)
         way.preemptions = int(stats1["preemptions"]) - int(stats0["preemptions"])
         way.window = window
+        if way.proxied:
+            way.proxy_errors = await estimate_errors(str(via.base_url))
         snap = await gate.snapshot()
         way.usage = {
             t: {"reports": u.reports, "asked": u.asked, "used": u.used, "ratio": u.ratio}
@@ -178,6 +201,9 @@ def run(opts: Options) -> list[Headline]:
     # alternate: the 1x budget, a tuned way, the rest of the sweep, the other tuned way
     one = next(w for w in static if w.budget == KV_TOKENS)
     ways += [one, tuned[0], *(w for w in static if w is not one), tuned[1]]
+    # the proxy estimating the tokens of callers that count none, the budget tuned from 0.25x
+    start = round(TUNED_FROM[0] * KV_TOKENS)
+    ways.append(Way("proxy-tuned0.25x", None, start, tuned=True, led=True, proxied=True))
     sim_args = ["--capacity", str(SLOTS), "--kv-tokens", str(KV_TOKENS)]
     sim_args += ["--block-size", str(BLOCK), "--ms-per-token", str(MS_PER_TOKEN)]
     sim_args += ["--prefill-ms-per-token", str(PREFILL_MS_PER_TOKEN)]
@@ -197,7 +223,8 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
     budget = next(w for w in budgets if w.budget == KV_TOKENS)
     ratio = budget.goodput() / best.goodput() if best.goodput() else 0.0
     best_budget = max(budgets, key=Way.goodput)
-    tuned = [w for w in ways if w.tuned]
+    tuned = [w for w in ways if w.tuned and not w.proxied]
+    proxied = [w for w in ways if w.proxied]
     weight_share = {t: w / sum(TENANTS.values()) for t, w in TENANTS.items()}
     rows = [
         (
@@ -226,6 +253,11 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
         tuned_rows,
     )
     text += f"\nbest static token budget: {best_budget.label}"
+    proxy_rows, proxy_data = _proxy_figures(proxied)
+    text += "\n\n" + table(
+        ("proxied way", "route", "calls", "asked", "used", "mean error", "within 10 % at poll"),
+        proxy_rows,
+    )
     data = {
         "kv_tokens": KV_TOKENS,
         "block_size": BLOCK,
@@ -253,6 +285,7 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
         "estimate_error": errors,
         "best_static_budget": best_budget.label,
         "tuned": tuned_data,
+        "proxied": proxy_data,
     }
     fig, ax = figure(3)
     labels = [w.label for w in ways]
@@ -274,6 +307,7 @@ def _report(opts: Options, url: str, ways: list[Way]) -> list[Headline]:
     save(NAME, opts, url, data, text, fig)
     return [
         *_tuned_headlines(tuned_data),
+        *_proxy_headlines(proxy_data),
         Headline(
             NAME,
             "goodput: token budget / best request-only cap",
@@ -340,4 +374,38 @@ def _tuned_headlines(data: dict[str, Any]) -> list[Headline]:
             f">= {TUNED_GOODPUT}",
             vs >= TUNED_GOODPUT,
         ),
+    ]
+
+
+def _proxy_figures(proxied: list[Way]) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
+    """Per proxied way and route: the proxy's estimates against the answers' usage."""
+    rows, data = [], {}
+    for w in proxied:
+        at = converged_at(w.polls, KV_TOKENS)
+        for route, e in sorted(w.proxy_errors.items()):
+            rows.append(
+                (w.label, route, int(e["calls"]), int(e["asked"]), int(e["used"]),
+                 f"{e['mean_error']:.1%}", at if at is not None else "never")
+            )  # fmt: skip
+        data[w.label] = {
+            "routes": w.proxy_errors,
+            "converged_at_poll": at,
+            "preemptions": w.preemptions,
+            "goodput_tokens_per_s": w.goodput(),
+            "polls": w.polls,
+        }
+    return rows, data
+
+
+def _proxy_headlines(data: dict[str, Any]) -> list[Headline]:
+    errors = [e["mean_error"] for d in data.values() for e in d["routes"].values()]
+    worst = max(errors, default=float("nan"))
+    return [
+        Headline(
+            NAME,
+            "proxy: mean estimate error, worst route",
+            f"{worst:.1%}",
+            "<= 20 %",
+            bool(errors) and worst <= 0.20,
+        )
     ]
