@@ -6,11 +6,13 @@ The machine draws requests of several weights, priorities, tenants and token siz
 the token budget, some above the token ceiling), releases, cancels, resizes (shrinks and
 growths), heartbeats, expiries (a lease's or a waiter's entry set in the past), Redis losing a
 lease while its work runs (adopted again by the heartbeat), and publishes that lower or restore
-the ceilings or change the band shares. It keeps only what callers know (their leases, by the
+the ceilings, change the band shares, or tune the token budget (the coordinator's token target:
+lowered, raised up to the ceiling, withdrawn). It keeps only what callers know (their leases, by the
 ids the replies name) and checks against Redis:
 
   * tokens held (adm ``tok``) = the sum of the holders' tokens, units = their weights;
-  * units <= limit and tokens <= token budget whenever the step granted anything, and a resize
+  * units <= limit and tokens <= the token budget in force (the tuned one, clamped to the
+    ceiling, else the configured) whenever the step granted anything, and a resize
     never grows a lease past the budget nor while anyone eligible waits;
   * each band's drain counts no more grants than the hand-offs made (deadline admission on);
   * the units held per band (adm ``held``) = the holders' by the band in their ids; a lease
@@ -71,6 +73,14 @@ class TokenGateMachine(RuleBasedStateMachine):
         self.shares: dict[int, float] = {}  # the band shares published
         self.granted: set[str] = set()  # what the last step granted
         self.revoke = False  # revocation on (revoke_after 1 ms: any waiting head qualifies)
+        self.token_target: int | None = None  # the coordinator's tuned budget (None: none)
+
+    @property
+    def budget(self) -> int:
+        """The token budget in force: the tuned one up to the ceiling, else the configured."""
+        if self.token_target is None:
+            return TOKEN_LIMIT
+        return min(self.token_target, self.token_ceiling)
 
     def call(self, name: str, *args: object) -> Any:
         return self.scripts[name](keys=self.keys.script_keys(), args=list(args))
@@ -176,7 +186,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         grow = tokens > tokens_of(lid)
         if tokens > self.token_ceiling:
             assert int(status) == -2
-        elif grow and (eligible or held + tokens - tokens_of(lid) > TOKEN_LIMIT):
+        elif grow and (eligible or held + tokens - tokens_of(lid) > self.budget):
             assert (int(status), new_id) == (0, lid)  # no growth into owed or missing tokens
         else:
             assert int(status) == 1 and tokens_of(new_id) == tokens == int(now_held)
@@ -238,6 +248,7 @@ class TokenGateMachine(RuleBasedStateMachine):
         ).as_cfg()
         # 1 ms, below what a client may set (0.1 s): the model's steps take longer than that
         cfg["revoke_after_ms"] = 1 if self.revoke else ""
+        cfg["token_target"] = "" if self.token_target is None else self.token_target
         flat = [x for kv in cfg.items() for x in kv]
         assert self.call("publish", 0, LONG_MS, "", len(cfg), *flat)[0] == 1
 
@@ -246,6 +257,16 @@ class TokenGateMachine(RuleBasedStateMachine):
         """The coordinator's config lowers or restores the token ceiling (the budget stays)."""
         before, waiting = set(self.holders()), self.lanes()
         self.token_ceiling = ceiling
+        self.publish()
+        self.step(before, waiting)
+
+    @rule(value=st.sampled_from((None, 40, 100, 140, 200)))
+    def publish_token_target(self, value: int | None) -> None:
+        """The coordinator tunes the token budget: lowered, raised (up to the ceiling: 200 is
+        clamped), or withdrawn (the configured budget again). A raised one hands the room to
+        the waiters in the publish; a lowered one takes nothing back."""
+        before, waiting = set(self.holders()), self.lanes()
+        self.token_target = value
         self.publish()
         self.step(before, waiting)
 
@@ -338,7 +359,7 @@ class TokenGateMachine(RuleBasedStateMachine):
     def both_caps_hold_after_a_grant(self) -> None:
         if self.granted_now:
             units, tokens = self.held()
-            assert units <= LIMIT and tokens <= TOKEN_LIMIT, (units, tokens, self.holders())
+            assert units <= LIMIT and tokens <= self.budget, (units, tokens, self.holders())
 
     @invariant()
     def the_drain_counters_are_well_formed(self) -> None:
