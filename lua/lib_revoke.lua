@@ -16,25 +16,10 @@
 -- lapses).
 local REVOKED_MARK = 4503599627370496  -- 2^52: above any server time in ms
 
-local function parse_demand(v)
-  local d = {}
-  if v then
-    for b, u in string.gmatch(v, '(%d%d%d)=(%d+)') do d[b] = tonumber(u) end
-  end
-  return d
-end
-
+-- Write the demand d (band -> units; lib_units.lua bands_field) to adm 'rd'.
 local function store_demand(d)
-  local parts = {}
-  for b, u in pairs(d) do
-    if u > 0 then parts[#parts + 1] = b .. '=' .. string.format('%.0f', u) end
-  end
-  table.sort(parts)
-  if #parts == 0 then
-    if adm_get('rd') then adm_set('rd', false) end
-  else
-    adm_set('rd', table.concat(parts, ','))
-  end
+  local v = bands_field(d)
+  if v ~= nil or adm_get('rd') then adm_set('rd', v) end
 end
 
 -- The units of the revoked leases still held, per band and in all; the marks of leases gone
@@ -81,10 +66,7 @@ local function revoke_demand(now, cfg, lim)
       local units = units_held(nil)
       local need = weight_of(member_id(head[1])) - (lim - units) - rv_total
       if need > 0 then
-        local held = held_bands()
-        local rest = units
-        for _, u in pairs(held) do rest = rest - u end
-        held['100'] = math.max(0, rest)
+        local held = adm_bands('held', units)  -- (and band 100's)
         local below = {}
         for b, _ in pairs(held) do
           if b > band then below[#below + 1] = b end
@@ -113,7 +95,7 @@ local function revoke_leases(now, cfg, ids, r)
   local mids = {}
   for i, id in ipairs(ids) do mids[i] = id .. '=v' end
   local marked = redis.call('ZMSCORE', K_EVICTED, unpack(mids))
-  local d = parse_demand(adm_get('rd'))
+  local d = adm_bands('rd')
   local new = {}
   for i, id in ipairs(ids) do
     local b = band_of(id)

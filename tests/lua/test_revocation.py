@@ -115,6 +115,20 @@ def test_the_lowest_band_gives_first_and_only_what_the_head_lacks(r: redis.Redis
     assert g.demand() is None and units(r, g.keys) == 4
 
 
+def test_band_100_is_asked_no_more_than_its_own_units(r: redis.Redis) -> None:
+    """Band 100 holds the units held less the other bands' (lib_units.lua adm_bands): a head
+    lacking more than the bands below it hold asks each for what it holds, no more."""
+    g = Gate(r, floor=4)
+    assert g.acquire("low:1", priority=-10) == GRANTED
+    assert [g.acquire(f"mid:{i}") for i in (1, 2)] == [GRANTED, GRANTED]
+    assert g.acquire("top:1", priority=20) == GRANTED
+    heavy = "i:1w4"  # a head of priority 10 needs all 4 units; below it are 3
+    assert g.acquire(heavy, priority=10) == PARKED
+    time.sleep(REVOKE_S + 0.05)
+    g.beat("i", waiters=[banded(heavy, 10)])
+    assert g.demand() == "100=2,110=1"
+
+
 def test_a_frozen_holder_keeps_its_units_until_its_lease_lapses(r: redis.Redis) -> None:
     """A revoked holder that never beats again holds its units: the head is granted only once
     the lease has lapsed and been reaped."""
