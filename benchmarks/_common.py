@@ -2,9 +2,10 @@
 
 Every benchmark module exposes ``run(opts: Options) -> list[Headline]`` and leaves the shared
 parts to three helpers: this module (:class:`Options`/:class:`Flavor`, :func:`open_fleet`,
-:func:`percentiles`, :func:`save` writing JSON, PNG and a table, :func:`main`), ``_workers.py``
-(spawned worker processes started at one instant) and ``_server.py`` (private redis-server,
-gate setup, counters and the sampling :func:`~benchmarks._server.watch`).
+:func:`percentiles`, :func:`quantile`, :func:`save` writing JSON, PNG and a table,
+:func:`main`), ``_workers.py`` (spawned worker processes started at one instant) and
+``_server.py`` (private redis-server, gate setup, counters and the sampling
+:func:`~benchmarks._server.watch`).
 """
 
 from __future__ import annotations
@@ -151,6 +152,15 @@ def percentiles(
     if arr.size == 0:
         return {f"p{p:g}": float("nan") for p in ps}
     return {f"p{p:g}": float(np.percentile(arr, p)) for p in ps}
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``xs`` (0 < q < 1): the value at rank ``int(q * n)``
+    of the sorted values (the flood's figures); 0.0 for no values."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 # -- output ---------------------------------------------------------------------------------

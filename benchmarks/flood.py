@@ -39,7 +39,7 @@ from typing import Any
 from fleetgate.client import DeadlineExceeded, DeadlineUnreachable, Overloaded
 
 from . import _flood_bands, _flood_revoke
-from ._common import Flavor, Headline, Options, figure, log, open_fleet, save, table
+from ._common import Flavor, Headline, Options, figure, log, open_fleet, quantile, save, table
 from ._server import private_redis
 
 NAME = "flood"
@@ -71,13 +71,6 @@ class Way:
 
     def per_s(self, n: int) -> float:
         return n / self.window if self.window else 0.0
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 async def _run_way(url: str, way: Way, warm: float, window: float, flavor: Flavor) -> None:
@@ -188,8 +181,8 @@ def _report(opts: Options, url: str, ways: list[Way], back: list[float]) -> list
             len(w.expired),
             f"{sum(s for _, s in w.expired):.1f}",
             len(w.refused),
-            f"{_quantile(w.granted_waits, 0.5) * 1000:.0f} / "
-            f"{_quantile(w.granted_waits, 0.99) * 1000:.0f}",
+            f"{quantile(w.granted_waits, 0.5) * 1000:.0f} / "
+            f"{quantile(w.granted_waits, 0.99) * 1000:.0f}",
             w.calls,
         )
         for w in ways
@@ -237,8 +230,8 @@ def _report(opts: Options, url: str, ways: list[Way], back: list[float]) -> list
                 "seconds_wasted": sum(s for _, s in w.expired),
                 "refused": len(w.refused),
                 "overloaded": w.overloaded,
-                "wait_p50_s": _quantile(w.granted_waits, 0.5),
-                "wait_p99_s": _quantile(w.granted_waits, 0.99),
+                "wait_p50_s": quantile(w.granted_waits, 0.5),
+                "wait_p99_s": quantile(w.granted_waits, 0.99),
                 "refused_samples": w.refused[:200],
                 "expired_samples": w.expired[:200],
             }

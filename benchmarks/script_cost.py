@@ -13,8 +13,10 @@ visit two pipelines of 50 pairs that leave n unchanged:
 The scripts run as the client runs them: functions of the gate library (FUNCTION LOAD once, an
 FCALL per call; ``fleetgate.scripts.gate_library``). Each pipeline is framed by INFO
 commandstats, so the ``fcall`` usec delta is the server time of exactly those scripts (their
-internal commands included), free of client and network noise; every size runs the same batch
-shape, so CPU caches and frequency are alike. Figures are medians
+internal commands included), free of client and network noise, and the other commands'
+``calls`` deltas are the Redis commands those scripts ran (:func:`commands_run`, printed and
+stored per script call); every size runs the same batch shape, so CPU caches and frequency are
+alike. Figures are medians
 over the pipelines (robust to the server being preempted by other processes). Growth factor =
 µs at the largest n / µs at n=10 (target <= 1.5, i.e. O(log n)). At the largest n the heartbeat
 is timed too, carrying k of one pod's waiters (its cost is O(k log n)), and every round times
@@ -63,6 +65,20 @@ GROWTH_TARGET = 1.5
 KINDS = ("acquire (park) + cancel", "release + hand-off + acquire (park)")
 CHUNK = 50  # pairs per pipeline
 STATUS = "inspect n=0 (status)"
+PARK, CANCEL, RELEASE = "acquire (park)", "cancel", "release + hand-off"
+# What the scripts' own commands are counted without (INFO commandstats deltas): the calls that
+# run them and the INFO that frames them.
+NOT_RUN_BY_SCRIPTS = frozenset({"cmdstat_fcall", "cmdstat_evalsha", "cmdstat_eval", "cmdstat_info"})
+
+
+def commands_run(before: dict[str, Any], after: dict[str, Any]) -> int:
+    """The Redis commands run between two INFO commandstats replies, less the script calls
+    themselves (FCALL, EVALSHA, EVAL) and the INFO: what the scripts called inside."""
+    return sum(
+        int(v["calls"]) - int(before.get(k, {"calls": 0})["calls"])
+        for k, v in after.items()
+        if k not in NOT_RUN_BY_SCRIPTS
+    )
 
 
 class Bench:
@@ -76,6 +92,8 @@ class Bench:
         self.members: dict[str, str] = {}
         self.holder = "holder:0"
         self.seq = 0
+        #: label -> Redis commands per call (or per pair), one figure per timed pipeline
+        self.commands: dict[str, list[float]] = {}
         assert self.s["acquire"](keys=self.keys, args=self.acq_args(self.holder))[5] == 1
 
     @staticmethod
@@ -91,13 +109,18 @@ class Bench:
         self.seq += 1
         return f"fake{self.seq % PODS}:{self.seq}"
 
-    def timed(self, calls: Iterable[tuple[str, list[Any]]]) -> tuple[float, int]:
+    def timed(
+        self, calls: Iterable[tuple[str, list[Any]]], label: str | None = None, per: int = 1
+    ) -> tuple[float, int]:
         """Run script calls in one pipeline framed by INFO; (fcall usec, calls) in between."""
-        usec, n, _ = self.timed_replies(calls)
+        usec, n, _ = self.timed_replies(calls, label, per)
         return usec, n
 
-    def timed_replies(self, calls: Iterable[tuple[str, list[Any]]]) -> tuple[float, int, list[Any]]:
-        """:meth:`timed`, and the calls' replies."""
+    def timed_replies(
+        self, calls: Iterable[tuple[str, list[Any]]], label: str | None = None, per: int = 1
+    ) -> tuple[float, int, list[Any]]:
+        """:meth:`timed`, and the calls' replies. With a ``label``, the Redis commands the
+        scripts ran per ``per`` calls (:func:`commands_run`) are noted in :attr:`commands`."""
         with self.r.pipeline(transaction=False) as p:
             p.info("commandstats")
             n = 0
@@ -108,6 +131,8 @@ class Bench:
             out = p.execute()
         a, b = out[0]["cmdstat_fcall"], out[-1]["cmdstat_fcall"]
         assert b["calls"] - a["calls"] == n, "a script call failed"
+        if label is not None:
+            self.commands.setdefault(label, []).append(commands_run(out[0], out[-1]) * per / n)
         return float(b["usec"] - a["usec"]), n, out[1:-1]
 
     def fill(self, n: int) -> None:
@@ -121,9 +146,9 @@ class Bench:
         """µs per pair: a fresh id parks at the tail and leaves again (length unchanged). The
         cancels name the waiter members the parks' replies gave: two pipelines."""
         ids = [self.new_id() for _ in range(m)]
-        usec, n, replies = self.timed_replies(("acquire", self.acq_args(w)) for w in ids)
+        usec, n, replies = self.timed_replies((("acquire", self.acq_args(w)) for w in ids), PARK)
         self.note_parked(ids, replies)
-        usec2, n2 = self.timed(("cancel", [w, self.members.pop(w)]) for w in ids)
+        usec2, n2 = self.timed((("cancel", [w, self.members.pop(w)]) for w in ids), CANCEL)
         return 2 * (usec + usec2) / (n + n2)
 
     def release_handoff(self, m: int) -> float:
@@ -137,7 +162,7 @@ class Bench:
             self.holder = self.queue.popleft()
             self.members.pop(self.holder, None)
             self.queue.append(wid)
-        usec, n, replies = self.timed_replies(calls)
+        usec, n, replies = self.timed_replies(calls, KINDS[1], per=2)
         self.note_parked(ids, replies[1::2])
         return 2 * usec / n
 
@@ -148,12 +173,12 @@ class Bench:
         args: list[Any] = ["fake0", 60_000, 0, len(mine)]
         for w in mine:
             args += [self.members[w], HOUR_MS]
-        usec, n = self.timed(("heartbeat", args) for _ in range(reps))
+        usec, n = self.timed((("heartbeat", args) for _ in range(reps)), f"heartbeat, {k} waiters")
         return usec / n
 
     def inspect(self, m: int) -> float:
         """µs per ``inspect`` with n=0 (what `fleetgate status` runs per gate)."""
-        usec, n = self.timed(("inspect", [0]) for _ in range(m))
+        usec, n = self.timed((("inspect", [0]) for _ in range(m)), STATUS)
         return usec / n
 
     def sanity(self) -> None:
@@ -182,6 +207,15 @@ def prelude_us(r: redis.Redis, calls: int, pipelines: int = 5) -> dict[str, floa
             a, b = got[0].get("cmdstat_evalsha", none), got[-1]["cmdstat_evalsha"]
             per.append((b["usec"] - a["usec"]) / (b["calls"] - a["calls"]))
         out[name] = float(np.median(per))
+    return out
+
+
+def commands_per_call(b: Bench) -> dict[str, float]:
+    """The Redis commands the scripts of ``b``'s timed pipelines ran, median per call (per pair
+    for the release pair), by label; and ``release + hand-off``: that pair less a park."""
+    out = {label: float(np.median(v)) for label, v in b.commands.items()}
+    if KINDS[1] in out and PARK in out:
+        out[RELEASE] = out[KINDS[1]] - out[PARK]
     return out
 
 
@@ -225,20 +259,38 @@ def _measure(url: str, opts: Options) -> dict[str, Any]:
                 STATUS: float(np.median(status[n])),
                 "mean": {k: float(np.mean(v)) for k, v in per[n].items()},
                 "p90_over_pipelines": {k: float(np.percentile(v, 90)) for k, v in per[n].items()},
+                "commands_per_call": commands_per_call(b),
             }
         )
     reps = opts.pick(200, 40)
     hb = {k: benches[sizes[-1]].heartbeat(k, reps) for k in (0, 10, 100, 250, 1000)}
+    hb_commands = {
+        k: v for k, v in commands_per_call(benches[sizes[-1]]).items() if k.startswith("heartbeat")
+    }
     prelude = prelude_us(r, opts.pick(2000, 500))
     r.close()
     return {
         "evalsha_prelude_us": prelude,
         "sizes": rows,
         "heartbeat_us_by_waiters": hb,
+        "heartbeat_commands_by_waiters": hb_commands,
         "heartbeat_queue": sizes[-1],
         "pairs_per_pipeline": CHUNK,
         "pipelines_per_size": rounds,
     }
+
+
+def _commands_table(res: dict[str, Any]) -> str:
+    """Redis commands per script call (the scripts' own, the FCALL not counted), at the
+    smallest and the largest queue, and the heartbeat's at the largest."""
+    first, last = res["sizes"][0], res["sizes"][-1]
+    labels = (PARK, CANCEL, KINDS[1], RELEASE, STATUS)
+    rows: list[tuple[Any, ...]] = [
+        (k, first["commands_per_call"][k], last["commands_per_call"][k]) for k in labels
+    ]
+    rows += [(k, "-", v) for k, v in res["heartbeat_commands_by_waiters"].items()]
+    head = ("Redis commands per script call", f"n={first['queue']:,}", f"n={last['queue']:,}")
+    return table(head, rows)
 
 
 def run(opts: Options) -> list[Headline]:
@@ -263,6 +315,7 @@ def run(opts: Options) -> list[Headline]:
             (f"heartbeat at n={res['heartbeat_queue']}: waiters carried", "µs", "µs / waiter"),
             [(k, v, v / k if k else "-") for k, v in hb.items()],
         )
+        text += "\n" + _commands_table(res)
         pre = res["evalsha_prelude_us"]
         text += (
             f"\nlib.lua's top level per EVALSHA call (no longer paid by FCALL): "

@@ -11,7 +11,7 @@ callers see. Every release may carry its call's report (``lease.report(outcome, 
     b<i>                             ``ok`` calls whose latency fell in bucket i (BOUNDS)
     tn:<tenant> ta:<tenant> tu:<tenant>  reports that said the tokens a call used, the tokens
                                      those calls asked for and used, per tenant ('' the
-                                     default one): how far the estimates miss (TokenUsage)
+                                     default one): what a call uses (TokenUsage)
 
 and, not stored, ``vc:<lane class>`` = tokens used - tokens asked, summed: the settlement that
 moves the lane's virtual time in the fair order by what its calls really used
@@ -39,6 +39,7 @@ from fleetgate.errors import ConfigError
 
 __all__ = [
     "BOUNDS",
+    "LEAST_REPORTS",
     "OUTCOMES",
     "OVERLOADED_STATUSES",
     "TIMEOUT_STATUSES",
@@ -54,6 +55,9 @@ __all__ = [
     "typical_latency",
     "validate_outcome",
 ]
+
+#: Reports of a tenant before what its calls use is learnt (:meth:`TokenUsage.use_per_call`).
+LEAST_REPORTS = 20
 
 #: What a call's report says: "ok", or why it failed. "overloaded" is the server shedding load
 #: (HTTP 429, 503, 529); "timeout" a call that timed out; "error" anything else.
@@ -280,9 +284,9 @@ def median_error(window: Reading) -> float:
 
 class TokenUsage(msgspec.Struct, frozen=True):
     """What the calls of one tenant that reported their tokens asked for and used, fleet-wide
-    (the obs hash's ``tn``/``ta``/``tu`` counters): how far the tokens asked miss what the calls
-    used, so a caller that knows only its upper bound (``max_tokens``) can be charged what its
-    tenant's calls use (:meth:`estimate`)."""
+    (the obs hash's ``tn``/``ta``/``tu`` counters): what a call of the tenant uses
+    (:meth:`use_per_call`), so a caller that knows only its upper bound (``max_tokens``) can be
+    charged that (:meth:`estimate`), and how far the tokens asked miss it (:attr:`ratio`)."""
 
     reports: int = 0
     asked: int = 0
@@ -290,18 +294,30 @@ class TokenUsage(msgspec.Struct, frozen=True):
 
     @property
     def ratio(self) -> float | None:
-        """Tokens used per token asked (None before any report)."""
+        """Tokens used per token asked (None before any report). The asks are what the calls
+        held, so a caller that scaled its asks by this ratio moved it: scaling by it again
+        settles at the square root of the true ratio. Charge by :meth:`estimate` instead."""
         return self.used / self.asked if self.asked > 0 else None
 
-    def estimate(self, asked: int, *, least_reports: int = 20) -> int:
-        """The tokens to charge a call that asks ``asked`` at most: ``asked`` scaled by what
-        this tenant's calls used of what they asked, never above ``asked``; ``asked`` itself
-        until ``least_reports`` calls have reported. A call that needs more than its charge
-        grows with ``lease.resize``."""
-        ratio = self.ratio
-        if ratio is None or self.reports < least_reports:
+    def use_per_call(self, least_reports: int = LEAST_REPORTS) -> float | None:
+        """The tokens a call of this tenant used, on average, once ``least_reports`` calls have
+        reported (None before). It does not depend on what the calls asked, so a charge learnt
+        from it does not feed back on itself (:meth:`estimate`; the proxy's output estimate,
+        ``proxy/_tokens.py``)."""
+        if self.reports < max(1, least_reports):
+            return None
+        return self.used / self.reports
+
+    def estimate(self, asked: int, *, least_reports: int = LEAST_REPORTS) -> int:
+        """The tokens to charge a call that asks ``asked`` at most: what this tenant's calls use
+        (:meth:`use_per_call`), never above ``asked``; ``asked`` itself until ``least_reports``
+        calls have reported. A caller charged by it and reporting against that charge settles
+        at what it uses. It is the tenant's mean: a call that needs more than its charge grows
+        with ``lease.resize``."""
+        mean = self.use_per_call(least_reports)
+        if mean is None:
             return asked
-        return max(1, min(asked, math.ceil(asked * ratio))) if asked > 0 else 0
+        return max(1, min(asked, math.ceil(mean))) if asked > 0 else 0
 
     @classmethod
     def parse(cls, raw: Mapping[bytes, bytes] | Mapping[str, str]) -> dict[str, TokenUsage]:

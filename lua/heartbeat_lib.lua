@@ -127,12 +127,12 @@ local function heartbeat_gate(A)
   handoff(now, cfg, lim)
   -- revocation (lib_revoke.lua): what the head still lacks after the hand-off, then this pod's
   -- answer to it
-  revoke_demand(now, cfg, lim)
+  local waiting = redis.call('ZCARD', K_WAITERS)
+  revoke_demand(now, cfg, lim, waiting)
   revoke_leases(now, cfg, held, r)
   adm_flush()
-  return {lim, live, r.lost, r.granted, r.lost_waiters,
-    redis.call('ZCARD', K_WAITERS), units_held(), cfg.lease_ms, cfg.waiter_ms,
-    r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling,
+  return {lim, live, r.lost, r.granted, r.lost_waiters, waiting, units_held(), cfg.lease_ms,
+    cfg.waiter_ms, r.expiry, pod_new, r.adopted, tokens, r.evicted, r.too_heavy, cfg.ceiling,
     cfg.tlim or -1, cfg.tlim and tokens_held() or 0, r.too_late, r.too_late_ms,
     r.too_late_hold_ms, r.revoked}
 end

@@ -79,16 +79,11 @@ end
 
 local extra = num(redis.call('HGET', K_ADM, 'extra'), 0)
 -- band shares as priority -> permille, and the units each band holds (priority -> units)
-local band_share, band_units = {}, {}
-local held_total = 0
-if redis.call('ZCARD', K_HOLDERS) > 0 then
-  for b, u in pairs(held_bands()) do
-    band_units[tostring(100 - tonumber(b))] = u
-    held_total = held_total + u
-  end
+local band_share, by_band = {}, {}
+local n_held = redis.call('ZCARD', K_HOLDERS)
+for b, u in pairs(n_held > 0 and adm_bands('held', n_held + extra) or {}) do
+  if u > 0 then by_band[tostring(100 - tonumber(b))] = u end
 end
-local rest = redis.call('ZCARD', K_HOLDERS) + extra - held_total
-if rest > 0 then band_units['0'] = rest end
 for _, e in ipairs(cfg.shares or {}) do band_share[tostring(100 - tonumber(e.r))] = e.p end
 local out = cjson.encode({
   now = now,
@@ -105,7 +100,7 @@ local out = cjson.encode({
   deadline_finish = cfg.deadline_finish,
   revoke_after_ms = cfg.revoke_after or 0,
   band_share = band_share,
-  band_units = band_units,
+  band_units = by_band,
   tokens = redis.call('ZCARD', K_HOLDERS) > 0 and num(redis.call('HGET', K_ADM, 'tok'), 0) or 0,
   max_queued = cfg.max_queued,
   max_queued_per_tenant = cfg.max_queued_per_tenant,

@@ -117,17 +117,12 @@ end
 -- The mean hold (ms) of band r's leases: its units held over its grant rate (Little's law,
 -- held = rate x hold, for leases of weight 1; weighted leases make it longer by their mean
 -- weight); nil without a measured drain. units: the gate's units held (nil: read here); band
--- 100 holds what the other bands do not (lib_units.lua held_bands).
+-- 100 holds what the other bands do not (lib_units.lua adm_bands).
 local function band_hold(now, r, units)
   local rate = drain_rate(now, r)
   if rate == nil or rate <= 0 then return nil end
-  local held = held_bands()
-  local u = held[r] or 0
-  if r == '100' then
-    u = units or units_held(nil)
-    for _, b in pairs(held) do u = u - b end
-  end
-  return math.ceil(math.max(0, u) / rate)
+  local held = adm_bands('held', r == '100' and (units or true))
+  return math.ceil((held[r] or 0) / rate)
 end
 
 -- The estimate of a call of lane (band r): (start, hold) = the ms until it is expected to start

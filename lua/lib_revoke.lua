@@ -10,42 +10,28 @@
 -- leases in that order), until the band's demand is met, and tells its pod which of its leases
 -- are revoked. A mark is a member '<id>=v' of K_EVICTED scored REVOKED_MARK (never due by time:
 -- it lasts while the lease is held; marks of leases gone are dropped by the next heartbeat of
--- the gate, or with the gate's other keys by prune.lua).
+-- the gate, or with the gate's other keys by prune.lua). adm 'rv' is set while marks may exist:
+-- with it unset and nobody waiting, a heartbeat looks for neither marks nor a head.
 -- A mark frees nothing: a revoked lease holds its units until it is released or its TTL lapses,
 -- so the cap holds whatever its holder does (a frozen holder stops renewing, and its lease
 -- lapses).
 local REVOKED_MARK = 4503599627370496  -- 2^52: above any server time in ms
 
-local function parse_demand(v)
-  local d = {}
-  if v then
-    for b, u in string.gmatch(v, '(%d%d%d)=(%d+)') do d[b] = tonumber(u) end
-  end
-  return d
-end
-
+-- Write the demand d (band -> units; lib_units.lua bands_field) to adm 'rd'.
 local function store_demand(d)
-  local parts = {}
-  for b, u in pairs(d) do
-    if u > 0 then parts[#parts + 1] = b .. '=' .. string.format('%.0f', u) end
-  end
-  table.sort(parts)
-  if #parts == 0 then
-    if adm_get('rd') then adm_set('rd', false) end
-  else
-    adm_set('rd', table.concat(parts, ','))
-  end
+  local v = bands_field(d)
+  if v ~= nil or adm_get('rd') then adm_set('rd', v) end
 end
 
 -- The units of the revoked leases still held, per band and in all; the marks of leases gone
--- (released, expired) are dropped.
+-- (released, expired) are dropped, and adm 'rv' (set while a mark may exist) follows: cleared
+-- once none is left, set again if marks are found without it.
 local function revoked_held()
   local marks = redis.call('ZRANGEBYSCORE', K_EVICTED, REVOKED_MARK, REVOKED_MARK)
   local by_band, total = {}, 0
-  if #marks == 0 then return by_band, 0 end
   local ids = {}
   for i, m in ipairs(marks) do ids[i] = string.sub(m, 1, -3) end
-  local held = redis.call('ZMSCORE', K_HOLDERS, unpack(ids))
+  local held = #ids > 0 and redis.call('ZMSCORE', K_HOLDERS, unpack(ids)) or {}
   local gone = {}
   for i, id in ipairs(ids) do
     if held[i] then
@@ -57,19 +43,26 @@ local function revoked_held()
     end
   end
   if #gone > 0 then redis.call('ZREM', K_EVICTED, unpack(gone)) end
+  local left = #gone < #marks
+  if left ~= (adm_get('rv') ~= nil) then adm_set('rv', left and '1' or false) end
   return by_band, total
 end
 
 -- The demand of the gate now (adm 'rd', written): the head of the first lane of the fair order
 -- (the highest band with eligible waiters) that has waited revoke_after or more and lacks units
 -- asks them of the bands strictly below its band, lowest band first, each for at most what it
--- holds unrevoked. lim: the limit in force. Nothing without revoke_after (no command).
-local function revoke_demand(now, cfg, lim)
+-- holds unrevoked. lim: the limit in force; waiting: the gate's waiters (ZCARD waiters). Nothing
+-- without revoke_after (no command). With nobody waiting and no mark (adm 'rv' unset) it only
+-- reads adm 'rd' and 'rv' (one HMGET) and clears a demand left by a head gone. While a mark may
+-- exist, the marks of leases gone are dropped at every heartbeat of the gate (revoked_held); a
+-- holder is told of its revoked leases by revoke_leases, whether anyone waits or not.
+local function revoke_demand(now, cfg, lim, waiting)
   if cfg.revoke_after == nil then return end
-  local d = {}
-  -- (every time: the marks of leases gone are dropped at the next heartbeat)
-  local rv_band, rv_total = revoked_held()
-  local top = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 1)
+  adm_prefetch('rd', 'rv')
+  local rv_band, rv_total = {}, 0
+  if waiting > 0 or adm_get('rv') then rv_band, rv_total = revoked_held() end
+  local d, top = {}, {}
+  if waiting > 0 then top = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 1) end
   if #top > 0 then
     local lane, _, band = fair_parse(top[1])
     local lo, hi = lane_range(lane)
@@ -81,10 +74,7 @@ local function revoke_demand(now, cfg, lim)
       local units = units_held(nil)
       local need = weight_of(member_id(head[1])) - (lim - units) - rv_total
       if need > 0 then
-        local held = held_bands()
-        local rest = units
-        for _, u in pairs(held) do rest = rest - u end
-        held['100'] = math.max(0, rest)
+        local held = adm_bands('held', units)  -- (and band 100's)
         local below = {}
         for b, _ in pairs(held) do
           if b > band then below[#below + 1] = b end
@@ -113,7 +103,7 @@ local function revoke_leases(now, cfg, ids, r)
   local mids = {}
   for i, id in ipairs(ids) do mids[i] = id .. '=v' end
   local marked = redis.call('ZMSCORE', K_EVICTED, unpack(mids))
-  local d = parse_demand(adm_get('rd'))
+  local d = adm_bands('rd')
   local new = {}
   for i, id in ipairs(ids) do
     local b = band_of(id)
@@ -129,6 +119,7 @@ local function revoke_leases(now, cfg, ids, r)
   if #new > 0 then
     redis.call('ZADD', K_EVICTED, unpack(new))
     redis.call('HINCRBY', K_STATS, 'revoked', #new / 2)
+    if not adm_get('rv') then adm_set('rv', '1') end
     store_demand(d)
   end
 end

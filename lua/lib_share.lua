@@ -36,11 +36,11 @@ local function share_need(id)
 end
 
 -- The units the bands of each share hold: tally[k] for SHARES[k], from units (every unit held)
--- and the held counts (lib_units.lua held_bands) plus pending (band -> units granted in this
+-- and the held counts (lib_units.lua adm_bands) plus pending (band -> units granted in this
 -- call and not added yet, or nil); nil without shares. Band 100's units are the rest of units.
 local function share_tally(units, pending)
   if SHARES == nil then return nil end
-  local held = held_bands()
+  local held = adm_bands('held')
   for b, u in pairs(pending or {}) do held[b] = (held[b] or 0) + u end
   local tally = {}
   for k, e in ipairs(SHARES) do

@@ -30,18 +30,39 @@ local function tokens_held(tok, n)
   return tok
 end
 
--- Units held per band, for the band shares (lib_share.lua): adm 'held' = '<R>=<units>,...' for
--- each band other than 100 that holds leases, counted from the band in each lease id (band_of);
--- band 100 (priority 0) holds the rest of units_held. Kept for every gate, so a share set at any
--- time finds the counts right; a gate used only at priority 0 never writes it. As extra: raised
--- before leases are added, lowered after they are removed, dropped once no lease is left.
-local function held_bands()
+-- A units-per-band field of adm, '<R>=<units>,...' (field 'held' below; 'rd', the demand of
+-- lib_revoke.lua), as a table band -> units ({} when absent). units, for 'held': the units held
+-- (a number: units_held() if the caller has it; true: read here) adds band '100', the units
+-- held less those of the other bands (never below 0). bands_field writes such a table back: the
+-- bands with units above 0, sorted, or nil when none is left.
+--
+-- adm 'held', the units held per band for the band shares (lib_share.lua): each band other than
+-- 100 that holds leases, counted from the band in each lease id (band_of); band 100 (priority 0)
+-- holds the rest of units_held. Kept for every gate, so a share set at any time finds the
+-- counts right; a gate used only at priority 0 never writes it. As extra: raised before leases
+-- are added, lowered after they are removed, dropped once no lease is left.
+local function adm_bands(field, units)
   local t = {}
-  local v = adm_get('held')
+  local v = adm_get(field)
   if v then
     for b, u in string.gmatch(v, '(%d%d%d)=(%d+)') do t[b] = tonumber(u) end
   end
+  if units then
+    local rest = units == true and units_held(nil) or units
+    for _, u in pairs(t) do rest = rest - u end
+    t['100'] = math.max(0, rest)
+  end
   return t
+end
+
+local function bands_field(t)
+  local parts = {}
+  for b, u in pairs(t) do
+    if u > 0 then parts[#parts + 1] = b .. '=' .. string.format('%.0f', u) end
+  end
+  if #parts == 0 then return nil end
+  table.sort(parts)
+  return table.concat(parts, ',')
 end
 
 -- The units of the ids among ids[i..j] (step: 1, or 2 for {expires, id, ...} from i = 2) that
@@ -58,19 +79,15 @@ end
 -- (a gate left without leases drops the field, whatever it said).
 local function held_move(d, removed)
   if next(d) == nil then return end
-  local t = held_bands()
+  local t = adm_bands('held')
   for b, u in pairs(d) do t[b] = math.max(0, (t[b] or 0) + u) end
-  local parts = {}
-  for b, u in pairs(t) do
-    if u > 0 then parts[#parts + 1] = b .. '=' .. string.format('%.0f', u) end
-  end
-  table.sort(parts)
-  if #parts == 0 or (removed and redis.call('ZCARD', K_HOLDERS) == 0) then
+  local v = bands_field(t)
+  if v == nil or (removed and redis.call('ZCARD', K_HOLDERS) == 0) then
     ADM['held'] = false
     redis.call('HDEL', K_ADM, 'held')
   else
-    ADM['held'] = table.concat(parts, ',')
-    redis.call('HSET', K_ADM, 'held', ADM['held'])
+    ADM['held'] = v
+    redis.call('HSET', K_ADM, 'held', v)
   end
 end
 

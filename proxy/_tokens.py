@@ -62,9 +62,6 @@ MESSAGE_OVERHEAD = 4
 REPLY_PRIMING = 3
 #: the learnt use is read from a gate snapshot at most this often (seconds), in the background
 REFRESH_S = 5.0
-#: reports of a tenant before its learnt use replaces the route's ``output_tokens`` (as
-#: :meth:`TokenUsage.estimate`'s)
-LEAST_REPORTS = 20
 #: a JSON answer larger than this is not parsed for its usage (nothing settled)
 MAX_ANSWER_PARSE = 4 * 1024 * 1024
 #: an SSE event larger than this (no end in sight) stops the tap: the rest passes untouched
@@ -319,17 +316,15 @@ class TokenPlan:
         return Estimate(prompt, output * sequences, source, body_out, added)
 
     def _learnt(self, prompt: int, tenant: str | None) -> tuple[int, str]:
-        """The output of a call with no bound: what the tenant's calls used on average beyond
-        this prompt (fleet-wide, once :meth:`TokenUsage.estimate`'s 20 reports are in), else
-        the route's ``output_tokens``.
-
-        The mean used per call is the only learnt figure independent of what was asked: a
-        ratio used / asked applied to asks that were themselves scaled by it would feed back
-        (it settles at the square root of the true ratio)."""
+        """The output of a call with no bound: what the tenant's calls used beyond this prompt
+        (fleet-wide, :meth:`TokenUsage.use_per_call`, once its reports are in), else the
+        route's ``output_tokens``. (The mean used per call does not depend on what was asked:
+        a ratio used / asked applied to asks already scaled by it would feed back.)"""
         usage = self.learnt.usage.get(tenant or "")
-        if usage is None or usage.reports < LEAST_REPORTS:
+        mean = usage.use_per_call() if usage is not None else None
+        if mean is None:
             return self.output_tokens, "default"
-        return max(1, math.ceil(usage.used / usage.reports) - prompt), "learnt"
+        return max(1, math.ceil(mean) - prompt), "learnt"
 
     def clamp(self, tokens: int) -> int:
         """``tokens`` within the gate's token ceiling (as last read; an estimate above it would

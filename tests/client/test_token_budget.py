@@ -107,7 +107,8 @@ async def test_token_reports_are_learnt_per_tenant_without_changing_what_is_held
     await gate.flush()
     usage = (await gate.snapshot()).token_usage
     assert (usage["chat"].reports, usage["chat"].asked, usage["chat"].used) == (20, 8000, 2000)
-    assert usage["chat"].estimate(1000) == 250  # what the tenant's calls use of what they ask
+    assert usage["chat"].estimate(1000) == 100  # what the tenant's calls use, per call
+    assert usage["chat"].ratio == 0.25  # of what they asked
     assert usage[""].reports == 1 and usage[""].estimate(1000) == 1000  # too few reports yet
 
 

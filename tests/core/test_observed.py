@@ -104,9 +104,12 @@ def test_token_reports_are_summed_per_tenant_and_read_back() -> None:
     usage = TokenUsage.parse({k: str(v) for k, v in got.items()} | {"tn:x": "garbage"})
     assert usage["chat"] == TokenUsage(reports=2, asked=1000, used=400)
     assert usage["chat"].ratio == 0.4 and usage["x"].reports == 0
-    assert usage["chat"].estimate(1000, least_reports=2) == 400
+    assert (
+        usage["chat"].use_per_call(least_reports=2) == 200 and usage["chat"].use_per_call() is None
+    )
+    assert usage["chat"].estimate(1000, least_reports=2) == 200  # what its calls use per call
     assert usage["chat"].estimate(1000) == 1000  # fewer than 20 reports: what is asked
-    assert TokenUsage(reports=50, asked=100, used=900).estimate(100) == 100  # never above
+    assert TokenUsage(reports=50, asked=5_000, used=45_000).estimate(100) == 100  # never above
     assert Reading.parse({k: str(v) for k, v in got.items()}).ok == 4  # other fields ignored
 
 
@@ -187,3 +190,20 @@ def test_typical_latency_prefers_the_exact_mean_in_the_quantile_bucket() -> None
     )
     assert bucket_of(typical_latency(w) or 0) == bucket_of(0.01)
     assert typical_latency(Reading()) is None
+
+
+@pytest.mark.parametrize("true_share", [0.25, 0.6, 1.0])
+def test_a_caller_charged_by_estimate_converges_to_its_true_use(true_share: float) -> None:
+    """A caller that asks ``raw`` at most, is charged ``estimate(raw)`` and reports what it used
+    (``true_share`` of raw) against that charge: its charge settles at what it uses. (A ratio
+    used / asked applied to asks already scaled by it settles at sqrt(true_share) x raw: 1,000
+    of 2,000 tokens for calls that use 500.)"""
+    raw, usage = 2_000, TokenUsage()
+    used = math.ceil(true_share * raw)
+    charges = []
+    for _ in range(300):
+        charge = usage.estimate(raw)
+        charges.append(charge)
+        usage = TokenUsage(usage.reports + 1, usage.asked + charge, usage.used + used)
+    assert charges[0] == raw  # nothing learnt yet: what is asked
+    assert charges[-1] == used

@@ -78,7 +78,7 @@ def priority_of(lease_id: str) -> int:
 
 def held_field(holders: list[str]) -> str | None:
     """What adm 'held' says of these holders: '<R>=<units>,...' for each band other than 100
-    (its tag 'b<R>' in the id), sorted; None when there is none (lib_units.lua held_bands)."""
+    (its tag 'b<R>' in the id), sorted; None when there is none (lib_units.lua adm_bands)."""
     held: Counter[str] = Counter()
     for lid in holders:
         m = re.search(r":[0-9]+b([0-9]{3})", lid)

@@ -262,3 +262,16 @@ def test_finish_admission_at_the_heartbeat(r: redis.Redis) -> None:
     assert reply[18] == ["p:1"], reply[18:]
     assert int(reply[19][0]) == bound(1, 1)
     assert int(reply[20][0]) == pytest.approx(1000, abs=1)
+
+
+def test_finish_admission_counts_band_100s_own_units(r: redis.Redis) -> None:
+    """Band 100's hold counts its own units only: the units held less those of the other bands
+    (lib_units.lua adm_bands), so a lease of priority -10 beside them lengthens nothing."""
+    g = Gate(r, floor=3, admission=2)
+    assert g.acquire("low:0", priority=-10)[0] == GRANTED
+    assert [g.acquire(f"p:{i}")[0] for i in (0, 1)] == [GRANTED, GRANTED]
+    assert g.acquire("p:2")[0] == PARKED
+    g.set_drain("100", 100, 10_000)  # 10 grants/s with 2 units of band 100 held: 200 ms
+    status, expected = g.acquire("p:3", wait_ms=450)
+    assert (status, expected) == (TOO_LATE, bound(2, 10))
+    assert g.estimate == pytest.approx(200, abs=1)  # not 300: the unit of band 110 is not its

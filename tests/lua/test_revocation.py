@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import redis
@@ -69,6 +72,22 @@ class Gate:
     def holders(self) -> set[str]:
         return set(self.r.zrange(self.keys.holders, 0, -1))
 
+    def marks(self) -> list[str]:
+        return list(self.r.zrangebyscore(self.keys.evicted, 2**52, 2**52))
+
+
+def commands(r: redis.Redis, run: Callable[[], object]) -> Counter[str]:
+    """The Redis commands run while ``run()`` runs, by name (INFO commandstats deltas; the
+    tests' server runs nothing else meanwhile)."""
+
+    def calls() -> Counter[str]:
+        stats = r.info("commandstats")
+        return Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()})
+
+    before = calls()
+    run()
+    return calls() - before
+
 
 def test_a_waiting_head_gets_units_back_from_the_newest_lease_once(r: redis.Redis) -> None:
     g = Gate(r, floor=3)
@@ -115,6 +134,20 @@ def test_the_lowest_band_gives_first_and_only_what_the_head_lacks(r: redis.Redis
     assert g.demand() is None and units(r, g.keys) == 4
 
 
+def test_band_100_is_asked_no_more_than_its_own_units(r: redis.Redis) -> None:
+    """Band 100 holds the units held less the other bands' (lib_units.lua adm_bands): a head
+    lacking more than the bands below it hold asks each for what it holds, no more."""
+    g = Gate(r, floor=4)
+    assert g.acquire("low:1", priority=-10) == GRANTED
+    assert [g.acquire(f"mid:{i}") for i in (1, 2)] == [GRANTED, GRANTED]
+    assert g.acquire("top:1", priority=20) == GRANTED
+    heavy = "i:1w4"  # a head of priority 10 needs all 4 units; below it are 3
+    assert g.acquire(heavy, priority=10) == PARKED
+    time.sleep(REVOKE_S + 0.05)
+    g.beat("i", waiters=[banded(heavy, 10)])
+    assert g.demand() == "100=2,110=1"
+
+
 def test_a_frozen_holder_keeps_its_units_until_its_lease_lapses(r: redis.Redis) -> None:
     """A revoked holder that never beats again holds its units: the head is granted only once
     the lease has lapsed and been reaped."""
@@ -147,3 +180,46 @@ def test_revoke_after_is_stored_and_shown(r: redis.Redis) -> None:
     assert g.acquire("b:1") == GRANTED
     assert r.hget(g.keys.cfg, "revoke_after_ms") == "1500"
     assert GateSettings(revoke_after=1.5).as_cfg()["revoke_after_ms"] == 1500
+
+
+def test_nobody_waiting_and_no_mark_costs_the_heartbeat_no_revocation_lookup(
+    r: redis.Redis,
+) -> None:
+    """With revoke_after, a heartbeat where nobody waits and no lease is revoked only reads adm's
+    demand and mark flag (one HMGET) and, for a pod that holds leases, whether they are revoked
+    (one ZMSCORE): no look for the marks, none at the fair order's first lane."""
+    cost: dict[float | None, list[Counter[str]]] = {}
+    for after in (None, REVOKE_S):
+        g = Gate(r, floor=2, revoke_after=after)
+        assert g.acquire("b:1") == GRANTED
+        g.beat("b", leases=["b:1"])
+        cost[after] = [commands(r, partial(g.beat, "b", leases=ls)) for ls in ([], ["b:1"])]
+    extra = [cost[REVOKE_S][k] - cost[None][k] for k in (0, 1)]
+    assert extra == [Counter(hmget=1), Counter(hmget=1, zmscore=1)]
+
+
+def test_with_nobody_waiting_a_revoked_lease_is_still_told_and_its_mark_dropped(
+    r: redis.Redis,
+) -> None:
+    """The waiter that asked leaves: its holder is still told of the revoked lease every beat,
+    the mark goes with the lease, and then the beats are cheap again."""
+    g = Gate(r, floor=2)
+    assert [g.acquire(f"b:{i}") for i in (1, 2)] == [GRANTED, GRANTED]
+    assert g.acquire("i:1", priority=10) == PARKED
+    time.sleep(REVOKE_S + 0.05)
+    g.beat("i", waiters=[banded("i:1", 10)])
+    assert g.beat("b", leases=["b:2", "b:1"]) == ["b:2"]
+    assert int(g.call("cancel", banded("i:1", 10), g.member(banded("i:1", 10)))[0]) == 1
+    assert r.zcard(g.keys.waiters) == 0
+    for _ in range(2):
+        assert g.beat("b", leases=["b:2", "b:1"]) == ["b:2"] and g.marks() == ["b:2=v"]
+    assert int(g.call("release", 0, "b:2")) == 1
+    assert g.marks() == ["b:2=v"]  # a release leaves the mark to the next heartbeat
+    assert g.beat("b", leases=["b:1"]) == [] and g.marks() == []
+    plain = Gate(r, floor=2, revoke_after=None)  # the same holder's beat without revocation
+    assert plain.acquire("b:1") == GRANTED
+    plain.beat("b", leases=["b:1"])
+    cost = commands(r, lambda: g.beat("b", leases=["b:1"]))
+    assert cost - commands(r, lambda: plain.beat("b", leases=["b:1"])) == Counter(
+        hmget=1, zmscore=1
+    )
