@@ -98,7 +98,7 @@ for i = first, #ARGV, 3 do
   end
 end
 local got = redis.call('HMGET', K_ADM, unpack(fields))
-for k = 3, #fields do ADM[fields[k]] = got[k] end  -- (held: lib_units.lua held_bands)
+for k = 3, #fields do ADM[fields[k]] = got[k] end  -- (held: lib_units.lua adm_bands)
 local units = units_held(got[1])
 local tokens = tokens_held(got[2])
 local queued = redis.call('ZCARD', K_WAITERS)
