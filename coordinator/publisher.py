@@ -19,7 +19,7 @@ from fleetgate._redis import AnyRedis, BatchCall
 from fleetgate.keys import GateKeys, fleet_keys
 from fleetgate.registry import read_registry
 from fleetgate.scripts import PRUNED, GateScripts
-from fleetgate.units import EXTRA_FIELD, units_held
+from fleetgate.units import EXTRA_FIELD, TOKENS_FIELD, tokens_held, units_held
 from fleetgate.util_hash import STATE_FIELD, TOKEN_STATE_FIELD, UtilHash
 
 from .config import GateConfig
@@ -133,13 +133,12 @@ class Publisher:
         for g in gates:
             keys = self.keys(g.name)
             pipe.zcard(keys.holders)
-            pipe.hget(keys.adm, "tok")
+            pipe.hget(keys.adm, TOKENS_FIELD)
         replies = await pipe.execute()
-        out: dict[str, int] = {}
-        for i, g in enumerate(gates):
-            holders, tok = int(replies[2 * i]), replies[2 * i + 1]
-            out[g.name] = max(0, int(float(tok))) if holders and tok else 0
-        return out
+        return {
+            g.name: tokens_held(int(replies[2 * i]), replies[2 * i + 1])
+            for i, g in enumerate(gates)
+        }
 
     async def stored_states(
         self, names: Sequence[str]

@@ -8,17 +8,20 @@ after the ``ZREM``, so a script stopped half-way can only overcount, and a count
 any lease counts nothing.
 
 :func:`units_held` is that rule for a reader that fetched the two values itself (the
-coordinator reads them for every gate in one pipeline).
+coordinator reads them for every gate in one pipeline); :func:`tokens_held` the same for the
+tokens the leases hold (field ``tok``, kept by the same rule).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["EXTRA_FIELD", "units_held"]
+__all__ = ["EXTRA_FIELD", "TOKENS_FIELD", "tokens_held", "units_held"]
 
 #: the field of ``fg:{G}:adm`` with the extra weight of the heavy leases
 EXTRA_FIELD: Final = "extra"
+#: the field of ``fg:{G}:adm`` with the tokens the leases hold (kept by the same rule)
+TOKENS_FIELD: Final = "tok"
 
 _EXACT: Final = 2**53  # the scripts count in doubles: exact below it
 
@@ -30,6 +33,12 @@ def units_held(holders: int, extra: object) -> int:
     if holders <= 0:
         return 0
     return holders + _extra(extra)
+
+
+def tokens_held(holders: int, tok: object) -> int:
+    """Tokens held by ``holders`` leases, ``tok`` being the raw ``adm`` field: the same rule as
+    :func:`units_held` (garbage, negative or beyond exact is 0; no lease holds nothing)."""
+    return _extra(tok) if holders > 0 else 0
 
 
 def _extra(raw: object) -> int:

@@ -33,3 +33,22 @@ async def test_coordinator_reads_units_in_flight(
     # a counter left without leases (a script stopped half-way) counts nothing
     await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "extra", 7)
     assert (await publisher.in_flight(gates))["idle"] == 0
+
+
+async def test_coordinator_reads_tokens_held(
+    rut: RedisUnderTest, async_redis: aredis.Redis
+) -> None:
+    """The tokens a tuned gate's leases hold, as the scripts count them: a counter without
+    leases, or garbage in it, counts nothing."""
+    publisher = Publisher(async_redis, rut.prefix)
+    gates = [GateConfig(name="llm", floor=8, token_limit=1000), GateConfig(name="idle", floor=1)]
+    async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
+        gate = fleet.gate("llm", floor=8, token_limit=1000)
+        leases = [await gate.acquire(tokens=t) for t in (100, 250)]
+        assert await publisher.tokens_held(gates) == {"llm": 350, "idle": 0}
+        await async_redis.hset(GateKeys.of(rut.prefix, "llm").adm, "tok", "garbage")
+        assert (await publisher.tokens_held(gates))["llm"] == 0
+        for lease in leases:
+            await lease.release()
+    await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "tok", 70)
+    assert (await publisher.tokens_held(gates))["idle"] == 0
