@@ -48,6 +48,7 @@ async def test_coordinator_reads_tokens_held(
         assert await publisher.tokens_held(gates) == {"llm": 350, "idle": 0}
         await async_redis.hset(GateKeys.of(rut.prefix, "llm").adm, "tok", "garbage")
         assert (await publisher.tokens_held(gates))["llm"] == 0
+        await async_redis.hset(GateKeys.of(rut.prefix, "llm").adm, "tok", 350)
         for lease in leases:
             await lease.release()
     await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "tok", 70)
