@@ -48,6 +48,9 @@ _CFG_LOWEST = {
     "max_queued_per_tenant": 0,
     "shed_below": -(2**53),
     "schema": 1,
+    # the coordinator's tuned token budget and the server ms it lapses at (publish.lua)
+    "token_target": 1,
+    "token_target_until": 0,
     **{name: low for name, (low, _) in bounds().items()},
 }
 # fg:{G}:tw values: the scripts clamp a tenant weight to [1, 1000] and read garbage as 1.

@@ -198,7 +198,15 @@ async def test_check_knows_the_schema_2_keys(
     # schema 2 without its fence
     await async_redis.hset(keys("open").cfg, mapping={"floor": 1, "schema": 2})
     # garbled tenant weight and per-tenant bound; lanes of the wrong type
-    await async_redis.hset(keys("bad").cfg, mapping={"max_queued_per_tenant": "x", "schema": 2})
+    await async_redis.hset(
+        keys("bad").cfg,
+        mapping={
+            "max_queued_per_tenant": "x",
+            "schema": 2,
+            "token_target": "0",
+            "token_target_until": "1e400",
+        },
+    )
     await async_redis.set(keys("bad").queue, "fence")
     await async_redis.hset(keys("bad").tenant_weights, mapping={"a": "2", "b": "nan", "c": "5000"})
     await async_redis.set(keys("bad").lanes, "x")
@@ -212,7 +220,7 @@ async def test_check_knows_the_schema_2_keys(
         "old": [("warning", "schema")],
         "mixed": [("error", "wrong_type")],
         "open": [("warning", "schema")],
-        "bad": [("error", "bad_value")] * 3 + [("error", "wrong_type")],
+        "bad": [("error", "bad_value")] * 5 + [("error", "wrong_type")],
     }
     [mixed] = await find_bad_keys(async_redis, rut.prefix, ["mixed"])
     assert "HDEL" in mixed.message and keys("mixed").queue in mixed.message
