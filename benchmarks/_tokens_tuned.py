@@ -14,7 +14,7 @@ from typing import Any
 from fleetgate.coordinator.config import Config
 from fleetgate.coordinator.daemon import Coordinator
 
-__all__ = ["converged_at", "tuned_coordinator"]
+__all__ = ["converged_at", "effective", "tuned_coordinator"]
 
 #: the tuned ways' poll interval (seconds): the convergence goal counts polls
 POLL = 1.0
@@ -94,6 +94,7 @@ async def tuned_coordinator(
                     "kv_usage": None if s is None else s.kv_cache_usage,
                     "preempted": None if s is None else s.preempted,
                     "tokens_held": p.tokens_held,
+                    "use_ratio": t.state.use_ratio,
                 }
             )
         return pubs
@@ -108,12 +109,18 @@ async def tuned_coordinator(
         await asyncio.wait_for(task, 30)
 
 
+def effective(poll: dict[str, Any]) -> float:
+    """A poll's budget in tokens the calls use: the charged budget x the use ratio the
+    coordinator measured (1 before it knew one)."""
+    return float(poll["budget"]) * (poll.get("use_ratio") or 1.0)
+
+
 def converged_at(polls: Sequence[dict[str, Any]], capacity: float) -> int | None:
-    """The first poll (1-based) from which every budget stays within :data:`NEAR` of
-    ``capacity``; None when the last poll is not."""
+    """The first poll (1-based) from which every budget, in tokens used (:func:`effective`),
+    stays within :data:`NEAR` of ``capacity``; None when the last poll is not."""
     first = None
     for i, p in enumerate(polls, start=1):
-        if abs(p["budget"] - capacity) <= NEAR * capacity:
+        if abs(effective(p) - capacity) <= NEAR * capacity:
             first = first or i
         else:
             first = None

@@ -100,7 +100,9 @@ class Gates:
             outcomes, latency = self.windows.update(gate.name, reading)
             view = PollView(signals, in_flight, outcomes, latency)
             decision, observed = control.decide(view, now)
-            budget = tokens.decide(signals, tokens_held, now) if tokens is not None else None
+            budget = (
+                tokens.decide(signals, tokens_held, now, outcomes) if tokens is not None else None
+            )
             pub = Publication(
                 gate, decision, signals, in_flight, now, observed, tuple(urls), budget, tokens_held
             )

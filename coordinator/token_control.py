@@ -20,6 +20,8 @@ from .token_tuning import (
 )
 
 if TYPE_CHECKING:
+    from fleetgate.observed import Reading
+
     from .config import CoordinatorSettings, GateConfig
     from .scrape.signal_struct import Signals
 
@@ -46,8 +48,15 @@ class TokenControl:
         self.params = params
         self.state: TokenState | None = None
 
-    def decide(self, signals: Signals | None, held: int | None, now: float) -> TokenDecision:
-        """One step on the poll's signals and the tokens the fleet holds (None: unknown)."""
+    def decide(
+        self,
+        signals: Signals | None,
+        held: int | None,
+        now: float,
+        settled: Reading | None = None,
+    ) -> TokenDecision:
+        """One step on the poll's signals, the tokens the fleet holds (None: unknown) and the
+        calls settled since the last poll (``settled``: the obs window; None: unknown)."""
         view = None
         if signals is not None:
             view = TokenView(
@@ -57,6 +66,9 @@ class TokenControl:
                 waiting=signals.waiting_capacity,
                 held=held,
                 ok=signals.ok,
+                reports=settled.tok_reports if settled else 0,
+                charged=settled.tok_asked if settled else 0,
+                used=settled.tok_used if settled else 0,
             )
         decision = token_step(self._state(), view, self.params, now)
         self.state = decision.state

@@ -12,10 +12,17 @@ The rule, per poll (constants in :class:`TokenParams`; ``docs/aimd.md``, "The to
 
 ``S`` is the capacity the server states, in tokens (vLLM's ``cache_config_info`` blocks x
 block size, SGLang's ``max_total_num_tokens``, TGI's ``tgi_batch_max_total_tokens``,
-TensorRT-LLM's KV blocks x tokens per block), times ``overcommit``; ``L`` the budget learnt at
-the last exhaustion (scaled by how ``S`` moved since); the bound is the smaller of the two
-known, never above ``high`` (the gate's ``token_ceiling``, else its ``token_limit``: as the
-request limit's target never passes the ceiling; the scripts clamp a published budget to it too).
+TensorRT-LLM's KV blocks x tokens per block), times ``overcommit``, in the budget's own unit:
+the tokens callers are *charged*. Callers charge an upper bound (a prompt estimated on the safe
+side, ``max_tokens`` in full) and the settlements say what the calls used (``report(tokens=)``:
+the obs counters ``ta``/``tu``); with ``r`` = used / charged (a running mean over the polls
+whose window settled ``min_reports`` calls or more), ``S`` counts ``max(1, kv_target / r)``
+charged tokens per token of cache (at most ``max_stretch``): a fleet that charges 30 % more
+than it uses fills the cache to ``kv_target`` (0.98) at a budget 1.27 x the cache. ``L`` is the
+budget learnt at the last exhaustion (scaled by how ``S`` moved since); the bound is the
+smaller of the two known, never above ``high`` (the gate's ``token_ceiling``, else its
+``token_limit``: as the request limit's target never passes the ceiling; the scripts clamp a
+published budget to it too).
 
 1. signals unknown (scrape failed) -> ``hold_unknown``, not re-published (the published budget
    lapses to ``token_limit``); after ``unknown_reset_polls`` such polls, ``token_limit`` is
@@ -110,6 +117,12 @@ class TokenParams(msgspec.Struct, frozen=True):
     probe_polls: int = 10
     #: a probe's step, as a fraction of the budget
     probe: float = 0.05
+    #: settled calls a poll's window needs before its used / charged ratio counts
+    min_reports: int = 10
+    #: the cache's share the budget aims to fill when the charges exceed the use
+    kv_target: float = 0.98
+    #: the most charged tokens counted per token of cache
+    max_stretch: float = 4.0
 
     def __post_init__(self) -> None:
         if not (
@@ -125,6 +138,9 @@ class TokenParams(msgspec.Struct, frozen=True):
             and self.drain_polls >= 0
             and self.probe_polls >= 1
             and 0 < self.probe <= 1
+            and self.min_reports >= 1
+            and 0 < self.kv_target <= 1
+            and self.max_stretch >= 1
         ):
             raise ConfigError(f"token budget constants out of range: {self!r}")
 
@@ -151,6 +167,8 @@ class TokenState(msgspec.Struct, frozen=True):
     last_cut: float | None = None
     near_full_streak: int = 0
     unknown_streak: int = 0
+    #: tokens used per token charged, a running mean of the settled windows (None: unknown)
+    use_ratio: float | None = None
 
     @classmethod
     def initial(cls, params: TokenParams) -> TokenState:
@@ -174,6 +192,11 @@ class TokenView(msgspec.Struct, frozen=True):
     held: int | None = None
     #: the scrape was usable
     ok: bool = True
+    #: the calls settled since the last poll (``report(tokens=)``), the tokens they were
+    #: charged and the tokens they used
+    reports: int = 0
+    charged: int = 0
+    used: int = 0
 
 
 class TokenDecision(msgspec.Struct, frozen=True):
@@ -189,9 +212,22 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value >= 0 else None
 
 
-def _stated(view: TokenView, p: TokenParams) -> float | None:
+def _use_ratio(state: TokenState, view: TokenView, p: TokenParams) -> float | None:
+    """Tokens used per token charged: this poll's settlements averaged into the last mean,
+    when they are ``min_reports`` calls or more."""
+    if view.reports < p.min_reports or view.charged <= 0 or view.used <= 0:
+        return state.use_ratio
+    ratio = view.used / view.charged
+    return ratio if state.use_ratio is None else (state.use_ratio + ratio) / 2
+
+
+def _stated(view: TokenView, p: TokenParams, ratio: float | None) -> float | None:
+    """The stated cache in charged tokens (module docstring), None when unstated."""
     stated = _finite(view.stated)
-    return stated * p.overcommit if stated is not None and stated >= 1 else None
+    if stated is None or stated < 1:
+        return None
+    stretch = 1.0 if ratio is None else min(p.max_stretch, max(1.0, p.kv_target / ratio))
+    return stated * p.overcommit * stretch
 
 
 def _learnt(state: TokenState, stated: float | None) -> float | None:
@@ -230,8 +266,9 @@ def token_step(
     state = msgspec.structs.replace(state, budget=budget)
     if view is None or not view.ok:
         return _unknown(state, p)
-    state = msgspec.structs.replace(state, unknown_streak=0)
-    stated = _stated(view, p)
+    ratio = _use_ratio(state, view, p)
+    state = msgspec.structs.replace(state, unknown_streak=0, use_ratio=ratio)
+    stated = _stated(view, p, ratio)
     if stated is not None and budget > p.clamp(stated):
         # Above what the cache holds: straight down to it, whatever else this poll saw. A
         # preemption now is the budget's excess, not a short estimate: nothing is learnt, and
@@ -293,6 +330,7 @@ def _unknown(state: TokenState, p: TokenParams) -> TokenDecision:
             learnt=state.learnt,
             learnt_stated=state.learnt_stated,
             unknown_streak=streak,
+            use_ratio=state.use_ratio,
         )
         reason = TokenReason.RESET if first else TokenReason.HOLD_UNKNOWN
         return TokenDecision(new, configured, reason, first and state.budget != configured)
@@ -325,5 +363,6 @@ def load_token_state(
             budget=params.clamp(params.configured),
             learnt=state.learnt,
             learnt_stated=state.learnt_stated,
+            use_ratio=state.use_ratio,
         )
     return msgspec.structs.replace(state, budget=params.clamp(state.budget))

@@ -91,6 +91,8 @@ _LAT_N, _LAT_US = "lat_n", "lat_us"
 _COUNT_FIELDS = (*OUTCOMES, _LAT_N, _LAT_US)
 _BUCKET_FIELDS = tuple(f"b{i}" for i in range(OVERFLOW + 1))
 _BUCKET_OF_FIELD = {name: i for i, name in enumerate(_BUCKET_FIELDS)}
+#: the per-tenant settlement counters (``tn:<tenant>`` ...) a reading sums over its tenants
+_TOKEN_SUMS = {"tn": "tok_reports", "ta": "tok_asked", "tu": "tok_used"}
 
 
 def bucket_of(latency_s: float) -> int:
@@ -162,7 +164,9 @@ class Reading(msgspec.Struct, frozen=True):
     """The obs counters of one gate at one instant, or the difference of two (a window).
 
     ``at`` is the time of the reading (seconds, the coordinator's shared clock); in a window,
-    ``seconds`` is its length. ``buckets`` is sparse: bucket index -> count.
+    ``seconds`` is its length. ``buckets`` is sparse: bucket index -> count. ``tok_*`` are the
+    settlements of every tenant together: calls that reported their tokens, the tokens they
+    were charged, the tokens they used.
     """
 
     ok: int = 0
@@ -174,6 +178,9 @@ class Reading(msgspec.Struct, frozen=True):
     buckets: dict[int, int] = msgspec.field(default_factory=dict)
     at: float = 0.0
     seconds: float = 0.0
+    tok_reports: int = 0
+    tok_asked: int = 0
+    tok_used: int = 0
 
     @classmethod
     def parse(cls, raw: Mapping[bytes, bytes] | Mapping[str, str], at: float = 0.0) -> Reading:
@@ -193,6 +200,9 @@ class Reading(msgspec.Struct, frozen=True):
                 counts[name] = n
             elif name in _BUCKET_OF_FIELD:
                 buckets[_BUCKET_OF_FIELD[name]] = n
+            elif name[2:3] == ":" and name[:2] in _TOKEN_SUMS:
+                total = _TOKEN_SUMS[name[:2]]
+                counts[total] = counts.get(total, 0) + n
         return cls(**counts, buckets=buckets, at=at)
 
     @property
@@ -219,7 +229,7 @@ def delta(prev: Reading | None, cur: Reading) -> Reading | None:
     if prev is None or cur.at < prev.at:
         return None
     fields = {}
-    for name in _COUNT_FIELDS:
+    for name in (*_COUNT_FIELDS, *_TOKEN_SUMS.values()):
         d = getattr(cur, name) - getattr(prev, name)
         if d < 0:
             return None

@@ -164,3 +164,41 @@ def test_stored_state_round_trips_and_garbage_starts_fresh() -> None:
 def test_constants_out_of_range_are_a_config_error() -> None:
     with pytest.raises(ConfigError, match="token budget constants"):
         TokenParams(configured=1000, low=2000, high=1500)
+
+
+def settled(budget: int, ratio: float, reports: int = 50) -> TokenView:
+    """A busy poll whose window settled ``reports`` calls using ``ratio`` of their charges."""
+    charged = 10_000
+    return msgspec.structs.replace(
+        busy(budget), reports=reports, charged=charged, used=round(charged * ratio)
+    )
+
+
+def test_charges_above_the_use_stretch_the_cache_to_kv_target() -> None:
+    """Calls that use 77 % of what they are charged: the cache holds 0.98 / 0.77 of itself in
+    charges, and the budget goes there (the tokens actually held: 98 % of the cache)."""
+    p = TokenParams(configured=CAPACITY, high=4 * CAPACITY)
+    budgets = run(p, TokenState.initial(p), 4, lambda b: settled(b, 0.77))
+    stretched = int(CAPACITY * 0.98 / 0.77)
+    assert budgets[-1] == stretched and budgets[0] == stretched
+    assert abs(budgets[-1] * 0.77 - 0.98 * CAPACITY) <= 2
+
+
+def test_exact_or_short_charges_stretch_nothing_and_few_reports_count_not() -> None:
+    p = TokenParams(configured=CAPACITY, high=4 * CAPACITY)
+    for ratio in (1.0, 1.3):  # exact, or calls that use more than they are charged
+        assert run(p, TokenState.initial(p), 3, lambda b, r=ratio: settled(b, r)) == [CAPACITY] * 3
+    few = run(p, TokenState.initial(p), 3, lambda b: settled(b, 0.5, reports=3))
+    assert few == [CAPACITY] * 3
+    # at most max_stretch charged tokens per token of cache
+    wild = run(p, TokenState.initial(p), 4, lambda b: settled(b, 0.01))
+    assert wild[-1] == 4 * CAPACITY
+
+
+def test_the_use_ratio_is_a_running_mean_kept_across_polls_without_reports() -> None:
+    p = TokenParams(configured=CAPACITY, high=4 * CAPACITY)
+    d = token_step(TokenState.initial(p), settled(CAPACITY, 0.5), p, 0.0)
+    d = token_step(d.state, settled(d.budget, 0.7), p, 1.0)
+    assert d.state.use_ratio == pytest.approx(0.6)
+    quiet = token_step(d.state, busy(d.budget), p, 2.0)  # no calls settled this poll
+    assert quiet.state.use_ratio == pytest.approx(0.6) and quiet.budget == d.budget

@@ -207,3 +207,28 @@ def test_a_caller_charged_by_estimate_converges_to_its_true_use(true_share: floa
         usage = TokenUsage(usage.reports + 1, usage.asked + charge, usage.used + used)
     assert charges[0] == raw  # nothing learnt yet: what is asked
     assert charges[-1] == used
+
+
+def test_a_reading_sums_the_settlements_of_every_tenant() -> None:
+    """tn/ta/tu per tenant summed (the coordinator's token budget reads the gate's used /
+    charged), and a window of them as of every counter."""
+    from fleetgate.observed import Reading, delta
+
+    first = Reading.parse({b"tn:": b"2", b"ta:": b"400", b"tu:": b"300", b"ok": b"2"}, at=1.0)
+    second = Reading.parse(
+        {
+            "tn:": "3",
+            "ta:": "600",
+            "tu:": "420",
+            "tn:a": "5",
+            "ta:a": "1000",
+            "tu:a": "500",
+            "ok": "2",
+        },
+        at=2.0,
+    )
+    assert (first.tok_reports, first.tok_asked, first.tok_used) == (2, 400, 300)
+    window = delta(first, second)
+    assert window is not None
+    assert (window.tok_reports, window.tok_asked, window.tok_used) == (6, 1200, 620)
+    assert delta(second, first) is None  # counters went down: the window is unknown
