@@ -41,6 +41,19 @@ __all__ = ["PROGRESS_EVERY", "LiveRun"]
 PROGRESS_EVERY = 5  # seconds between plain progress lines when stdout is not a terminal
 
 
+def _server_kv(srv: dict[str, Any] | None) -> dict[str, int | None]:
+    """The KV cache a simulator states in ``/admin/stats`` (blocks x block size, as its
+    ``vllm:cache_config_info``), what it uses and its preemptions; None each without one."""
+    if not srv or "kv_blocks" not in srv:
+        return {}
+    block = int(srv["block_size"])
+    return {
+        "server_kv_tokens": int(srv["kv_blocks"]) * block,
+        "server_kv_used": int(srv["kv_blocks_used"]) * block,
+        "server_preemptions": int(srv["preemptions"]),
+    }
+
+
 class LiveRun:
     """The live phase: sample every second, kill the leader halfway, halve a server at 2/3."""
 
@@ -179,6 +192,10 @@ class LiveRun:
                 server_running=srv.get("running") if srv else None,
                 server_waiting=srv.get("waiting") if srv else None,
                 server_capacity=srv.get("capacity") if srv else None,
+                token_limit=row.token_limit,
+                tokens_held=row.tokens if row.token_limit is not None else None,
+                token_reason=row.token_reason,
+                **_server_kv(srv),
             )
         sample = Sample(
             t=round(t, 2),

@@ -17,10 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from fleetgate.demo.report import DemoRecord, GateInfo, Sample
+from fleetgate.demo.token_budget import TOLERANCE, token_budget_run
 
 __all__ = [
     "BATCH_QUEUE_COLOUR",
+    "BUDGET_LABEL",
     "SERVER_QUEUE_COLOUR",
+    "STATED_KV_LABEL",
+    "TOKENS_HELD_LABEL",
+    "TOKEN_PANEL_TITLE",
     "CapacityMark",
     "OverLimit",
     "capacity_marks",
@@ -29,12 +34,22 @@ __all__ = [
     "kept_waits",
     "over_lowered_limit",
     "plot",
+    "token_gates",
 ]
 
 SERVER_QUEUE_COLOUR = "tab:red"  # requests waiting inside a model server (saturation)
 BATCH_QUEUE_COLOUR = "tab:purple"  # callers parked in the gate (the batch backlog)
 CAPACITY_MARK_COLOUR = "dimgrey"
 OVER_LIMIT_COLOUR = "tab:orange"
+OVER_LIMIT_NOTE_APART = 5.0  # seconds: over-limit spans closer than this share one note
+BUDGET_COLOUR = "tab:blue"
+TOKENS_HELD_COLOUR = "tab:orange"
+KV_USED_COLOUR = "tab:green"
+STATED_KV_COLOUR = "tab:brown"
+TOKEN_PANEL_TITLE = "token budget"
+BUDGET_LABEL = "token budget in force (tuned)"
+TOKENS_HELD_LABEL = "tokens held by the fleet"
+STATED_KV_LABEL = "server's stated KV cache"
 _NEVER_REVOKES = "lowering a limit never revokes a lease;\nthe calls admitted before it finish"
 
 
@@ -127,6 +142,16 @@ def _series(samples: Sequence[Sample], gate: str, field: str) -> list[float]:
     return out
 
 
+def _mark_failover(ax: Any, rec: DemoRecord) -> None:
+    """A vertical line where the leader was killed, shaded until the new leader published."""
+    fo = rec.failover
+    if fo is not None:
+        ax.axvline(fo.kill_t, color="black", ls="--", lw=1.2, label="leader SIGKILLed")
+        if fo.published_after is not None:
+            end = fo.kill_t + fo.published_after
+            ax.axvspan(fo.kill_t, end, color="gold", alpha=0.25, label="no live leader")
+
+
 def _mark_capacity(ax: Any, rec: DemoRecord, info: GateInfo) -> None:
     """A vertical line where the server's capacity was changed, and from what to what."""
     for m in capacity_marks(rec, info.name):
@@ -141,11 +166,16 @@ def _mark_capacity(ax: Any, rec: DemoRecord, info: GateInfo) -> None:
 
 def _mark_over_limit(ax: Any, samples: Sequence[Sample], info: GateInfo) -> None:
     """Hatch where in-flight sits above a lowered limit and say why it may, in a note beside it
-    (right of it, or left when it is late in the run), up in the panel, clear of the lines."""
+    (right of it, or left when it is late in the run), up in the panel, clear of the lines. Spans
+    a few seconds apart (a limit lowered in two steps) share the first one's note."""
     right = samples[-1].t if samples else 0.0
+    noted: float | None = None  # the start of the last span with a note
     for span in over_lowered_limit(samples, info.name):
         ax.axvspan(span.start, span.end, fill=False, hatch="///", ec=OVER_LIMIT_COLOUR, lw=0,
                    label="in-flight above a lowered limit")  # fmt: skip
+        if noted is not None and span.start - noted <= OVER_LIMIT_NOTE_APART:
+            continue
+        noted = span.start
         late = span.end > 0.75 * right
         ax.annotate(
             f"in-flight {span.in_flight} > limit {span.limit}:\n{_NEVER_REVOKES}",
@@ -172,17 +202,61 @@ def _plot_gate(ax: Any, rec: DemoRecord, samples: Sequence[Sample], info: GateIn
     limit = _series(samples, info.name, "limit")
     ax.step(t, limit, where="post", color="tab:blue", lw=2.2, label="limit (target, else floor)")
     ax.axhline(info.floor, color="tab:blue", ls=":", lw=1, label="floor")
-    fo = rec.failover
-    if fo is not None:
-        ax.axvline(fo.kill_t, color="black", ls="--", lw=1.2, label="leader SIGKILLed")
-        if fo.published_after is not None:
-            end = fo.kill_t + fo.published_after
-            ax.axvspan(fo.kill_t, end, color="gold", alpha=0.25, label="no live leader")
+    _mark_failover(ax, rec)
     _mark_capacity(ax, rec, info)
     _mark_over_limit(ax, samples, info)
     kind = "adaptive (AIMD on vLLM metrics)" if info.adaptive else "fixed"
     ax.set_title(f"gate {info.name} — {kind}, floor {info.floor}", loc="left", fontsize=10)
     ax.set_ylabel("requests")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+
+
+def token_gates(rec: DemoRecord) -> list[GateInfo]:
+    """The gates that get a token panel: those with a token budget recorded."""
+    return [
+        info
+        for info in rec.gates
+        if any((g := x.gates.get(info.name)) and g.token_limit is not None for x in rec.samples)
+    ]
+
+
+def _plot_tokens(ax: Any, rec: DemoRecord, samples: Sequence[Sample], info: GateInfo) -> None:
+    """A gate's token panel: the budget in force (tuned from the configured token_limit), the
+    tokens the fleet holds, the KV cache the server uses and states (dashed)."""
+    t = [x.t for x in samples]
+    used = [0.0 if v != v else v for v in _series(samples, info.name, "server_kv_used")]
+    ax.fill_between(t, 0, used, step="post", color=KV_USED_COLOUR, alpha=0.2,
+                    label="server KV cache used")  # fmt: skip
+    ax.step(t, _series(samples, info.name, "server_kv_tokens"), where="post",
+            color=STATED_KV_COLOUR, ls="--", lw=1.6, label=STATED_KV_LABEL, zorder=3)  # fmt: skip
+    ax.plot(t, _series(samples, info.name, "tokens_held"), color=TOKENS_HELD_COLOUR, lw=1.4,
+            label=TOKENS_HELD_LABEL)  # fmt: skip
+    ax.step(t, _series(samples, info.name, "token_limit"), where="post", color=BUDGET_COLOUR,
+            lw=2.2, label=BUDGET_LABEL)  # fmt: skip
+    _mark_failover(ax, rec)
+    _mark_capacity(ax, rec, info)
+    run = token_budget_run(samples, info.name)
+    if run is not None and run.reached_at is not None:
+        late = run.reached_at > 0.6 * (samples[-1].t if samples else 0.0)  # the note's side
+        ax.annotate(
+            f"within {TOLERANCE:.0%} of the stated cache at {run.reached_at:.1f} s;\n"
+            f"converged at {run.final:,} tokens",
+            xy=(run.reached_at, run.final), xycoords="data",
+            xytext=(run.reached_at + (-1.0 if late else 1.0), 0.3),
+            textcoords=ax.get_xaxis_transform(), ha="right" if late else "left", va="center",
+            fontsize=8,
+            arrowprops={"arrowstyle": "->", "color": BUDGET_COLOUR},
+            bbox={"boxstyle": "round", "fc": "white", "ec": BUDGET_COLOUR, "alpha": 0.9},
+        )  # fmt: skip
+    start = f" from {info.token_limit:,}" if info.token_limit is not None else ""
+    ax.set_title(
+        f"gate {info.name} — {TOKEN_PANEL_TITLE}{start} (configured token_limit), tuned to "
+        "the KV cache the server states",
+        loc="left",
+        fontsize=10,
+    )
+    ax.set_ylabel("tokens")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
 
@@ -225,14 +299,20 @@ def figure(rec: DemoRecord) -> Any:
     from matplotlib.figure import Figure
 
     samples = kept_samples(rec)
-    n = len(rec.gates)
+    tokens = {info.name for info in token_gates(rec)}
+    panels: list[tuple[Any, GateInfo]] = []  # (draw, gate): a gate's token panel follows it
+    for info in rec.gates:
+        panels.append((_plot_gate, info))
+        if info.name in tokens:
+            panels.append((_plot_tokens, info))
+    n = len(panels)
     extra = 1 if rec.interactive.get("waits") else 0
     fig = Figure(figsize=(11, 2.9 * (n + extra)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(n + extra, 1, sharex=True, squeeze=False)[:, 0]
     legend: dict[str, Any] = {}  # label → handle, over every gate's panel, in order
-    for ax, info in zip(axes[:n], rec.gates, strict=True):
-        _plot_gate(ax, rec, samples, info)
+    for ax, (draw, info) in zip(axes[:n], panels, strict=True):
+        draw(ax, rec, samples, info)
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             legend.setdefault(label, handle)
     if extra:

@@ -11,9 +11,11 @@ from fleetgate.coordinator.config import CoordinatorSettings
 from fleetgate.tools.load import Kind
 
 __all__ = [
+    "BLOCK_SIZE",
     "COORDINATORS",
     "GATES",
     "INGEST_LOOPS",
+    "KV_TOKENS",
     "LEADER_TTL",
     "POLL_INTERVAL",
     "SEARCH_RATE",
@@ -29,6 +31,8 @@ SEARCH_RATE = 4.0  # the search pod's interactive calls per second
 INGEST_LOOPS = 240  # its batch backlog at two thirds of the run
 LEADER_TTL = _DEFAULTS.leader_ttl
 COORDINATORS = ("coord-a", "coord-b")
+KV_TOKENS = 40_960  # the chat simulator's KV cache (2,560 blocks of 16 tokens)
+BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,26 @@ class DemoGate:
     users: int  # per worker
     calls: int  # calls per request
     fan: int  # of which at most this many at once
+    #: the simulator's KV cache in tokens (None: slots alone). With it the gate has a token
+    #: budget, tuned by the coordinator from the cache the server states: it starts at
+    #: ``token_limit`` (deliberately a quarter of the cache) and may reach ``token_ceiling``
+    kv_tokens: int | None = None
+    token_limit: int | None = None
+    token_ceiling: int | None = None
+    prompt_tokens: int = 0  # each call's prompt (tools/load.py: GateLoad.prompt_tokens)
+    max_tokens: int = 0  # and the output it asks (0: the load's default)
 
 
 GATES = (
+    # A call: 600 prompt tokens + 128 out = 736 tokens of KV cache at its end (46 blocks); it is
+    # charged 800 + 128 = 928 (its prompt at 3 characters a token). The 40,960-token cache holds
+    # 44 such charges: the token budget, not the 48 slots, bounds the calls until the slots
+    # are halved (24) at two thirds of the run.
     DemoGate(
         name="llama-3.1-8b", kind="chat", model="meta-llama/Llama-3.1-8B-Instruct",
         capacity=48, floor=4, service_ms=1500.0, users=24, calls=1, fan=1,
+        kv_tokens=KV_TOKENS, token_limit=KV_TOKENS // 4, token_ceiling=2 * KV_TOKENS,
+        prompt_tokens=600, max_tokens=128,
     ),
     DemoGate(
         name="bge-m3", kind="embed", model="BAAI/bge-m3",

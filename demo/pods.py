@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from fleetgate.demo.children import STARTUP_TIMEOUT, Children, wait_for
-from fleetgate.demo.plan import GATES, INGEST_LOOPS, SEARCH_RATE, Setup
+from fleetgate.demo.plan import BLOCK_SIZE, GATES, INGEST_LOOPS, SEARCH_RATE, Setup
 from fleetgate.demo.report import worker_totals
 from fleetgate.demo.search_contract import SPEC_ENV as INTERACTIVE_ENV
 from fleetgate.demo.search_contract import InteractiveSpec
@@ -57,6 +57,10 @@ def start_workers(
             calls=g.calls,
             fan=g.fan,
             stream=g.kind == "chat",  # the LLM's callers read streamed replies
+            prompt_tokens=g.prompt_tokens,
+            max_tokens=g.max_tokens,
+            # a token budget's callers charge each call and report what its usage says
+            token_block=BLOCK_SIZE if g.token_limit is not None else 0,
         )
         for g in GATES
     ]

@@ -18,7 +18,7 @@ import redis
 
 from fleetgate._redis import redact
 from fleetgate.demo.children import STARTUP_TIMEOUT, Children, DemoError, wait_for
-from fleetgate.demo.plan import COORDINATORS, GATES, DemoGate, Setup
+from fleetgate.demo.plan import BLOCK_SIZE, COORDINATORS, GATES, DemoGate, Setup
 from fleetgate.demo.pods import start_gateway, start_search_pod, start_workers
 from fleetgate.keys import fleet_keys
 from fleetgate.tools.redisproc import RedisServerMissing, free_port
@@ -56,6 +56,8 @@ def _sim_argv(gate: DemoGate, port: int) -> list[str]:
         opts = ["fleetgate.tools.sim.vllm", "--capacity", str(gate.capacity)]
         opts += ["--model", gate.model, "--service-ms", str(gate.service_ms)]
         opts += ["--service-dist", "lognormal"]
+        if gate.kv_tokens is not None:
+            opts += ["--kv-tokens", str(gate.kv_tokens), "--block-size", str(BLOCK_SIZE)]
     return [sys.executable, "-m", *opts, "--port", str(port), "--log-level", "warning"]
 
 
@@ -79,7 +81,8 @@ def _start_sim(children: Children, gate: DemoGate, say: Callable[[str], None]) -
                 if "address already in use" in str(exc).lower():
                     continue
                 raise
-        say(f"  {name:<12} {url}  ({gate.model}, capacity {gate.capacity})")
+        kv = f", KV cache {gate.kv_tokens:,} tokens" if gate.kv_tokens is not None else ""
+        say(f"  {name:<12} {url}  ({gate.model}, capacity {gate.capacity}{kv})")
         return url
     raise DemoError(f"{name}: no free port found")
 
@@ -104,6 +107,10 @@ def _config_toml(redis_url: str, prefix: str, urls: dict[str, str]) -> str:
         else:
             # a fixed cap on the reranker (a gate without metrics is latency-driven by default)
             lines.append('signal = "fixed"')
+        if g.token_limit is not None:
+            # a quarter of the cache: the coordinator tunes it to the cache the server states
+            lines.append(f"token_limit = {g.token_limit}")
+            lines.append(f"token_ceiling = {g.token_ceiling or g.token_limit}")
         lines.append("max_queued = 1000")
     return "\n".join(lines) + "\n"
 
@@ -171,6 +178,9 @@ def prepare(
             adaptive=g.kind != "rerank",
             capacity=g.capacity,
             url=urls[g.name],
+            kv_tokens=g.kv_tokens,
+            token_limit=g.token_limit,
+            token_ceiling=g.token_ceiling,
         )
         for g in GATES
     ]

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from fleetgate.demo.token_budget import TOLERANCE, token_budget_run
+
 __all__ = [
     "DemoRecord",
     "Event",
@@ -35,6 +37,11 @@ class GateInfo(msgspec.Struct, kw_only=True):
     adaptive: bool
     capacity: int
     url: str
+    #: the simulator's KV cache (tokens; None: slots alone) and the gate's token budget as
+    #: configured: where tuning starts, and the most it may reach (None: no token budget)
+    kv_tokens: int | None = None
+    token_limit: int | None = None
+    token_ceiling: int | None = None
 
 
 class GateSample(msgspec.Struct, kw_only=True):
@@ -49,6 +56,15 @@ class GateSample(msgspec.Struct, kw_only=True):
     server_running: int | None
     server_waiting: int | None
     server_capacity: int | None
+    #: the token budget in force (the tuned one, else the configured ``token_limit``; None: the
+    #: gate has none) and the tokens the fleet's leases hold (Redis)
+    token_limit: int | None = None
+    tokens_held: int | None = None
+    token_reason: str | None = None
+    #: the KV cache the server states (blocks x block size), what it uses, its preemptions
+    server_kv_tokens: int | None = None
+    server_kv_used: int | None = None
+    server_preemptions: int | None = None
 
 
 class Sample(msgspec.Struct, kw_only=True):
@@ -161,6 +177,14 @@ def render_view(rec: DemoRecord, s: Sample, width: int = 100) -> str:
             f"{g.queued:>6} {'yes' if g.saturated else 'no':>3} {_v(reason)[:15]:<15} "
             f"{_v(g.server_running):>7} {_v(g.server_waiting):>4} {_v(g.server_capacity):>4}"
         )
+    for info in rec.gates:
+        g = s.gates.get(info.name)
+        if g is not None and g.token_limit is not None:
+            lines.append(
+                f"{info.name[:nw]:<{nw}} tokens {_v(g.tokens_held)}/{g.token_limit} "
+                f"{_v(g.token_reason)}  srv KV {_v(g.server_kv_tokens)} used "
+                f"{_v(g.server_kv_used)} preempted {_v(g.server_preemptions)}"
+            )
     lines += ["", f"workers: {s.requests_ok} requests done, {s.errors} failed"]
     if s.ingest_loops is not None:
         lines.append(
@@ -181,6 +205,7 @@ def progress_line(s: Sample) -> str:
     """One plain line for a non-TTY stdout."""
     gates = "  ".join(
         f"{name.split('/')[0][:14]}: limit {g.limit} in-fl {g.in_flight} q {g.queued}"
+        + (f" tokens {g.tokens_held}/{g.token_limit}" if g.token_limit is not None else "")
         for name, g in s.gates.items()
     )
     return f"[{s.t:5.1f}s] leader {s.leader or '-'} epoch {_v(s.epoch)} | {gates} | " + (
@@ -213,8 +238,19 @@ def summarize(rec: DemoRecord) -> dict[str, Any]:
         "worker_errors": rec.workers.get("errors", 0),
         "worker_errors_by_gate": rec.workers.get("errors_by_gate", {}),
         "gateway": rec.workers.get("gateway", {}),
+        "token_budgets": _token_summary(rec),
         **_interactive_summary(rec),
     }
+
+
+def _token_summary(rec: DemoRecord) -> dict[str, Any]:
+    """Per gate with a token budget: where it started, reached the stated cache and settled."""
+    out = {}
+    for info in rec.gates:
+        run = token_budget_run(rec.samples, info.name)
+        if run is not None:
+            out[info.name] = run.as_dict()
+    return out
 
 
 def _interactive_summary(rec: DemoRecord) -> dict[str, Any]:
@@ -237,6 +273,26 @@ def _interactive_summary(rec: DemoRecord) -> dict[str, Any]:
     }
 
 
+def _token_line(gate: str, run: dict[str, Any]) -> str:
+    """Where a gate's token budget went: from the configured one to the stated cache, when."""
+    stated = run["stated"]
+    cache = f"{stated:,}" if stated is not None else "unknown"
+    if run["reached_at"] is None:
+        where = f"never within {TOLERANCE:.0%} of the server's KV cache ({cache} tokens)"
+    else:
+        kept = "and stayed there" if run["stayed"] else "but left it"
+        where = (
+            f"within {TOLERANCE:.0%} of the server's KV cache ({cache} tokens) at "
+            f"{run['reached_at']:.1f} s {kept}"
+        )
+    pre = run["preemptions"]
+    return (
+        f"  token budget {gate}: {run['first']:,} tokens at the start (the configured "
+        f"token_limit), {where}; converged at {run['final']:,} from {run['final_since']:.1f} s; "
+        f"peak held {run['peak_held']:,} tokens, {'-' if pre is None else pre} preemptions"
+    )
+
+
 def format_summary(rec: DemoRecord, out: Path) -> str:
     """The text printed at the end of the demo."""
     s = rec.summary
@@ -250,6 +306,7 @@ def format_summary(rec: DemoRecord, out: Path) -> str:
             f"    {info.name:<30} {what:>12}  (floor {info.floor}, server capacity "
             f"{info.capacity}, server peak running {srv.get('peak_running', '-')})"
         )
+    lines += [_token_line(name, run) for name, run in s.get("token_budgets", {}).items()]
     fo = rec.failover
     if fo is None:
         lines.append("  failover: not exercised")

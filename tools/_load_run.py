@@ -9,6 +9,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import signal
 import time
@@ -24,7 +25,7 @@ from prometheus_client import Counter as PromCounter
 from fleetgate.client import DeadlineExceeded, Fleet, Gate, Overloaded
 from fleetgate.tools._load_spec import GateLoad, LoadSpec, WorkerStats
 
-__all__ = ["Load", "log", "outcome_of", "run"]
+__all__ = ["Load", "charge", "log", "outcome_of", "prompt_of", "run"]
 
 log = logging.getLogger("fleetgate.tools.load")  # the worker's logger, whatever module logs
 
@@ -32,16 +33,47 @@ SHUTDOWN_TIMEOUT = 5.0
 ERROR_PAUSE = 0.2  # seconds an unpaced user waits after a failed request
 
 
-async def _read_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> None:
+async def _read_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> int | None:
     """POST a streamed request and read its events to ``data: [DONE]`` (raises on non-2xx, or a
-    stream that ends without it)."""
+    stream that ends without it); the total tokens of its usage chunk, None without one."""
+    used = None
     async with http.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         last = ""
         async for line in resp.aiter_lines():
             last = line or last
+            if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                used = _total_tokens(msgspec.json.decode(line[6:]))
     if last != "data: [DONE]":
         raise httpx.RemoteProtocolError(f"stream from {url} ended without [DONE]")
+    return used
+
+
+def _total_tokens(reply: Any) -> int | None:
+    """``usage.total_tokens`` of a reply (or a stream's usage chunk), None when it has none."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and total >= 0 else None
+
+
+def prompt_of(load: GateLoad, text: str) -> str:
+    """``text``, padded to ``load.prompt_tokens`` tokens (4 characters a token) when asked."""
+    want = 4 * load.prompt_tokens
+    if len(text) >= want:
+        return text
+    return (text + " " + "lorem " * (want // 6 + 1))[:want]
+
+
+def charge(load: GateLoad, text: str) -> int:
+    """What a caller without the server's tokenizer charges the token budget for a call: its
+    prompt at 3 characters a token (the safe side: the server counts 4) plus ``max_tokens``,
+    in whole blocks of ``load.token_block`` (as benchmarks/tokens.py charges)."""
+    block = load.token_block
+    return math.ceil((math.ceil(len(text) / 3) + _max_tokens(load)) / block) * block
+
+
+def _max_tokens(load: GateLoad) -> int:
+    return load.max_tokens or (16 if load.kind == "completions" else 32)
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -97,32 +129,46 @@ class Load:
         tmp.write_bytes(msgspec.json.encode(stats))
         os.replace(tmp, path)
 
-    async def _call(self, http: httpx.AsyncClient, load: GateLoad, i: int, k: int = 0) -> None:
-        """Call ``k`` of request ``i`` to the server behind ``load`` (raises on non-2xx)."""
-        text = f"{self.worker_id} request {i}.{k}"
+    def _text(self, load: GateLoad, i: int, k: int = 0) -> str:
+        return prompt_of(load, f"{self.worker_id} request {i}.{k}")
+
+    async def _call(
+        self, http: httpx.AsyncClient, load: GateLoad, i: int, k: int = 0
+    ) -> int | None:
+        """Call ``k`` of request ``i`` to the server behind ``load`` (raises on non-2xx); the
+        tokens the reply's usage says it used (None: not stated)."""
+        text = self._text(load, i, k)
         model = {"model": load.model} if load.model else {}
         body: dict[str, Any]
         if load.kind == "completions":
-            path, body = "completions", {"prompt": text, "max_tokens": 16}
+            path, body = "completions", {"prompt": text, "max_tokens": _max_tokens(load)}
         elif load.kind == "chat":
             messages = [{"role": "user", "content": text}]
-            path, body = "chat/completions", {"messages": messages, "max_tokens": 32}
+            path, body = "chat/completions", {"messages": messages, "max_tokens": _max_tokens(load)}
         elif load.kind == "embed":
             path, body = "embeddings", {"input": [text]}
         else:
             passages = [{"text": f"passage {p} of {text}"} for p in range(load.passages)]
             path, body = "ranking", {"query": {"text": text}, "passages": passages}
         if load.stream and load.kind in ("completions", "chat"):
-            await _read_stream(http, f"{load.url}/v1/{path}", {**model, **body, "stream": True})
+            body = {**model, **body, "stream": True}
+            if load.token_block:  # the usage chunk, to report what the call used
+                body["stream_options"] = {"include_usage": True}
+            used = await _read_stream(http, f"{load.url}/v1/{path}", body)
         else:
             resp = await http.post(f"{load.url}/v1/{path}", json={**model, **body})
             resp.raise_for_status()
+            used = _total_tokens(resp.json()) if load.token_block else None
         self.calls[load.name] += 1
+        return used
 
     async def _request(self, gate: Gate, http: httpx.AsyncClient, load: GateLoad, i: int) -> None:
         if load.kind in ("completions", "chat"):
-            async with gate.permit(deadline=self.spec.deadline):
-                await self._call(http, load, i)
+            tokens = charge(load, self._text(load, i)) if load.token_block else 0
+            async with gate.permit(deadline=self.spec.deadline, tokens=tokens) as lease:
+                used = await self._call(http, load, i)
+                if used is not None:
+                    lease.report("ok", tokens=used)
             return
         await gate.map(
             functools.partial(self._call, http, load, i),  # an async callable

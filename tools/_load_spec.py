@@ -29,6 +29,14 @@ class GateLoad(msgspec.Struct, frozen=True):
     passages: int = 64  # rerank: passages per call
     model: str = ""  # sent as "model" when set
     stream: bool = False  # completions, chat: ask for a streamed reply and read it to its end
+    #: completions, chat: the prompt's length in tokens as the simulator counts them (4
+    #: characters a token), padded after the request's own text; 0: that text alone
+    prompt_tokens: int = 0
+    max_tokens: int = 0  # completions, chat: the output asked; 0: 16 (completions), 32 (chat)
+    #: completions, chat: charge the gate's token budget per call (permit(tokens=...): the prompt
+    #: at 3 characters a token plus max_tokens, in whole blocks of this many tokens) and report
+    #: the tokens the reply's usage says were used; 0: no tokens charged
+    token_block: int = 0
 
 
 class LoadSpec(msgspec.Struct, frozen=True):

@@ -11,13 +11,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
 
 from fleetgate.coordinator.config import Config, CoordinatorSettings
 from fleetgate.demo.picture import (
     BATCH_QUEUE_COLOUR,
+    BUDGET_LABEL,
     SERVER_QUEUE_COLOUR,
+    STATED_KV_LABEL,
+    TOKEN_PANEL_TITLE,
+    TOKENS_HELD_LABEL,
     CapacityMark,
     capacity_marks,
     figure,
@@ -27,7 +32,17 @@ from fleetgate.demo.picture import (
 )
 from fleetgate.demo.plan import GATES
 from fleetgate.demo.processes import _config_toml
-from fleetgate.demo.report import DemoRecord, Event, GateInfo, GateSample, Sample
+from fleetgate.demo.report import (
+    DemoRecord,
+    Event,
+    GateInfo,
+    GateSample,
+    Sample,
+    format_summary,
+    render_view,
+    summarize,
+)
+from fleetgate.demo.token_budget import token_budget_run
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisProcess
 
 from ..conftest import RedisUnderTest
@@ -48,7 +63,9 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _run_demo(out: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def _run_demo(
+    out: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
     proc = subprocess.run(
         [sys.executable, "-m", "fleetgate.demo", "--out", str(out), "--quiet", *extra],
         capture_output=True,
@@ -62,7 +79,7 @@ def _run_demo(out: Path, *extra: str, env: dict[str, str] | None = None) -> dict
     data: dict[str, Any] = json.loads((out / "demo.json").read_text())
     still = {name: pid for name, pid in data["pids"].items() if _alive(pid)}
     assert not still, f"processes left behind: {still}"
-    return data
+    return data, proc.stdout
 
 
 def _check_failover_and_ramp(data: dict[str, Any]) -> None:
@@ -92,11 +109,41 @@ def _check_failover_and_ramp(data: dict[str, Any]) -> None:
         assert set(gateway["codes"]) <= {"200", "000"}, gateway  # 000: cut by the demo's end
 
 
+def _check_token_budget(data: dict[str, Any], stdout: str) -> None:
+    """The chat gate's token budget starts a quarter of the cache, is tuned to within 10 % of
+    the KV cache its simulator states (never to the ceiling above it), and the report says so."""
+    (info,) = [g for g in data["gates"] if g["token_limit"] is not None]
+    rows = [s["gates"][info["name"]] for s in data["samples"] if info["name"] in s["gates"]]
+    budgets = [g["token_limit"] for g in rows if g["token_limit"] is not None]
+    stated = {g["server_kv_tokens"] for g in rows if g["server_kv_tokens"] is not None}
+    assert stated == {info["kv_tokens"]}, stated  # what the simulator states, every second
+    cache = info["kv_tokens"]
+    assert info["token_ceiling"] > cache and budgets[0] == info["token_limit"] <= cache // 4
+    assert any(abs(b - cache) <= 0.1 * cache for b in budgets), budgets
+    assert max(budgets) <= 1.1 * cache, budgets  # tuned to the cache, not to the ceiling
+    assert max(g["tokens_held"] for g in rows) > info["token_limit"]  # the budget was used
+    run = data["summary"]["token_budgets"][info["name"]]
+    assert run["reached_at"] is not None and run["stated"] == cache, run
+    assert f"token budget {info['name']}" in stdout and f"({cache:,} tokens) at" in stdout
+    fig = figure(msgspec.convert(data, type=DemoRecord))
+    (panel,) = [ax for ax in fig.axes if TOKEN_PANEL_TITLE in ax.get_title(loc="left")]
+    lines = {ln.get_label(): ln for ln in panel.get_lines()}
+    assert set(lines[STATED_KV_LABEL].get_ydata()) == {cache}
+    assert max(lines[BUDGET_LABEL].get_ydata()) == max(budgets)
+    assert max(lines[TOKENS_HELD_LABEL].get_ydata()) > 0
+
+
 def test_generated_config_is_valid() -> None:
     urls = {g.name: f"http://127.0.0.1:{9000 + i}" for i, g in enumerate(GATES)}
     cfg = Config.from_toml_text(_config_toml("redis://127.0.0.1:1/0", "fg", urls), env={})
     assert [g.name for g in cfg.gates] == [g.name for g in GATES]
     assert [cfg.is_adaptive(g) for g in cfg.gates] == [True, True, False]
+    # the chat gate's token budget: tuned, from a quarter of its simulator's cache, up to a
+    # ceiling above it (so the cache, not the ceiling, is where the tuning stops)
+    assert [g.tokens_tuned for g in cfg.gates] == [True, False, False]
+    chat = cfg.gates[0]
+    assert GATES[0].kv_tokens is not None and chat.token_limit == GATES[0].kv_tokens // 4
+    assert chat.token_ceiling is not None and chat.token_ceiling > GATES[0].kv_tokens
     # the default lifetimes, not shorter ones that hide a slow takeover
     defaults = CoordinatorSettings()
     assert cfg.coordinator.leader_ttl == defaults.leader_ttl
@@ -111,8 +158,10 @@ def test_demo_embedded_redis(tmp_path: Path) -> None:
     if not RedisProcess.available():
         pytest.fail(INSTALL_HINT, pytrace=False)
     env = {k: v for k, v in os.environ.items() if k != "FLEETGATE_REDIS_URL"}
-    data = _run_demo(tmp_path / "out", "--duration", "12", env=env)
+    # 20 s: the leader is killed at 10 s, once the budget has had the polls to reach the cache
+    data, stdout = _run_demo(tmp_path / "out", "--duration", "20", env=env)
     _check_failover_and_ramp(data)
+    _check_token_budget(data, stdout)
     assert "redis" in data["pids"]
     assert data["prefix"] == "fg"
 
@@ -127,7 +176,7 @@ def test_demo_external_redis_uses_own_prefix(tmp_path: Path, shared_redis: Redis
         r.set(sentinel, "1")
         try:
             env = dict(os.environ, FLEETGATE_REDIS_URL=shared_redis.url)
-            data = _run_demo(tmp_path / "out", "--duration", "8", "--workers", "1", env=env)
+            data, _ = _run_demo(tmp_path / "out", "--duration", "8", "--workers", "1", env=env)
             _check_failover_and_ramp(data)
             assert "redis" not in data["pids"]
             prefix = data["prefix"]
@@ -205,6 +254,22 @@ def test_in_flight_above_a_lowered_limit_is_found_where_it_is() -> None:
     assert over_lowered_limit(kept_samples(rec), RERANK) == []  # at its limit, never above
 
 
+def test_a_limit_lowered_in_two_steps_gets_two_hatches_and_one_note() -> None:
+    """A cut to 30 then to 24 (the demo's chat gate from 60): in-flight above each, one note."""
+    pytest.importorskip("matplotlib")
+    rec = _record()
+    chat = [(60, 44, 24), (30, 41, 24), (30, 30, 24), (24, 29, 24)] + [(24, 24, 24)] * 6
+    for s, (limit, fl, cap) in zip(kept_samples(rec)[1:], chat, strict=True):
+        s.gates[CHAT] = _gs(limit, fl, cap)
+    spans = over_lowered_limit(kept_samples(rec), CHAT)
+    assert [(x.start, x.in_flight, x.limit) for x in spans] == [(2.0, 41, 30), (4.0, 29, 24)]
+    chat_ax = figure(rec).axes[0]
+    hatched = [p for p in chat_ax.patches if p.get_hatch() == "///"]
+    notes = [t.get_text() for t in chat_ax.texts if "never revokes" in t.get_text()]
+    assert len(hatched) == 2 and len(notes) == 1
+    assert notes[0].startswith("in-flight 41 > limit 30:")
+
+
 def test_in_flight_above_a_limit_never_lowered_is_not_called_a_lowered_limit() -> None:
     samples = [Sample(t=float(i), leader="a", epoch=1, gates={CHAT: _gs(8, 9, 48)}) for i in (0, 1)]
     assert over_lowered_limit(samples, CHAT) == []
@@ -232,3 +297,50 @@ def test_the_plot_draws_those_decisions() -> None:
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "server capacity changed" in legend and len(legend) == len(set(legend))
     assert priority.get_title(loc="left").startswith(f"gate {RERANK}")
+
+
+def _token_record() -> DemoRecord:
+    """The chat gate with a token budget: 8,192 at the start, 16,384 at 2 s, the stated
+    32,768 at 4 s (a sample still at 16,384 between), held there."""
+    rec = _record()
+    budgets = [8192, 8192, 16384, 16384, 32768, 16384, 32768, 32768, 32768, 32768, 32768]
+    for s, budget in zip(kept_samples(rec), budgets, strict=True):
+        g = s.gates[CHAT]
+        g.token_limit, g.tokens_held, g.token_reason = budget, budget - 1000, "grow"
+        g.server_kv_tokens, g.server_kv_used, g.server_preemptions = 32768, budget // 2, 3
+    rec.gates[0].token_limit, rec.gates[0].kv_tokens = 8192, 32768
+    return rec
+
+
+def test_where_the_token_budget_reached_the_cache_and_settled() -> None:
+    run = token_budget_run(kept_samples(_token_record()), CHAT)
+    assert run is not None
+    assert (run.first, run.final, run.stated) == (8192, 32768, 32768)
+    assert run.reached_at == 4.0 and not run.stayed  # it left the cache at 5 s
+    assert run.final_since == 6.0 and run.peak_held == 31768 and run.preemptions == 0
+    assert token_budget_run(kept_samples(_token_record()), RERANK) is None  # no budget
+    rec = _token_record()
+    rec.summary = summarize(rec)
+    text = format_summary(rec, Path("out"))
+    assert f"token budget {CHAT}: 8,192 tokens at the start" in text
+    assert "(32,768 tokens) at 4.0 s but left it; converged at 32,768 from 6.0 s" in text
+    assert "tokens 31768/32768 grow" in render_view(rec, rec.samples[-1])
+
+
+def test_the_plot_has_a_token_panel_under_the_chat_gate() -> None:
+    pytest.importorskip("matplotlib")
+    assert len(figure(_record()).axes) == 4  # no budget recorded: no token panel
+    fig = figure(_token_record())
+    chat, tokens, rerank = fig.axes[:3]
+    assert chat.get_title(loc="left").startswith(f"gate {CHAT} — adaptive")
+    assert tokens.get_title(loc="left").startswith(f"gate {CHAT} — {TOKEN_PANEL_TITLE}")
+    assert rerank.get_title(loc="left").startswith(f"gate {RERANK}")
+    lines = {ln.get_label(): ln for ln in tokens.get_lines()}
+    assert list(lines[BUDGET_LABEL].get_ydata())[:5] == [8192, 8192, 16384, 16384, 32768]
+    assert set(lines[STATED_KV_LABEL].get_ydata()) == {32768}
+    assert lines[STATED_KV_LABEL].get_linestyle() == "--"
+    assert max(lines[TOKENS_HELD_LABEL].get_ydata()) == 31768
+    texts = " ".join(t.get_text() for t in tokens.texts)
+    assert "within 10% of the stated cache at 4.0 s" in texts and "32,768 tokens" in texts
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {BUDGET_LABEL, STATED_KV_LABEL, TOKENS_HELD_LABEL} <= set(legend)

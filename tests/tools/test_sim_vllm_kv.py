@@ -91,6 +91,31 @@ def test_the_served_cache_is_stated_used_and_preempting_as_vllm_reports_it() -> 
     assert get_adapter("vllm").parse(text, "sim-model").kv_tokens == 256
 
 
+def test_admin_capacity_resizes_the_kv_schedulers_slots() -> None:
+    """``/admin/capacity`` acts on the scheduler that admits (with a KV cache, not the unused
+    FIFO limiter): fewer slots admit fewer sequences, and the stats and metrics say so."""
+    cfg = VllmSimConfig(capacity=4, kv_tokens=1024, block_size=16, service_ms=300.0)
+    with serve_in_thread(build_app(cfg)) as served:
+
+        async def main() -> tuple[dict[str, int], dict[str, int], str]:
+            async with httpx.AsyncClient(base_url=served.url, timeout=30) as http:
+                shrunk = (await http.post("/admin/capacity", json={"capacity": 2})).json()
+                calls = [
+                    asyncio.ensure_future(http.post("/v1/completions", json=completion(16, 4)))
+                    for _ in range(4)
+                ]
+                await asyncio.sleep(0.15)
+                during = (await http.get("/admin/stats")).json()
+                text = (await http.get("/metrics")).text
+                await asyncio.gather(*calls)
+                return shrunk, during, text
+
+        shrunk, during, text = asyncio.run(main())
+    assert shrunk["capacity"] == 2
+    assert (during["running"], during["waiting"]) == (2, 2)
+    assert 'vllm:num_requests_running{engine="0",model_name="sim-model"} 2.0' in text
+
+
 def test_without_kv_tokens_the_engine_is_slots_alone() -> None:
     cfg = VllmSimConfig(capacity=2)
     with serve_in_thread(build_app(cfg)) as served:

@@ -13,9 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
+from fleetgate.client import Fleet
+from fleetgate.tools._load_run import charge, prompt_of
 from fleetgate.tools.load import GateLoad, LoadSpec
 from fleetgate.tools.load import run as run_load
 from fleetgate.tools.sim import Served, serve_in_thread
@@ -199,3 +202,31 @@ async def test_the_load_generator_reads_streamed_replies(rut: RedisUnderTest) ->
         engine = served.state.sim
     assert outcomes["llm"]["ok"] > 3 and set(outcomes["llm"]) == {"ok"}, outcomes
     assert engine.served >= outcomes["llm"]["ok"] and engine.limiter.peak_running <= 2
+
+
+async def test_the_load_generator_charges_tokens_and_reports_what_usage_says(
+    rut: RedisUnderTest,
+) -> None:
+    """``GateLoad(token_block=16)`` (the demo's chat callers): each call's permit charges its
+    prompt at 3 characters a token plus max_tokens, in whole blocks; the streamed reply's usage
+    chunk (4 characters a token) is reported with the release."""
+    config = VllmSimConfig(capacity=4, kv_tokens=8192, service_ms=60)
+    load = GateLoad(
+        name="llm", kind="chat", url="", users=2, floor=4, stream=True,
+        prompt_tokens=300, max_tokens=100, token_block=16,
+    )  # fmt: skip
+    text = prompt_of(load, "worker-1 request 1.0")
+    assert len(text) == 1200 and charge(load, text) == 512  # 400 + 100 -> 32 blocks
+    with serve_in_thread(build_app(config)) as served:
+        async with Fleet(rut.url, prefix=rut.prefix) as fleet:
+            gate = fleet.gate("llm", floor=4, token_limit=4096)
+            async with gate.permit(tokens=1):  # registers the gate's token budget
+                pass
+            load = msgspec.structs.replace(load, url=served.url)
+            spec = LoadSpec(redis_url=rut.url, prefix=rut.prefix, gates=[load], duration=1.5)
+            outcomes = await run_load(spec)
+            usage = (await gate.snapshot()).token_usage[""]
+    assert outcomes["llm"]["ok"] > 3 and set(outcomes["llm"]) == {"ok"}, outcomes
+    assert usage.reports == outcomes["llm"]["ok"]
+    assert usage.asked == 512 * usage.reports  # what each call was charged ...
+    assert usage.used == 400 * usage.reports  # ... and what the server counted: 300 + 100

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -31,6 +31,7 @@ __all__ = [
     "TEXT_PLAIN",
     "FifoLimiter",
     "QueueFull",
+    "Resizable",
     "Served",
     "add_server_args",
     "common_routes",
@@ -162,8 +163,17 @@ async def read_json_object(request: Request) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+class Resizable(Protocol):
+    """What ``/admin/capacity`` and ``/admin/reset-peaks`` act on: a :class:`FifoLimiter`, or
+    the vLLM simulator's KV scheduler."""
+
+    def set_capacity(self, capacity: int) -> None: ...
+
+    def reset_peaks(self) -> None: ...
+
+
 def common_routes(
-    limiter: FifoLimiter,
+    limiter: Resizable,
     stats: Callable[[], dict[str, Any]],
     metrics: Callable[[], bytes],
     *,

@@ -97,6 +97,19 @@ class KvScheduler:
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
+    def set_capacity(self, capacity: int) -> None:
+        """Change the slots (``max_num_seqs``, ``POST /admin/capacity``): growth admits waiting
+        sequences now, shrinkage preempts nothing (new admissions wait until fewer run)."""
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self._schedule()
+
+    def reset_peaks(self) -> None:
+        """Restart peak tracking from the current running, in-flight and block counts."""
+        self.peak_running, self.peak_in_flight = self.running, self.in_flight
+        self.peak_blocks = self.used_blocks
+
     def fits_ever(self, prompt: int, gen: int) -> bool:
         """Whether a sequence of ``prompt + gen`` tokens fits the whole cache at all."""
         return self.blocks_for(prompt + gen) <= self.total_blocks

@@ -191,7 +191,7 @@ def build_app(config: VllmSimConfig | None = None) -> Starlette:
             Route("/v1/models", _models(sim), methods=["GET"]),
             *_flavor_routes(sim),
             *common_routes(
-                sim.limiter,
+                sim.kv or sim.limiter,  # with a KV cache, its scheduler holds the slots
                 sim.stats,
                 sim.render_metrics,
                 metrics_path=cfg.metrics_path,
