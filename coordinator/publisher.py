@@ -62,6 +62,7 @@ class Publication(msgspec.Struct, frozen=True):
             token_target=t.budget if t else None,
             token_reason=t.reason.value if t else None,
             token_state=dump_token_state(t.state) if t else None,
+            token_use_ratio=t.state.use_ratio if t else None,
             running=s.running if s else None,
             waiting_capacity=s.waiting_capacity if s else None,
             kv_cache_usage=s.kv_cache_usage if s else None,

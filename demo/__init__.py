@@ -4,12 +4,13 @@
 
 * a private ``redis-server`` on a free port (or uses ``$FLEETGATE_REDIS_URL`` under a fresh,
   unique key prefix, deleting only that prefix's keys at the end);
-* two vLLM simulators (a chat model with capacity 48 and a KV cache of 40,960 tokens, an
+* two vLLM simulators (a chat model with capacity 48 and a KV cache of 32,768 tokens, an
   embedder with capacity 96) and a reranker simulator (concurrency 32);
 * two coordinators (``coord-a`` leads, ``coord-b`` stands by) from a generated TOML config:
   two adaptive gates (floor 4) on the vLLM simulators' ``/metrics``, one fixed rerank gate (32);
   the chat gate also has a token budget, configured at a quarter of the cache (``token_limit``,
-  ``token_ceiling`` twice the cache) and tuned by the coordinator to the cache the server states;
+  ``token_ceiling`` twice the cache) and tuned by the coordinator to fill the cache the server
+  states with what the calls use;
 * three worker pods that push more load through the gates than the servers hold (the chat
   calls charge their prompt and ``max_tokens`` to the token budget and report their ``usage``);
 * a search pod (:mod:`fleetgate.demo.interactive`) on the rerank gate: 4 interactive calls/s at

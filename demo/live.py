@@ -195,6 +195,7 @@ class LiveRun:
                 token_limit=row.token_limit,
                 tokens_held=row.tokens if row.token_limit is not None else None,
                 token_reason=row.token_reason,
+                token_use_ratio=row.token_use_ratio,
                 **_server_kv(srv),
             )
         sample = Sample(

@@ -240,8 +240,9 @@ def _plot_tokens(ax: Any, rec: DemoRecord, samples: Sequence[Sample], info: Gate
     if run is not None and run.reached_at is not None:
         late = run.reached_at > 0.6 * (samples[-1].t if samples else 0.0)  # the note's side
         ax.annotate(
-            f"within {TOLERANCE:.0%} of the stated cache at {run.reached_at:.1f} s;\n"
-            f"converged at {run.final:,} tokens",
+            f"within {TOLERANCE:.0%} of the stated cache (in tokens used) at "
+            f"{run.reached_at:.1f} s;\nconverged at {run.final:,} charged, "
+            f"{run.final_in_use:,} used",
             xy=(run.reached_at, run.final), xycoords="data",
             xytext=(run.reached_at + (-1.0 if late else 1.0), 0.3),
             textcoords=ax.get_xaxis_transform(), ha="right" if late else "left", va="center",
@@ -252,7 +253,7 @@ def _plot_tokens(ax: Any, rec: DemoRecord, samples: Sequence[Sample], info: Gate
     start = f" from {info.token_limit:,}" if info.token_limit is not None else ""
     ax.set_title(
         f"gate {info.name} — {TOKEN_PANEL_TITLE}{start} (configured token_limit), tuned to "
-        "the KV cache the server states",
+        "fill the KV cache the server states with what calls use",
         loc="left",
         fontsize=10,
     )

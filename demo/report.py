@@ -61,6 +61,8 @@ class GateSample(msgspec.Struct, kw_only=True):
     token_limit: int | None = None
     tokens_held: int | None = None
     token_reason: str | None = None
+    #: tokens the calls used per token charged, as the coordinator measured it (None: unknown)
+    token_use_ratio: float | None = None
     #: the KV cache the server states (blocks x block size), what it uses, its preemptions
     server_kv_tokens: int | None = None
     server_kv_used: int | None = None
@@ -274,7 +276,8 @@ def _interactive_summary(rec: DemoRecord) -> dict[str, Any]:
 
 
 def _token_line(gate: str, run: dict[str, Any]) -> str:
-    """Where a gate's token budget went: from the configured one to the stated cache, when."""
+    """Where a gate's token budget went: from the configured one to the stated cache (in tokens
+    the calls use), when."""
     stated = run["stated"]
     cache = f"{stated:,}" if stated is not None else "unknown"
     if run["reached_at"] is None:
@@ -285,11 +288,18 @@ def _token_line(gate: str, run: dict[str, Any]) -> str:
             f"within {TOLERANCE:.0%} of the server's KV cache ({cache} tokens) at "
             f"{run['reached_at']:.1f} s {kept}"
         )
+    ratio = run.get("use_ratio")
+    use = (
+        f" ({run['final_in_use']:,} in tokens used: calls use {ratio:.2f} of their charge)"
+        if ratio
+        else ""
+    )
     pre = run["preemptions"]
     return (
         f"  token budget {gate}: {run['first']:,} tokens at the start (the configured "
-        f"token_limit), {where}; converged at {run['final']:,} from {run['final_since']:.1f} s; "
-        f"peak held {run['peak_held']:,} tokens, {'-' if pre is None else pre} preemptions"
+        f"token_limit), {where}; converged at {run['final']:,} from {run['final_since']:.1f} s"
+        f"{use}; peak held {run['peak_held']:,} tokens, {'-' if pre is None else pre} "
+        "preemptions"
     )
 
 

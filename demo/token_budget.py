@@ -1,5 +1,8 @@
 """Where a gate's tuned token budget went in the demo: from the configured ``token_limit`` to the
-KV cache the server states, when it came within :data:`TOLERANCE` of it, where it settled.
+KV cache the server states, when it came within :data:`TOLERANCE` of it, where it settled. The
+budget counts what callers are *charged*; the cache holds what calls *use*: the budget is
+compared with the cache in tokens used (the budget x the used / charged ratio the coordinator
+measured from the settlements, ``token_use_ratio``; 1 while unknown).
 
 Pure functions of the samples (:class:`~fleetgate.demo.report.Sample`), used by the summary, the
 printed report and the plot's token panel (:mod:`fleetgate.demo.picture`).
@@ -26,6 +29,9 @@ class TokenBudgetRun(msgspec.Struct, kw_only=True):
     #: the budget of the last sample, and since when it has been that
     final: int
     final_since: float
+    #: the last sample's budget in tokens the calls use, and the used / charged ratio behind it
+    final_in_use: int
+    use_ratio: float | None
     #: the KV cache the server stated (its last value seen)
     stated: int | None
     #: the first sample whose budget is within TOLERANCE of the stated cache (None: none was)
@@ -53,6 +59,8 @@ class _Gate(Protocol):
     def server_kv_tokens(self) -> int | None: ...
     @property
     def server_preemptions(self) -> int | None: ...
+    @property
+    def token_use_ratio(self) -> float | None: ...
 
 
 class _Sample(Protocol):
@@ -80,21 +88,27 @@ def token_budget_run(samples: Sequence[_Sample], gate: str) -> TokenBudgetRun | 
     stated_seen = [g.server_kv_tokens for _, g in rows if g.server_kv_tokens is not None]
     stated = stated_seen[-1] if stated_seen else None
     budgets = [(t, int(g.token_limit or 0)) for t, g in rows]
+    # a budget in tokens used: x the ratio known then (1 before it is)
+    in_use = [
+        int(b * (g.token_use_ratio or 1.0)) for (_, b), (_, g) in zip(budgets, rows, strict=True)
+    ]
     final = budgets[-1][1]
     since = budgets[-1][0]
     for t, b in reversed(budgets):
         if b != final:
             break
         since = t
-    reached = next((i for i, (_, b) in enumerate(budgets) if _near(b, stated)), None)
+    reached = next((i for i, u in enumerate(in_use) if _near(u, stated)), None)
     preempted = [g.server_preemptions for _, g in rows if g.server_preemptions is not None]
     return TokenBudgetRun(
         first=budgets[0][1],
         final=final,
         final_since=since,
+        final_in_use=in_use[-1],
+        use_ratio=rows[-1][1].token_use_ratio,
         stated=stated,
         reached_at=budgets[reached][0] if reached is not None else None,
-        stayed=reached is not None and all(_near(b, stated) for _, b in budgets[reached:]),
+        stayed=reached is not None and all(_near(u, stated) for u in in_use[reached:]),
         peak_held=max((g.tokens_held or 0) for _, g in rows),
         preemptions=preempted[-1] - preempted[0] if preempted else None,
     )

@@ -92,6 +92,8 @@ class GateStatus(msgspec.Struct, kw_only=True):
     token_tuned: bool = False
     token_reason: str | None = None
     kv_tokens: float | None = None
+    #: tokens the settled calls used per token charged (None: unknown)
+    token_use_ratio: float | None = None
     #: the schema of the gate's state (``fg:{G}:cfg`` field ``schema``; 0: no configuration yet)
     schema: int = 0
     max_queued_per_tenant: int = 0
@@ -199,6 +201,7 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         token_tuned=snap.token_tuned,
         token_reason=util.token_reason,
         kv_tokens=util.kv_tokens,
+        token_use_ratio=util.token_use_ratio,
         schema=_int(snap.cfg.get("schema")) or 0,
         max_queued_per_tenant=snap.max_queued_per_tenant,
         shed_below=snap.shed_below,
@@ -294,7 +297,8 @@ def _tuned(g: GateStatus) -> str:
     if not g.token_tuned:
         return ""
     kv = f", server's KV cache {g.kv_tokens:,.0f}" if g.kv_tokens is not None else ""
-    return f" (tuned: {g.token_reason or '-'}{kv})"
+    use = f", calls use {g.token_use_ratio:.2f} of their charge" if g.token_use_ratio else ""
+    return f" (tuned: {g.token_reason or '-'}{kv}{use})"
 
 
 def _ms(seconds: float | None) -> str:

@@ -84,6 +84,9 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
     token_target: int | None = None
     token_reason: str | None = None
     token_state: str | None = None
+    #: tokens the settled calls used per token they were charged (the ratio the budget is
+    #: stretched by; None: not known yet)
+    token_use_ratio: float | None = None
 
     def encode(self, *, observed: bool = True) -> dict[str, str]:
         """The hash's fields as text; ``observed`` False leaves out :data:`OBSERVED_FIELDS`,
@@ -113,6 +116,7 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
             fields["tokens_held"] = _text(self.tokens_held)
             fields["token_target"] = _text(self.token_target)
             fields["token_reason"] = _text(self.token_reason)
+            fields["token_use_ratio"] = _float_text(self.token_use_ratio)
             fields[TOKEN_STATE_FIELD] = _text(self.token_state)
         if observed:
             fields["obs_calls"] = _text(self.obs_calls)
@@ -156,6 +160,7 @@ class UtilHash(msgspec.Struct, frozen=True, kw_only=True):
             tokens_held=_int(raw.get("tokens_held")),
             token_target=_int(raw.get("token_target")),
             token_reason=raw.get("token_reason") or None,
+            token_use_ratio=_float(raw.get("token_use_ratio")),
             token_state=raw.get(TOKEN_STATE_FIELD) or None,
         )
 
