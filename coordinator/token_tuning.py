@@ -27,9 +27,9 @@ published budget to it too).
 1. signals unknown (scrape failed) -> ``hold_unknown``, not re-published (the published budget
    lapses to ``token_limit``); after ``unknown_reset_polls`` such polls, ``token_limit`` is
    published once (``reset``).
-2. budget above ``S`` -> ``capacity``: straight down to it, even on a poll that saw
-   preemptions (they are the budget's excess, not a short estimate: nothing is learnt); the
-   drain period starts, as after a cut.
+2. budget above ``S`` (by more than ``deadband``) -> ``capacity``: straight down to it, even
+   on a poll that saw preemptions (they are the budget's excess, not a short estimate: nothing
+   is learnt); the drain period starts, as after a cut.
 3. **exhausted** -- the server preempted (retracted, paused) since the last poll, or its KV
    usage is at ``kv_full`` while requests wait for capacity -> ``exhausted``: cut to
    ``decrease`` (0.8) of the smaller of the budget and what the fleet holds, remembered as
@@ -40,9 +40,10 @@ published budget to it too).
    estimates behind the charges are short.
 4. budget above the bound (``L``, or ``high``) -> ``capacity``: down to it.
 5. **near full** -- the fleet holds ``near_full`` (0.8) of the budget or more -- and not
-   exhausted: below the bound -> ``grow``: ``min(2 x budget, bound)``; at a learnt bound with
-   no stated capacity, a ``probe`` of +5 % after ``probe_polls`` clean near-full polls (a
-   capacity that grew without a signal is found); else ``hold_capacity``.
+   exhausted: below the bound -> ``grow``: ``min(2 x budget, bound)`` (above the cache itself,
+   only for a bound ``deadband`` (2 %) or more away: the use ratio's noise moves nothing); at
+   a learnt bound with no stated capacity, a ``probe`` of +5 % after ``probe_polls`` clean
+   near-full polls (a capacity that grew without a signal is found); else ``hold_capacity``.
 6. otherwise -> ``hold_idle``.
 
 The budget is always within [``low``, ``high``] (``low`` 1 by default). It never lowers the
@@ -123,6 +124,9 @@ class TokenParams(msgspec.Struct, frozen=True):
     kv_target: float = 0.98
     #: the most charged tokens counted per token of cache
     max_stretch: float = 4.0
+    #: a bound that moved less than this fraction from the budget leaves it alone (the use
+    #: ratio's noise would otherwise move the budget by a percent every poll)
+    deadband: float = 0.02
 
     def __post_init__(self) -> None:
         if not (
@@ -141,6 +145,7 @@ class TokenParams(msgspec.Struct, frozen=True):
             and self.min_reports >= 1
             and 0 < self.kv_target <= 1
             and self.max_stretch >= 1
+            and 0 <= self.deadband < 1
         ):
             raise ConfigError(f"token budget constants out of range: {self!r}")
 
@@ -269,7 +274,7 @@ def token_step(
     ratio = _use_ratio(state, view, p)
     state = msgspec.structs.replace(state, unknown_streak=0, use_ratio=ratio)
     stated = _stated(view, p, ratio)
-    if stated is not None and budget > p.clamp(stated):
+    if stated is not None and budget > p.clamp(stated * (1 + p.deadband)):
         # Above what the cache holds: straight down to it, whatever else this poll saw. A
         # preemption now is the budget's excess, not a short estimate: nothing is learnt, and
         # the drain period starts (the excess leaves only as its calls end).
@@ -294,7 +299,7 @@ def token_step(
         return TokenDecision(new, cut, TokenReason.EXHAUSTED, True)
     known = [b for b in (stated, _learnt(state, stated)) if b is not None]
     bound = p.clamp(min(known)) if known else p.bound
-    if budget > bound:
+    if budget > bound and (stated is None or bound < p.clamp(stated)):
         new = msgspec.structs.replace(state, budget=bound, last_cut=now, near_full_streak=0)
         return TokenDecision(new, bound, TokenReason.CAPACITY, True)
     held = view.held
@@ -302,7 +307,8 @@ def token_step(
         new = msgspec.structs.replace(state, near_full_streak=0)
         return TokenDecision(new, budget, TokenReason.HOLD_IDLE, True)
     streak = state.near_full_streak + 1
-    if budget < bound:
+    cache = _stated(view, p, None) or 0.0  # the cache itself: the ramp to it is always whole
+    if budget < bound and (budget < p.clamp(cache) or bound - budget > p.deadband * bound):
         grown = p.clamp(min(2 * budget, bound))
         new = msgspec.structs.replace(state, budget=grown, near_full_streak=streak)
         return TokenDecision(new, grown, TokenReason.GROW, True)

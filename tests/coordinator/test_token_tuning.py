@@ -202,3 +202,13 @@ def test_the_use_ratio_is_a_running_mean_kept_across_polls_without_reports() -> 
     assert d.state.use_ratio == pytest.approx(0.6)
     quiet = token_step(d.state, busy(d.budget), p, 2.0)  # no calls settled this poll
     assert quiet.state.use_ratio == pytest.approx(0.6) and quiet.budget == d.budget
+
+
+def test_the_use_ratios_noise_moves_no_budget() -> None:
+    """Above the cache, a bound within 2 % of the budget leaves it alone, up or down."""
+    p = TokenParams(configured=CAPACITY, high=4 * CAPACITY)
+    d = token_step(TokenState.initial(p), settled(CAPACITY, 0.77), p, 0.0)
+    first = d.budget
+    for i, ratio in enumerate((0.78, 0.765, 0.775, 0.77)):
+        d = token_step(d.state, settled(d.budget, ratio), p, 1.0 + i)
+        assert d.budget == first and d.reason is TokenReason.HOLD_CAPACITY, (ratio, d)
