@@ -295,4 +295,3 @@ class ShardSubscriber:
             task.cancel()
         self.links.clear()
         return tasks
-

@@ -61,7 +61,9 @@ async def _hold(scripts: GateScripts, prefix: str, names: list[str]) -> list[Gat
 
 
 async def _park(fleet: Fleet, names: list[str]) -> list[asyncio.Task[Any]]:
-    tasks = [asyncio.create_task(fleet.gate(n, floor=1, ceiling=1).acquire(deadline=20)) for n in names]
+    tasks = [
+        asyncio.create_task(fleet.gate(n, floor=1, ceiling=1).acquire(deadline=20)) for n in names
+    ]
     await asyncio.sleep(0.5)  # parked and subscribed
     assert not any(t.done() for t in tasks)
     return tasks
