@@ -12,6 +12,10 @@ token onto the group's re-arm list (``fg:{G}:rearm:<pod_key>`` of the group's fi
 group's slot), which is one of the popped keys, so the blocked pop returns at once and is sent
 again with the new list. A wake pushed before that is not lost: the list keeps it until popped.
 Listeners know nothing of gates beyond keys and callbacks.
+
+On Redis Cluster a pop covers one slot's lists, so the wake-ups come by shard channel instead,
+on one connection per node (:class:`~._node_wakes.NodeWakes`): :meth:`WakeListeners.ensure`
+hands them over there.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 
 from fleetgate._redis import error_text, prepare
 
+from ._node_wakes import NodeWakes
 from ._runtime import OUTAGE_ERRORS, Runtime
 
 __all__ = ["WakeListeners"]
@@ -62,6 +67,9 @@ class WakeListeners:
         self.gates: dict[str, str] = {}
         # wake list -> its group, for ensure()'s fast path (every park asks again)
         self._group_by_key: dict[str, _Group] = {}
+        # Cluster: the wake-ups by shard channel (None: lists; see _node_wakes), once known
+        self._nodes: NodeWakes | None = None
+        self._mode_known = False
 
     @property
     def tasks(self) -> dict[tuple[int, int], asyncio.Task[None]]:
@@ -72,6 +80,11 @@ class WakeListeners:
         """Listen on ``key`` for ``gate`` (if not already), passing every popped id to
         ``on_wake``. ``rearm_key`` is the re-arm list in ``key``'s slot, used if ``key`` starts
         a new group."""
+        nodes = self._node_wakes()
+        if nodes is not None:
+            nodes.ensure(key, on_wake)
+            self.gates[gate] = key
+            return
         group = self._group_by_key.get(key)
         if group is not None and group.task is not None and not group.task.done():
             group.keys[key] = on_wake  # listened on already
@@ -92,6 +105,12 @@ class WakeListeners:
         elif added:
             self.runtime.spawn(self._rearm(group))
 
+    def _node_wakes(self) -> NodeWakes | None:
+        if not self._mode_known:
+            self._nodes = NodeWakes.on_cluster(self.runtime, self.block)
+            self._mode_known = True
+        return self._nodes
+
     def _group_of(self, key: str) -> tuple[int, int]:
         """The pop group of ``key``: its slot group, then a listener of at most
         :data:`KEYS_PER_POP` lists (the one it is in, else the first with room)."""
@@ -108,6 +127,9 @@ class WakeListeners:
         tasks = [g.task for g in self.groups.values() if g.task is not None]
         for t in tasks:
             t.cancel()
+        if self._nodes is not None:
+            tasks += self._nodes.cancel_all()
+        self._nodes, self._mode_known = None, False
         self.groups.clear()
         self.gates.clear()
         self._group_by_key.clear()

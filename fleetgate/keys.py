@@ -34,7 +34,8 @@ keys are outside any gate's slot and are written by separate commands.
                                    lat_n, lat_us (count and sum in µs of ok latencies),
                                    b<i> (ok calls in latency bucket i; fleetgate.observed),
                                    tn/ta/tu:<tenant> (token reports, tokens asked, used)
-    {prefix}:{G}:wake:<pod> list   ids granted by hand-off, popped by the owner pod
+    {prefix}:{G}:wake:<pod> list   ids granted by hand-off, popped by the owner pod (also a
+                                   shard channel: pods on Cluster subscribe, scripts SPUBLISH)
     {prefix}:{G}:rearm:<pod> list  a token the pod pushes to re-arm its blocking pop over
                                    several wake lists when it adds one (short TTL)
     {prefix}:gates         set     registry of gate names

@@ -21,11 +21,21 @@ local function add_wake(wakes, id, value)
   end
 end
 
+-- A pod on Redis Cluster listens on the shard channel named like its wake list, one
+-- SSUBSCRIBE connection per node (client/_node_wakes.py): SPUBLISH reaches it there, the ids of
+-- one call in one message, separated by newlines (no id holds a control character). A wake
+-- nobody heard -- a pod that pops lists (standalone, Sentinel), a pod between two
+-- subscriptions (it pops the list once subscribed), a dead pod, a server or ACL that refuses
+-- SPUBLISH (pcall) -- goes to the list, as ever.
 local function send_wakes(wakes, cfg)
   for _, pod in ipairs(wakes.pods) do
     local key = K_WAKE .. pod
-    redis.call('RPUSH', key, unpack(wakes.values[pod]))
-    -- A dead pod's list disappears by itself; a live pod pops it long before this.
-    redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
+    local values = wakes.values[pod]
+    local heard = redis.pcall('SPUBLISH', key, table.concat(values, '\n'))
+    if type(heard) ~= 'number' or heard < 1 then
+      redis.call('RPUSH', key, unpack(values))
+      -- A dead pod's list disappears by itself; a live pod pops it long before this.
+      redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
+    end
   end
 end

@@ -11,6 +11,8 @@ One job per module:
 * :mod:`~fleetgate._redis.sentinel_pool`: a client of a Sentinel URL's current master;
 * :mod:`~fleetgate._redis.cluster`: the cluster client, with a bound on commands in flight
   (:mod:`~fleetgate._redis.permits`) and one command table per process and cluster;
+* :mod:`~fleetgate._redis.shard_pubsub`: :class:`ShardSubscriber`, Cluster shard channels on one
+  connection per node (the wake-ups on Cluster);
 * :mod:`~fleetgate._redis.limits`: connections per pool and the wait for a free one;
 * :mod:`~fleetgate._redis.mode`: :class:`RedisMode` and :func:`prepare`;
 * :mod:`~fleetgate._redis.outage`: which errors are outages (:data:`REDIS_ERRORS`,

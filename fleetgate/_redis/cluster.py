@@ -28,6 +28,9 @@ _HOLDER: contextvars.ContextVar[object] = contextvars.ContextVar("fleetgate_clus
 _BUSY_RETRY = 0.002
 
 
+# Commands whose keys _CommandTable reads from their arguments.
+_FCALLS = ("FCALL", "FCALL_RO")
+
 # The command table of each cluster (by URL) this process has loaded: see _CommandTable.
 _COMMAND_TABLES: dict[str, dict[str, Any]] = {}
 
@@ -37,13 +40,14 @@ class _CommandTable(AsyncCommandsParser):
     process and cluster instead of once per client.
 
     redis-py loads it with every client's first topology load: ``COMMAND``, whose reply (every
-    command of the server) is most of a cluster client's start-up CPU. Each wake listener is a
-    cluster client of its own (one per gate on Cluster), so a pod parking on 120 gates parsed it
-    120 times at once and held its event loop long enough that connects (1 s) and calls (2 s)
-    timed out, which reads as an outage (with the pool bound alone, on a loaded 2-core machine,
-    tests/core/test_cluster_pool.py::test_busy_node_pools_are_no_outage failed 3 of 3 runs: connects
-    timed out, once as a fallback). The main client loads it first (:meth:`RedisMode.prepare`);
-    a client that finds no table loads its own. A command missing from the table reloads it
+    command of the server) is most of a cluster client's start-up CPU. Each wake listener was a
+    cluster client of its own (one per gate on Cluster, before the shard channels), so a pod
+    parking on 120 gates parsed it 120 times at once and held its event loop long enough that
+    connects (1 s) and calls (2 s) timed out, which reads as an outage (with the pool bound
+    alone, on a loaded 2-core machine, tests/core/test_cluster_pool.py::
+    test_busy_node_pools_are_no_outage failed 3 of 3 runs: connects timed out, once as a
+    fallback). The main client loads it first (:meth:`RedisMode.prepare`); a client that finds
+    no table loads its own. A command missing from the table reloads it
     (redis-py asks with no node then).
     """
 
@@ -52,6 +56,16 @@ class _CommandTable(AsyncCommandsParser):
     def __init__(self, key: str) -> None:
         super().__init__()
         self._key = key
+
+    async def get_keys(self, *args: Any) -> tuple[str, ...] | None:
+        """The keys of a command; an ``FCALL``'s from its own arguments (``FCALL fn numkeys
+        key...``), as redis-py reads an ``EVALSHA``'s. redis-py asks the server instead
+        (``COMMAND GETKEYS``, FCALL has movable keys): a round trip to one node before every
+        script call, on every hand-off's path."""
+        if len(args) >= 3 and str(args[0]).upper() in _FCALLS:
+            return tuple(args[3 : 3 + int(args[2])])
+        keys: tuple[str, ...] | None = await super().get_keys(*args)
+        return keys
 
     async def initialize(self, node: Any | None = None) -> None:
         table = _COMMAND_TABLES.get(self._key)

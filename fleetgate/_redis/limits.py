@@ -12,11 +12,15 @@ __all__ = ["CLUSTER_MAX_CONNECTIONS", "MAX_CONNECTIONS", "POOL_TIMEOUT"]
 # 200 pods x 64 would approach Redis' default maxclients (10,000). A URL's max_connections or
 # redis_options={"max_connections": n} override it.
 MAX_CONNECTIONS = 8
-# Cluster: the connections per node, and the commands one cluster client has in flight at once
-# (a command holds at most one connection per node, so no node's pool is asked for more than
-# it has; calls beyond wait: _PooledCluster). 64 covers a busy process' concurrent calls without
-# a wait (tests/core/test_cluster.py::test_cap_holds_across_processes_on_cluster runs 60 tasks).
-CLUSTER_MAX_CONNECTIONS = 64
+# Cluster: the commands one cluster client has in flight at once, and so the connections of each
+# node's pool (a command holds at most one connection per node, so no node's pool is asked for
+# more than this; calls beyond wait: _PooledCluster). As on standalone: Redis runs one command
+# at a time per node, a call is a round trip of ~0.1-0.3 ms, and acquires and releases of one
+# gate go out as one call per batch, so 8 in flight cover a busy pod's calls; a pod holds at most
+# 8 per node + one wake connection per node (27 on 3 masters; it was 64 per node, and 461
+# connections at 100 gates with the wake listeners: benchmarks/README.md, "pod_cost and handoff
+# on Cluster").
+CLUSTER_MAX_CONNECTIONS = 8
 # Seconds a call waits for a free connection (standalone, Sentinel) or a free command slot of a
 # cluster client before it fails as an outage: a pool busy that long means Redis does not answer
 # (every call in flight waits out its socket_timeout, 2 s, meanwhile).
