@@ -111,14 +111,11 @@ class Poll:
         observing = asyncio.ensure_future(self._observations(gates, now))
         signals = await asyncio.gather(*(self.scrape(g) for g in gates))
         observed = await observing
-        in_flight = await self._in_flight(gates)
-        tokens = await self._tokens_held(gates)
-        pubs = [
-            self.gates.decide(
-                g, s, in_flight.get(g.name), now, r, self.urls_of(g), tokens.get(g.name)
-            )
-            for g, s, r in zip(gates, signals, observed, strict=True)
-        ]
+        held = await self._held(gates)
+        pubs = []
+        for g, s, r in zip(gates, signals, observed, strict=True):
+            units, tokens = held.get(g.name, (None, None))
+            pubs.append(self.gates.decide(g, s, units, now, r, self.urls_of(g), tokens))
         assert self._election is not None
         term = self._election.term
         if term is None or not term.valid():
@@ -173,37 +170,25 @@ class Poll:
         by_name = dict(zip((g.name for g in wanted), readings, strict=True))
         return [by_name.get(g.name) for g in gates]
 
-    async def _in_flight(self, gates: tuple[GateConfig, ...]) -> dict[str, int]:
-        """Fleet in-flight per gate; a gate whose key is broken is unknown, not fatal."""
+    async def _held(self, gates: tuple[GateConfig, ...]) -> dict[str, tuple[int, int]]:
+        """Units and tokens held fleet-wide per gate (one pipeline); a gate whose key is broken
+        is unknown, not fatal."""
         try:
-            return await self.publisher.in_flight(gates)
+            return await self.publisher.held(gates)
         except REDIS_ERRORS:
             raise
         except Exception:
             pass  # one bad key fails the whole pipeline: ask gate by gate
-        counts: dict[str, int] = {}
+        counts: dict[str, tuple[int, int]] = {}
         for gate in gates:
             try:
-                counts.update(await self.publisher.in_flight((gate,)))
+                counts.update(await self.publisher.held((gate,)))
             except REDIS_ERRORS:
                 raise
             except Exception as exc:
                 self._failed(f"gate {gate.name}: in-flight unknown", exc)
                 await self.faults.diagnose(exc)
         return counts
-
-    async def _tokens_held(self, gates: tuple[GateConfig, ...]) -> dict[str, int]:
-        """Tokens held fleet-wide per gate whose token budget is tuned (one pipeline); unknown
-        for all of them when a key is broken (their budgets hold this poll)."""
-        tuned = [g for g in gates if g.name in self.gates.tokens]
-        try:
-            return await self.publisher.tokens_held(tuned)
-        except REDIS_ERRORS:
-            raise
-        except Exception as exc:
-            self._failed("tokens held unknown", exc)
-            await self.faults.diagnose(exc)
-            return {}
 
     async def _publish(self, epoch: int, ttl_ms: int, pubs: list[Publication]) -> list[bool | None]:
         """Publish all gates in one pipeline; if one gate's keys are broken, publish the others

@@ -111,35 +111,24 @@ class Publisher:
         sec, usec = await self.client.time()
         return float(sec) + float(usec) / 1e6
 
-    async def in_flight(self, gates: Sequence[GateConfig]) -> dict[str, int]:
-        """Units held fleet-wide per gate (one pipeline; :func:`fleetgate.units.units_held`).
-        Expired-but-unreaped leases count, as they do for the next grant."""
-        pipe = self.client.pipeline(transaction=False)
-        for g in gates:
-            keys = self.keys(g.name)
-            pipe.zcard(keys.holders)
-            pipe.hget(keys.adm, EXTRA_FIELD)
-        replies = await pipe.execute()
-        out: dict[str, int] = {}
-        for i, g in enumerate(gates):
-            out[g.name] = units_held(int(replies[2 * i]), replies[2 * i + 1])
-        return out
-
-    async def tokens_held(self, gates: Sequence[GateConfig]) -> dict[str, int]:
-        """Tokens held fleet-wide per gate (one pipeline), counted as the scripts count them:
-        expired-but-unreaped leases included, 0 without a holder."""
+    async def held(self, gates: Sequence[GateConfig]) -> dict[str, tuple[int, int]]:
+        """Units and tokens held fleet-wide per gate, in one pipeline (a ``ZCARD`` of the holders
+        and one ``HMGET`` of their counters: :func:`fleetgate.units.units_held`,
+        :func:`~fleetgate.units.tokens_held`). Expired-but-unreaped leases count, as they do for
+        the next grant."""
         if not gates:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for g in gates:
             keys = self.keys(g.name)
             pipe.zcard(keys.holders)
-            pipe.hget(keys.adm, TOKENS_FIELD)
+            pipe.hmget(keys.adm, [EXTRA_FIELD, TOKENS_FIELD])
         replies = await pipe.execute()
-        return {
-            g.name: tokens_held(int(replies[2 * i]), replies[2 * i + 1])
-            for i, g in enumerate(gates)
-        }
+        out: dict[str, tuple[int, int]] = {}
+        for i, g in enumerate(gates):
+            holders, (extra, tok) = int(replies[2 * i]), replies[2 * i + 1]
+            out[g.name] = (units_held(holders, extra), tokens_held(holders, tok))
+        return out
 
     async def stored_states(
         self, names: Sequence[str]

@@ -14,6 +14,16 @@ from fleetgate.keys import GateKeys
 from ..conftest import RedisUnderTest
 
 
+async def units(publisher: Publisher, gates: list[GateConfig]) -> dict[str, int]:
+    """The units column of :meth:`Publisher.held`."""
+    return {name: u for name, (u, _) in (await publisher.held(gates)).items()}
+
+
+async def tokens(publisher: Publisher, gates: list[GateConfig]) -> dict[str, int]:
+    """The tokens column of :meth:`Publisher.held`."""
+    return {name: t for name, (_, t) in (await publisher.held(gates)).items()}
+
+
 async def test_coordinator_reads_units_in_flight(
     rut: RedisUnderTest, async_redis: aredis.Redis
 ) -> None:
@@ -22,17 +32,17 @@ async def test_coordinator_reads_units_in_flight(
     async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
         gate = fleet.gate("heavy", floor=16)
         leases = [await gate.acquire(weight=w) for w in (1, 5, 10)]
-        assert await publisher.in_flight(gates) == {"heavy": 16, "idle": 0}
+        assert await units(publisher, gates) == {"heavy": 16, "idle": 0}
         util = await fleet.utilization("heavy")
         assert (util.units, util.in_flight, util.limit, util.schema) == (16, 3, 16, 2)
         assert {"units", "in_flight", "current_target"} <= set(util.to_dict())
         for lease in leases:
             await lease.release()
         await fleet.flush()
-        assert await publisher.in_flight(gates) == {"heavy": 0, "idle": 0}
+        assert await units(publisher, gates) == {"heavy": 0, "idle": 0}
     # a counter left without leases (a script stopped half-way) counts nothing
     await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "extra", 7)
-    assert (await publisher.in_flight(gates))["idle"] == 0
+    assert (await units(publisher, gates))["idle"] == 0
 
 
 async def test_coordinator_reads_tokens_held(
@@ -45,11 +55,11 @@ async def test_coordinator_reads_tokens_held(
     async with Fleet(rut.url, prefix=rut.prefix, registry=CollectorRegistry()) as fleet:
         gate = fleet.gate("llm", floor=8, token_limit=1000)
         leases = [await gate.acquire(tokens=t) for t in (100, 250)]
-        assert await publisher.tokens_held(gates) == {"llm": 350, "idle": 0}
+        assert await tokens(publisher, gates) == {"llm": 350, "idle": 0}
         await async_redis.hset(GateKeys.of(rut.prefix, "llm").adm, "tok", "garbage")
-        assert (await publisher.tokens_held(gates))["llm"] == 0
+        assert (await tokens(publisher, gates))["llm"] == 0
         await async_redis.hset(GateKeys.of(rut.prefix, "llm").adm, "tok", 350)
         for lease in leases:
             await lease.release()
     await async_redis.hset(GateKeys.of(rut.prefix, "idle").adm, "tok", 70)
-    assert (await publisher.tokens_held(gates))["idle"] == 0
+    assert (await tokens(publisher, gates))["idle"] == 0
