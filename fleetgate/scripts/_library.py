@@ -59,6 +59,7 @@ LIB_PARTS = (
     "lib_tokens",
     "lib_revoke",
     "lib_handoff",
+    "lib_acquire",
 )
 
 # Function flags (FUNCTION LOAD): a function without flags is refused before it starts while

@@ -28,9 +28,6 @@ from ._lua_limits import with_locals as _with_locals
 
 FREE_LOCALS = 30
 FREE_UPVALUES = 15
-# acquire.lua is one 357-line body today: the stages (issue 39) bring it under both limits
-_CROWDED = pytest.mark.xfail(strict=True, reason="acquire: 199/200 locals, 49/60 upvalues")
-_EVAL_NAMES = [pytest.param(n, marks=_CROWDED) if n == "acquire" else n for n in SCRIPT_NAMES]
 
 
 def library_chunk() -> str:
@@ -40,7 +37,7 @@ def library_chunk() -> str:
     return rest
 
 
-@pytest.mark.parametrize("name", _EVAL_NAMES)
+@pytest.mark.parametrize("name", SCRIPT_NAMES)
 def test_each_eval_chunk_keeps_room_for_locals(name: str) -> None:
     free = free_locals(script_source(name))
     print(f"EVAL {name}: main chunk {MAX_LOCALS - free}/{MAX_LOCALS} locals")
@@ -69,7 +66,6 @@ def test_every_function_of_each_eval_chunk_keeps_room_for_upvalues(name: str) ->
     assert not bad, bad
 
 
-@_CROWDED
 def test_every_function_of_the_library_keeps_room_for_upvalues() -> None:
     bad = _upvalues_report("library", library_chunk())
     assert not bad, bad

@@ -63,10 +63,8 @@ def test_no_lua_function_over_the_limit() -> None:
     assert not bad, "too long (split by step):\n  " + "\n  ".join(bad)
 
 
-# acquire.lua is one 357-line body today: the stages (issue 39) bring it under the limit
-_LONG_BODIES = {"acquire"}
 _SCRIPTS = [
-    pytest.param(p.stem, marks=pytest.mark.xfail(strict=True)) if p.stem in _LONG_BODIES else p.stem
+    p.stem
     for p in sorted(LUA.glob("*.lua"))
     if not p.stem.startswith("lib_") and p.stem != "heartbeat_lib"
 ]
