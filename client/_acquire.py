@@ -21,6 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from fleetgate._redis import error_text
 from fleetgate.ask import DEFAULT_ASK, Ask
 from fleetgate.errors import ConfigError, DeadlineUnreachable, FleetgateError, Overloaded
+from fleetgate.protocol import Wake
 from fleetgate.scripts import (
     GRANTED,
     MAX_BATCH,
@@ -53,16 +54,6 @@ log = logging.getLogger("fleetgate.client")
 
 #: how long a parked caller that gives up waits for its cancel's round trip before it returns
 CANCEL_WAIT_S = 0.25
-
-# The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.
-_EVICTED = "x"
-# The wake value of a waiter refused because it weighs more than the ceiling C, lowered after it
-# parked, starts so: '<id>=c<C>'; one that asks more tokens than the token ceiling K: '<id>=k<K>';
-# one heavier than its band's share S of the ceiling: '<id>=s<S>'.
-_REFUSED = "c"
-_REFUSED_TOKENS = "k"
-_REFUSED_SHARE = "s"
-
 
 class Requeue(Exception):
     """The parked entry vanished from Redis (expired while this process stalled): park again."""
@@ -369,13 +360,13 @@ class GateAcquirer(GateState):
         '<id>=c<ceiling>' (heavier than the ceiling now in force), '<id>=k<K>' (more tokens than
         the token ceiling), '<id>=s<S>' (heavier than its band's share of the ceiling)."""
         lease_id, _, token = value.rpartition("=")
-        if token == _EVICTED:
+        if token == Wake.EVICTED:
             self.on_evicted(lease_id)
-        elif token.startswith(_REFUSED) and token[1:].isdigit():
+        elif token.startswith(Wake.TOO_HEAVY) and token[1:].isdigit():
             self.on_too_heavy(lease_id, int(token[1:]))
-        elif token.startswith(_REFUSED_TOKENS) and token[1:].isdigit():
+        elif token.startswith(Wake.TOO_MANY_TOKENS) and token[1:].isdigit():
             self.on_too_heavy(lease_id, int(token[1:]), tokens=True)
-        elif token.startswith(_REFUSED_SHARE) and token[1:].isdigit():
+        elif token.startswith(Wake.OVER_SHARE) and token[1:].isdigit():
             self.on_too_heavy(lease_id, int(token[1:]), share=True)
         elif lease_id and token.isdigit():
             self.on_granted(lease_id, int(token))

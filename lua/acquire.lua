@@ -24,25 +24,26 @@
 --   expires_at, estimate}: released = how many of the ids given held a lease (release.lua's reply);
 --   fence_ms = how long the gate's recovery fence still holds every grant (0: none), so a
 --   caller that parked behind it asks for its hand-off when it ends;
---   status 1 = granted (n = units held), 2 = parked (n = waiters, this one included),
---   0 = rejected because the wait list is full (n = max_queued), 3 = rejected because the
---   tenant's waiters reached max_queued_per_tenant (n = that bound), 4 = rejected because the
---   priority is below shed_below and the call could not be granted at once (n = shed_below),
---   5 = refused: the weight is above the ceiling and can never be granted (n = ceiling),
---   6 = refused: the tokens are above the token ceiling (n = token ceiling),
---   7 = refused: by the drain of its band it would start (with deadline_admission 'finish':
---   end) after its deadline (n = the expected wait in ms; deadline-aware admission,
+--   status (ST, lib_proto.lua, generated from fleetgate.protocol.AcquireStatus):
+--   ST.GRANTED (1, n = units held), ST.PARKED (2, n = waiters, this one included),
+--   ST.REJECTED (0): the wait list is full (n = max_queued), ST.REJECTED_TENANT (3): the
+--   tenant's waiters reached max_queued_per_tenant (n = that bound), ST.SHED (4): the priority
+--   is below shed_below and the call could not be granted at once (n = shed_below),
+--   ST.TOO_HEAVY (5): the weight is above the ceiling and can never be granted (n = ceiling),
+--   ST.TOO_MANY_TOKENS (6): the tokens are above the token ceiling (n = token ceiling),
+--   ST.TOO_LATE (7): by the drain of its band it would start (with deadline_admission
+--   'finish': end) after its deadline (n = the expected wait in ms; deadline-aware admission,
 --   lib_drain.lua),
---   8 = refused: the weight is above its band's share of the ceiling (n = that share in units;
---   lib_share.lua).
+--   ST.OVER_SHARE (8): the weight is above its band's share of the ceiling (n = that share in
+--   units; lib_share.lua).
 --   token: granted = the fencing token (monotonic per gate in grant order); parked = the
 --   caller's seq, its place in its lane (waiter member '<tenant>}<R>}<seq20>}<id>'): its
---   fencing token comes with the grant; rejected because the list is full (status 0) = ms
+--   fencing token comes with the grant; ST.REJECTED (the list is full) = ms
 --   after which it is expected to find a place (lib_drain.lua retry_full; 0: no estimate).
 --   lease_ms, waiter_ms: the TTLs in force, so the caller paces its first renewal by them.
 --   expires_at: server time (ms) at which the granted lease (or the parked entry) expires.
 --   estimate: parked = the ms it is expected to wait by the drain (lib_drain.lua
---   deadline_estimate); status 7 = the ms of its band's expected hold its deadline had to cover
+--   deadline_estimate); ST.TOO_LATE = the ms of its band's expected hold its deadline had to cover
 --   too (deadline_admission 'finish'); -1 = none (no drain history, admission off, the recovery
 --   fence, not 'finish', or another outcome).
 -- A call is granted at once only if nobody eligible waits in its band or above and its own

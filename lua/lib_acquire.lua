@@ -66,7 +66,7 @@ function ACQ.releases(c)
   local args, n_release = c.args, c.n_release
   if n_release > 0 then
     c.released = remove_leases(args, 16, 15 + n_release)
-    if c.released > 0 then redis.call('HINCRBY', K_STATS, 'released', c.released) end
+    if c.released > 0 then redis.call('HINCRBY', K_STATS, STAT.RELEASED, c.released) end
   end
   observe(args, 17 + n_release, 16 + n_release + c.n_obs)
   settle_tags(args, 17 + n_release, 16 + n_release + c.n_obs)
@@ -156,9 +156,11 @@ end
 function ACQ.never_fits(c, w, tk, r)
   local cfg = c.cfg
   local share_c = share_ceiling(r, cfg.ceiling)
-  if w > cfg.ceiling then return 5, cfg.ceiling end
-  if share_c and w > share_c then return 8, share_c end
-  if cfg.token_ceiling and tk > cfg.token_ceiling then return 6, cfg.token_ceiling end
+  if w > cfg.ceiling then return ST.TOO_HEAVY, cfg.ceiling end
+  if share_c and w > share_c then return ST.OVER_SHARE, share_c end
+  if cfg.token_ceiling and tk > cfg.token_ceiling then
+    return ST.TOO_MANY_TOKENS, cfg.token_ceiling
+  end
   return nil
 end
 
@@ -216,7 +218,7 @@ function ACQ.evict(c, r)
   if c.tenant_len[t] then c.tenant_len[t] = c.tenant_len[t] - 1 end
   redis.call('ZADD', K_EVICTED, c.now + 2 * c.cfg.waiter_ms, id)
   c.wakes = c.wakes or new_wakes()
-  add_wake(c.wakes, id, id .. '=x')
+  add_wake(c.wakes, id, id .. '=' .. WAKE.EVICTED)
   c.n_evicted = c.n_evicted + 1
   return true
 end
@@ -227,14 +229,16 @@ end
 -- (start, hold; nil: none).
 function ACQ.refuse_waiting(c, i, lane, r)
   local cfg = c.cfg
-  if 100 - tonumber(r) < cfg.shed_below then return 4, cfg.shed_below end
+  if 100 - tonumber(r) < cfg.shed_below then return ST.SHED, cfg.shed_below end
   if cfg.max_queued_per_tenant < cfg.max_queued
       and ACQ.tenant_count(c, lane_tenant(lane)) >= cfg.max_queued_per_tenant then
-    return 3, cfg.max_queued_per_tenant
+    return ST.REJECTED_TENANT, cfg.max_queued_per_tenant
   end
   local function count(l) return ACQ.lane_count(c, l) + (c.parked_in[l] or 0) end
   local start, hold = deadline_estimate(c.now, cfg, lane, r, count, c.units)
-  if past_deadline(start, hold, tonumber(c.args[i + 1])) then return 7, start, start, hold end
+  if past_deadline(start, hold, tonumber(c.args[i + 1])) then
+    return ST.TOO_LATE, start, start, hold
+  end
   return nil, nil, start, hold
 end
 
@@ -256,7 +260,7 @@ function ACQ.park(c, j, id, lane, r)
   end
   if c.queued >= cfg.max_queued and not ACQ.evict(c, r) then
     if cfg.deadline_admission then c.retry_in[j] = retry_full(c.now, r) end
-    return 0, cfg.max_queued
+    return ST.REJECTED, cfg.max_queued
   end
   if c.queued >= cfg.max_queued then c.queued = c.queued - 1 end
   c.queued = c.queued + 1
@@ -264,7 +268,7 @@ function ACQ.park(c, j, id, lane, r)
   c.parked_in[lane] = c.parked_in[lane] + 1
   local t = lane_tenant(lane)
   c.tenant_parked[t] = (c.tenant_parked[t] or 0) + 1
-  return 2, c.queued
+  return ST.PARKED, c.queued
 end
 
 -- Decide request j (at ARGV[i]): status, n, and its estimate (start, hold; nil: none).
@@ -277,7 +281,7 @@ function ACQ.decide(c, j, i)
   if st then return st, k, lane end
   if not ACQ.blocked(c, lane, r) then
     local units = ACQ.grant(c, w, tk, r)
-    if units then return 1, units, lane end
+    if units then return ST.GRANTED, units, lane end
   end
   local start, hold
   st, k, start, hold = ACQ.refuse_waiting(c, i, lane, r)
@@ -295,10 +299,11 @@ function ACQ.classify(c)
     c.status[j], c.n[j], c.lanes[j] = st, k, lane
     -- parked: its expected wait; refused for its deadline: the band's hold counted ('finish'),
     -- else -1
-    c.ests[j] = (st == 2 and start) or (st == 7 and cfg.deadline_finish and hold) or -1
-    if st == 1 then
+    c.ests[j] = (st == ST.PARKED and start)
+      or (st == ST.TOO_LATE and cfg.deadline_finish and hold) or -1
+    if st == ST.GRANTED then
       c.n_granted = c.n_granted + 1
-    elseif st == 2 then
+    elseif st == ST.PARKED then
       c.n_parked = c.n_parked + 1
       -- this call's parks are eligible waiters of their band from now on
       local r = lane_band(lane)
@@ -327,11 +332,11 @@ function ACQ.write(c)
     local i = c.first + 3 * (j - 1)
     local id = args[i]
     local t, expires = 0, 0
-    if st == 1 then
+    if st == ST.GRANTED then
       t, expires = token, lease_expires
       held[#held + 1] = expires
       held[#held + 1] = id
-    elseif st == 2 then
+    elseif st == ST.PARKED then
       t = token
       expires = now + math.min(cfg.waiter_ms, tonumber(args[i + 1]))
       local m = c.lanes[j] .. '}' .. pad20(t) .. '}' .. id
@@ -340,9 +345,9 @@ function ACQ.write(c)
       waiting[#waiting + 1] = expires
       waiting[#waiting + 1] = m
     end
-    if st == 1 or st == 2 then
+    if st == ST.GRANTED or st == ST.PARKED then
       token = token + 1
-    elseif st == 0 then
+    elseif st == ST.REJECTED then
       t = c.retry_in[j] or 0
     end
     local k = #out
@@ -378,16 +383,17 @@ function ACQ.hand_off(c)
   end
 end
 
--- The stats field each refusal counts in, besides 'rejected', in the order they are written.
+-- The stats field each refusal counts in, besides STAT.REJECTED, in the order they are written.
 ACQ.REFUSAL_STATS = {
-  {'rejected_tenant', 3}, {'shed', 4}, {'too_heavy', 5, 6, 8}, {'too_late', 7},
+  {STAT.REJECTED_TENANT, ST.REJECTED_TENANT}, {STAT.SHED, ST.SHED},
+  {STAT.TOO_HEAVY, ST.TOO_HEAVY, ST.TOO_MANY_TOKENS, ST.OVER_SHARE}, {STAT.TOO_LATE, ST.TOO_LATE},
 }
 
 function ACQ.stats(c)
-  if c.n_granted > 0 then redis.call('HINCRBY', K_STATS, 'granted', c.n_granted) end
-  if c.n_parked > 0 then redis.call('HINCRBY', K_STATS, 'parked', c.n_parked) end
+  if c.n_granted > 0 then redis.call('HINCRBY', K_STATS, STAT.GRANTED, c.n_granted) end
+  if c.n_parked > 0 then redis.call('HINCRBY', K_STATS, STAT.PARKED, c.n_parked) end
   if c.n_rejected > 0 then
-    redis.call('HINCRBY', K_STATS, 'rejected', c.n_rejected)
+    redis.call('HINCRBY', K_STATS, STAT.REJECTED, c.n_rejected)
     for _, s in ipairs(ACQ.REFUSAL_STATS) do
       local k = 0
       for x = 2, #s do k = k + (c.refused[s[x]] or 0) end
@@ -396,7 +402,7 @@ function ACQ.stats(c)
   end
   if c.n_evicted > 0 then
     send_wakes(c.wakes, c.cfg)
-    redis.call('HINCRBY', K_STATS, 'evicted', c.n_evicted)
+    redis.call('HINCRBY', K_STATS, STAT.EVICTED, c.n_evicted)
   end
   adm_flush()
 end

@@ -15,19 +15,29 @@ from typing import Any
 import msgspec
 
 from fleetgate.observed import TokenUsage
+from fleetgate.protocol import AcquireStatus, PruneState, ResizeStatus
 from fleetgate.util_hash import UtilHash
 
-GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
+# The statuses, named in fleetgate.protocol (and in Lua from there: lua/lib_proto.lua ST).
+GRANTED, PARKED, REJECTED = AcquireStatus.GRANTED, AcquireStatus.PARKED, AcquireStatus.REJECTED
 # acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
 # granted at once, a weight above the ceiling, tokens above the token ceiling (never grantable),
 # an expected start past the deadline (deadline-aware admission), a weight above the band's share
 # of the ceiling (headroom between bands: never grantable).
-REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS, TOO_LATE, OVER_SHARE = 3, 4, 5, 6, 7, 8
+REJECTED_TENANT, SHED = AcquireStatus.REJECTED_TENANT, AcquireStatus.SHED
+TOO_HEAVY, TOO_MANY_TOKENS = AcquireStatus.TOO_HEAVY, AcquireStatus.TOO_MANY_TOKENS
+TOO_LATE, OVER_SHARE = AcquireStatus.TOO_LATE, AcquireStatus.OVER_SHARE
 # resize.lua's status: resized, growth refused (does not fit now), no such lease, tokens above
 # the token ceiling.
-RESIZED, RESIZE_REFUSED, RESIZE_LOST, RESIZE_TOO_MANY = 1, 0, -1, -2
-
-PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
+RESIZED, RESIZE_REFUSED = ResizeStatus.RESIZED, ResizeStatus.RESIZE_REFUSED
+RESIZE_LOST, RESIZE_TOO_MANY = ResizeStatus.RESIZE_LOST, ResizeStatus.RESIZE_TOO_MANY
+# prune.lua's state
+PRUNED, IDLE, IN_USE, PRUNE_REFUSED = (
+    PruneState.PRUNED,
+    PruneState.IDLE,
+    PruneState.IN_USE,
+    PruneState.PRUNE_REFUSED,
+)
 
 
 class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
