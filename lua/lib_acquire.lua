@@ -155,8 +155,8 @@ end
 -- nil otherwise.
 function ACQ.never_fits(c, w, tk, r)
   local cfg = c.cfg
-  local share_c = share_ceiling(r, cfg.ceiling)
   if w > cfg.ceiling then return ST.TOO_HEAVY, cfg.ceiling end
+  local share_c = SHARES and share_ceiling(r, cfg.ceiling)  -- (nil without shares)
   if share_c and w > share_c then return ST.OVER_SHARE, share_c end
   if cfg.token_ceiling and tk > cfg.token_ceiling then
     return ST.TOO_MANY_TOKENS, cfg.token_ceiling
