@@ -47,6 +47,8 @@ BENCHMARKS = (
     "tokens",
     "flood",
 )
+# Modules of benchmarks/ that drive benchmarks rather than being one (no ``run(opts)``).
+DRIVERS = ("versions",)
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]
 LoopName = Literal["asyncio", "uvloop"]
