@@ -4,6 +4,7 @@
     fleetgate status [--json] [--watch]     leader, epoch and one line per gate (+ its queue)
     fleetgate inspect GATE                  units, lanes and their heads, holders, config
     fleetgate check                         health check: exit 0 if Redis is usable
+    fleetgate init --prefix P               stamp a new prefix: its first permits skip the fence
     fleetgate proxy --config FILE           gateway mode: an HTTP proxy taking a permit per request
     fleetgate sim vllm|rerank ...           model-server simulators for tests, demo, compose
     fleetgate worker ...                    the load generator (docker-compose's workers)
@@ -144,6 +145,38 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _logging_options(p)
 
 
+def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "init",
+        help="stamp a new prefix, so that its first permits skip the recovery fence",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Stamp the prefix as deliberately new. Inside Redis a new prefix looks\n"
+        "like a wiped one (no state), so the first permit of each gate waits one registration\n"
+        "period (~3 s: the recovery fence), in case pods still run work the lost state\n"
+        "counted. After init it is granted at once. A wipe (FLUSHALL, FLUSHDB, a restart\n"
+        "without persistence, a failover to an empty replica) removes the stamp with the\n"
+        "state, so the fence holds again then.\n\n"
+        "Run it once, before any pod or coordinator uses the prefix. A stamped prefix is left\n"
+        "as it is (exit 0); a prefix holding any other key is refused (exit 1, nothing\n"
+        "written): a Redis that lost its state and was written to since looks the same, and\n"
+        "the fence then protects the work still running. On Redis Cluster a gate's script\n"
+        "reaches only its own slot, so the stamp is per gate: name them with --gate (exit 2\n"
+        "without); a gate added later pays the fence once. See docs/failure-modes.md.",
+        epilog="examples:\n"
+        "  fleetgate init --prefix fg\n"
+        "  fleetgate init --redis 'redis://c1:7000/0?cluster=1' --gate chat --gate embed",
+    )
+    _redis_options(p)
+    p.add_argument(
+        "--gate",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a gate to stamp by itself (repeat; required on Cluster, optional elsewhere)",
+    )
+    _logging_options(p)
+
+
 def _positive_int(text: str) -> int:
     """``--workers``: a whole number of at least 1."""
     try:
@@ -255,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fleetgate {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    adders = (_add_coordinator, _add_status, _add_inspect, _add_check, _add_proxy)
+    adders = (_add_coordinator, _add_status, _add_inspect, _add_check, _add_init, _add_proxy)
     for add in (*adders, _add_passthrough):
         add(sub)
     return parser
@@ -316,6 +349,17 @@ def _check(args: argparse.Namespace) -> int:
     return asyncio.run(commands.check(url, prefix))
 
 
+def _init(args: argparse.Namespace) -> int:
+    from fleetgate.stamp import init_prefix
+
+    url, prefix = resolve_redis(args)
+    outcome = asyncio.run(init_prefix(url, prefix, gates=args.gate))
+    print(outcome.message(), file=sys.stdout if outcome.ok else sys.stderr)
+    if outcome.ok:
+        return EXIT_OK
+    return EXIT_USAGE if outcome.result == "needs_gates" else EXIT_ERROR
+
+
 def _proxy(args: argparse.Namespace) -> int:
     try:
         from fleetgate.proxy.main import run_proxy
@@ -333,6 +377,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": _status,
     "inspect": _inspect,
     "check": _check,
+    "init": _init,
     "proxy": _proxy,
 }
 
