@@ -150,21 +150,24 @@ def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "init",
         help="stamp a new prefix, so that its first permits skip the recovery fence",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Stamp the prefix as deliberately new. Inside Redis a new prefix looks\n"
-        "like a wiped one (no state), so the first permit of each gate waits one registration\n"
+        description="Stamp the prefix as deliberately new. Inside Redis a new prefix looks like a\n"
+        "wiped one (no state), so the first permit of each gate waits one registration\n"
         "period (~3 s: the recovery fence), in case pods still run work the lost state\n"
-        "counted. After init it is granted at once. A wipe (FLUSHALL, FLUSHDB, a restart\n"
-        "without persistence, a failover to an empty replica) removes the stamp with the\n"
-        "state, so the fence holds again then.\n\n"
-        "Run it once, before any pod or coordinator uses the prefix. A stamped prefix is left\n"
-        "as it is (exit 0); a prefix holding any other key is refused (exit 1, nothing\n"
-        "written): a Redis that lost its state and was written to since looks the same, and\n"
-        "the fence then protects the work still running. On Redis Cluster a gate's script\n"
-        "reaches only its own slot, so the stamp is per gate: name them with --gate (exit 2\n"
-        "without); a gate added later pays the fence once. See docs/failure-modes.md.",
+        "counted. After init it is granted at once. A wipe (FLUSHALL, FLUSHDB, a\n"
+        "restart without persistence, a failover to an empty replica) removes the stamp\n"
+        "with the state, so the fence holds again then.\n\n"
+        "Run it once, before any pod or coordinator uses the prefix. A stamped prefix\n"
+        "is left as it is (exit 0); a prefix holding any other key is refused (exit 1,\n"
+        "nothing written): a Redis that lost its state and was written to since looks\n"
+        "the same, and the fence then protects the work still running. On Redis Cluster\n"
+        "a gate's script reaches only its own slot, so the stamp is per gate: name the\n"
+        "gates with --gate, or give the coordinator's --config to stamp its gates\n"
+        "(exit 2 without either); a gate added later pays the fence once.\n"
+        "See docs/failure-modes.md.",
         epilog="examples:\n"
         "  fleetgate init --prefix fg\n"
-        "  fleetgate init --redis 'redis://c1:7000/0?cluster=1' --gate chat --gate embed",
+        "  fleetgate init --redis 'redis://c1:7000/0?cluster=1' --gate chat --gate embed\n"
+        "  fleetgate init --config coordinator.toml   # its Redis, prefix and gates",
     )
     _redis_options(p)
     p.add_argument(
@@ -353,7 +356,12 @@ def _init(args: argparse.Namespace) -> int:
     from fleetgate.stamp import init_prefix
 
     url, prefix = resolve_redis(args)
-    outcome = asyncio.run(init_prefix(url, prefix, gates=args.gate))
+    gates = list(args.gate)
+    if args.config:  # a coordinator's config: its gates too (Cluster needs their names)
+        from fleetgate.coordinator.config import load_config
+
+        gates += [g.name for g in load_config(args.config).gates if g.name not in gates]
+    outcome = asyncio.run(init_prefix(url, prefix, gates=gates))
     print(outcome.message(), file=sys.stdout if outcome.ok else sys.stderr)
     if outcome.ok:
         return EXIT_OK
