@@ -46,6 +46,7 @@ BENCHMARKS = (
     "redis_memory",
     "tokens",
     "flood",
+    "first_permit",
 )
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]

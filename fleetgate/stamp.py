@@ -17,10 +17,11 @@ per gate, the gate's cfg field ``fence`` = ``0`` ("born, no fence"), in its slot
 node, lost with that node's keys. The gates must be named (``--gate``).
 
 The stamp is a statement that no work runs under the prefix, so it is written only where the
-prefix holds no key at all: a prefix already stamped is left as it is (a no-op), a prefix with
-any other key is refused (a Redis that lost its state and was written to again since -- by a
-coordinator, a pod -- looks like that too, and stamping it would lift the fence that protects
-the work still running). See docs/failure-modes.md ("The first permit").
+prefix shows no use: a prefix already stamped is left as it is (a no-op), a prefix holding
+fleetgate's keys (the registry, the leader's, a birth mark, a named gate's) is refused (a Redis
+that lost its state and was written to again since -- by a coordinator, a pod -- looks like that
+too, and stamping it would lift the fence that protects the work still running). See
+docs/failure-modes.md ("The first permit").
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ class InitOutcome:
                     f"one stamp per gate, in its slot); their first permits skip the recovery "
                     f"fence. Other gates pay it once each; a wipe of a node fences its gates again."
                 )
+            also = f" and gates {', '.join(self.gates)}" if self.gates else ""
             return (
-                f"prefix {p!r} is new: stamped ({fleet_keys(p).born} = {STAMP}); the first "
-                f"permits of its gates skip the recovery fence. A wipe (FLUSHALL, a restart "
-                f"without persistence) removes the stamp, and the fence holds again."
+                f"prefix {p!r} is new: stamped ({fleet_keys(p).born} = {STAMP}{also}); the "
+                f"first permits of its gates skip the recovery fence. A wipe (FLUSHALL, a "
+                f"restart without persistence) removes the stamp, and the fence holds again."
             )
         if self.result == "already":
             return f"prefix {p!r} is already stamped: nothing to do."
@@ -106,7 +108,7 @@ async def init_prefix(
     ``redis://127.0.0.1:6379/0`` and ``fg``, as for ``Fleet()``. ``gates``: the gates to stamp
     one by one (required on Redis Cluster; on a standalone Redis the prefix stamp covers
     every gate). Run it once, before any pod or coordinator uses the prefix: it refuses a
-    prefix that holds any key (``result == "in_use"``) and leaves a stamped one as it is.
+    prefix in use (``result == "in_use"``) and leaves a stamped one as it is.
     """
     from fleetgate.configfile import redis_from_env
 
@@ -127,7 +129,7 @@ async def stamp_prefix(client: Any, prefix: str, *, gates: Sequence[str] = ()) -
     born = fleet_keys(prefix).born
     if await client.get(born) in (STAMP, STAMP.encode()):
         return InitOutcome("already", prefix, mode.cluster)
-    found = await _keys_under(mode, prefix)
+    found = await _state_found(client, prefix, named)
     if found:
         return InitOutcome("in_use", prefix, mode.cluster, found=found)
     if mode.cluster and not named:
@@ -138,34 +140,21 @@ async def stamp_prefix(client: Any, prefix: str, *, gates: Sequence[str] = ()) -
         if await client.hsetnx(keys.cfg, "fence", STAMP):
             stamped.append(keys.name)
     if not await client.set(born, STAMP, nx=True):
-        # written between the scan and here: a pod's first script (its server time)
+        # written since it was read: a pod's first script (its server time)
         if await client.get(born) not in (STAMP, STAMP.encode()):
             return InitOutcome("in_use", prefix, mode.cluster, found=(born,))
     return InitOutcome("stamped", prefix, mode.cluster, gates=tuple(stamped))
 
 
-async def _keys_under(mode: RedisMode, prefix: str) -> tuple[str, ...]:
-    """Up to a few keys under ``prefix`` on any primary (SCAN: never blocks the server)."""
-    pattern = _glob_escaped(prefix) + ":*"
-
-    async def scan(**target: Any) -> list[str]:
-        found: list[str] = []
-        cursor: Any = 0
-        while True:
-            reply = await mode.client.execute_command(
-                "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, **target
-            )
-            cursor, batch = reply
-            if isinstance(cursor, dict):  # a cluster client: {node: cursor}, one node here
-                (cursor,) = cursor.values()
-            found += [k.decode() if isinstance(k, bytes) else str(k) for k in batch]
-            if int(cursor) == 0 or len(found) >= _SHOWN:
-                return found
-
-    keys = [key for _, batch in await mode.each_primary(scan) for key in batch]
-    return tuple(sorted(keys)[:_SHOWN])
-
-
-def _glob_escaped(text: str) -> str:
-    """``text`` as a literal in a SCAN MATCH pattern."""
-    return "".join("\\" + ch if ch in "\\*?[]" else ch for ch in text)
+async def _state_found(client: Any, prefix: str, gates: Sequence[GateKeys]) -> tuple[str, ...]:
+    """The keys that say the prefix is in use: the fleet's own (written by every process that
+    uses the prefix: a pod registers its gates in the registry at its first heartbeat, a fenced
+    first script marks ``born``, a coordinator takes ``leader``) and any key of a named gate.
+    Read by key (one slot per call on Cluster), never by SCAN, which the coordinator's ACL
+    rule does not grant (it would list every key of the server)."""
+    fk = fleet_keys(prefix)
+    found = [key for key in (fk.born, fk.gates, fk.leader, fk.epoch) if await client.exists(key)]
+    for keys in gates:
+        if await client.exists(*keys.data_keys()):
+            found.append(f"{keys.base}:*")
+    return tuple(found[:_SHOWN])

@@ -110,9 +110,9 @@ async def test_a_wipe_after_init_fences_again(
 async def test_a_prefix_in_use_is_refused_and_a_stamped_one_left_alone(
     server: RedisProcess, client: aredis.Redis
 ) -> None:
-    """Any key under the prefix (here a coordinator's, as after a wipe and a coordinator's
-    first poll) refuses the stamp and writes nothing; init twice is a no-op; other prefixes
-    on the server are their own."""
+    """A key of the prefix's fleet (here a coordinator's, as after a wipe and a coordinator's
+    first poll) or of a named gate refuses the stamp and writes nothing; init twice is a
+    no-op; other prefixes on the server are their own."""
     await client.set("fg:leader", "coord-a")
     outcome = await init_prefix(server.url, "fg")
     assert (outcome.result, outcome.ok, outcome.found) == ("in_use", False, ("fg:leader",))
@@ -120,8 +120,10 @@ async def test_a_prefix_in_use_is_refused_and_a_stamped_one_left_alone(
     assert "not stamped" in outcome.message()
     assert (await init_prefix(server.url, "other")).result == "stamped"
     assert (await init_prefix(server.url, "other")).result == "already"
-    # a prefix's glob characters are literal: 'o*' is new although 'other:...' exists
-    assert (await init_prefix(server.url, "o*")).result == "stamped"
+    await client.zadd(GateKeys.of("third", "g").holders, {"old:1": 1})
+    outcome = await init_prefix(server.url, "third", gates=["g"])
+    assert (outcome.result, outcome.found) == ("in_use", ("third:{g}:*",))
+    assert await client.get(fleet_keys("third").born) is None
 
 
 async def test_a_prefix_born_by_a_pod_is_in_use(server: RedisProcess, client: aredis.Redis) -> None:

@@ -168,6 +168,8 @@ def test_demo_embedded_redis(tmp_path: Path) -> None:
     _check_token_budget(data, stdout)
     assert "redis" in data["pids"]
     assert data["prefix"] == "fg"
+    # stamped before the coordinators start: its gates' first permits skip the recovery fence
+    assert data["stamp"].startswith("prefix 'fg' is new: stamped"), data["stamp"]
 
 
 @pytest.mark.slow
@@ -185,6 +187,7 @@ def test_demo_external_redis_uses_own_prefix(tmp_path: Path, shared_redis: Redis
             assert "redis" not in data["pids"]
             prefix = data["prefix"]
             assert prefix.startswith("demo-")
+            assert data["stamp"].startswith(f"prefix {prefix!r} is new: stamped"), data["stamp"]
             assert not list(r.scan_iter(match=f"{prefix}:*"))
             assert r.get(sentinel) == b"1"
         finally:
