@@ -26,6 +26,8 @@ from fleetgate.settings import GateSettings
 from fleetgate.stamp import init_prefix
 from fleetgate.tools.redisproc import RedisClusterProcess, RedisProcess
 
+from .._sentinel import SentinelDeployment
+
 FENCE_MS = 60_000  # far longer than any deadline here: a permit behind it would never come
 ONE = GateSettings(floor=1, ceiling=1, max_queued=10, lease_ms=60_000, waiter_ms=60_000)
 
@@ -133,6 +135,24 @@ async def test_a_prefix_born_by_a_pod_is_in_use(server: RedisProcess, client: ar
     outcome = await init_prefix(server.url, "fg")
     assert (outcome.result, outcome.found) == ("in_use", ("fg:born",))
     assert await client.get(fleet_keys("fg").born) != "0"
+
+
+@pytest.mark.timeout(90)
+async def test_sentinel_a_failover_to_a_synced_replica_keeps_the_stamp() -> None:
+    """Through a Sentinel URL init stamps the master; the replica has the stamp once in sync,
+    so after a failover to it a new gate's first permit is still not fenced. (A replica that
+    never synced holds no key at all: no stamp, and the fence holds, as for any wipe.)"""
+    with SentinelDeployment() as sentinel:
+        assert (await init_prefix(sentinel.url, "fg")).result == "stamped"
+        with redis.Redis(port=sentinel.master.port) as master:
+            assert master.execute_command("WAIT", 1, 5000) == 1  # the replica has it
+        sentinel.kill_master_and_wait_failover()
+        promoted = aredis.Redis(port=sentinel.replica.port, decode_responses=True)
+        try:
+            assert await promoted.get(fleet_keys("fg").born) == "0"
+            assert await _first_acquire(promoted, "new", "p:1") == (GRANTED, 0)
+        finally:
+            await promoted.aclose()
 
 
 @pytest.mark.cluster
