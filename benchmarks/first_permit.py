@@ -6,8 +6,9 @@ with the defaults (heartbeat 1 s, so a recovery fence of 3 s) and times its firs
 (connections, first contact) is timed apart. Variant ``init``: ``fleetgate init``
 (:func:`fleetgate.stamp.init_prefix`) ran before the Fleet opened; ``no init``: a first start
 as before it, where a new prefix cannot be told from a wiped one and the first permit waits
-the fence. The two alternate round by round. The first permit includes loading the scripts
-(a Functions library) onto the new server: what any first start pays.
+the fence. The same two on a 3-master Cluster started once, a new prefix each round, stamped
+per gate (``init --gate``). The variants alternate round by round. The first permit includes
+loading the scripts (a Functions library) onto the new server: what any first start pays.
 
 Target: the first permit after init in < 100 ms (issue 40), at the largest of the rounds.
 """
