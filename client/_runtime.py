@@ -186,18 +186,16 @@ class Runtime:
         if self.fence_said:
             return
         self.fence_said = True
-        init = f"fleetgate init --prefix {self.prefix}"
-        if self.scripts.redis.cluster:
-            init += " --gate NAME ..."
         log.warning(
             "gate %s: no permit for up to %.1f s: Redis held no state for this gate, which is how "
             "a new prefix and a Redis that lost its state (restarted empty, flushed) both look, "
             "so nothing is granted until the pods that may still run work under it have counted "
-            "it (the recovery fence, docs/failure-modes.md). On a new prefix, `%s` before the "
-            "fleet's first start skips it.",
+            "it (the recovery fence, docs/failure-modes.md). On a new prefix, `fleetgate init "
+            "--prefix %s` (on Cluster with --gate for each gate) before the fleet's first start "
+            "skips it.",
             gate,
             fence_ms / 1000,
-            init,
+            self.prefix,
         )
 
     def renew_by(self, when: float) -> None:
