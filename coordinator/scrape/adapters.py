@@ -12,7 +12,11 @@ An adapter is data (:class:`GaugeAdapter`) plus one pure reading rule, :meth:`Ga
   the same batch; a ``pid`` of prometheus_client's multiprocess mode) are the same requests, so
   the **maximum** of those is taken first;
 * a metric that is absent, or a model that is not in the text, is **unknown** (None), never 0;
-  NaN, infinite or negative values are refused and named in ``error``.
+  NaN, infinite or negative values are refused and named in ``error``;
+* a text without a single sample of the kind's in-flight or waiting gauge (an HTML page, JSON,
+  another kind's metrics) is a failed scrape saying what it got (:func:`describe_body`), never
+  a good one with every value unknown: the kind is named in the config, so its server is not
+  there.
 
 Names and paths are each server's own; ``docs/servers.md`` cites the source file of every one.
 """
@@ -20,6 +24,7 @@ Names and paths are each server's own; ``docs/servers.md`` cites the source file
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,6 +39,7 @@ __all__ = [
     "AUTO",
     "DETECTION_ORDER",
     "GaugeAdapter",
+    "describe_body",
     "detect_kind",
     "get_adapter",
     "validate_server",
@@ -108,6 +114,7 @@ class GaugeAdapter:
     hidden_queue: bool = False
     total_label: str | None = None
     _wanted: frozenset[str] = field(init=False, repr=False, compare=False)
+    _markers: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = {self.waiting, *self.kv_usage}
@@ -120,6 +127,8 @@ class GaugeAdapter:
         if self.kv_blocks is not None:
             names.update(self.kv_blocks)
         object.__setattr__(self, "_wanted", frozenset(names))
+        markers = frozenset(n for n in (self.running, self.waiting) if n)
+        object.__setattr__(self, "_markers", markers)
 
     @property
     def wanted(self) -> frozenset[str]:
@@ -144,6 +153,11 @@ class GaugeAdapter:
         # "unknown" with the reason kept, never a crashed poll loop.
         except Exception as exc:
             return Signals.failure(f"unparseable metrics: {type(exc).__name__}: {exc}"), None
+        if not any(s.name in self._markers for s in samples):
+            gauges = " and ".join(sorted(self._markers))
+            return Signals.failure(
+                f"no {self.server} metrics ({gauges} absent): {describe_body(text)}"
+            ), None
         label = self.model_label
         model = model_name if label is not None else None
         if model is None and prefer is not None and label is not None:
@@ -342,6 +356,25 @@ def get_adapter(server: str) -> GaugeAdapter:
     except KeyError:
         known = ", ".join(sorted(ADAPTERS))
         raise ConfigError(f"unknown server kind {server!r} (known: {known})") from None
+
+
+def describe_body(text: str) -> str:
+    """What a metrics answer without the expected gauges holds, for the scrape error: an HTML
+    page (with its title), JSON, another server kind's metrics, or its first line."""
+    head = text.lstrip()[:4096]
+    lowered = head.lower()
+    if not head:
+        return "the body is empty"
+    if lowered.startswith(("<!doctype html", "<html")) or "<html" in lowered[:512]:
+        title = re.search(r"<title[^>]*>([^<]*)</title>", head, re.IGNORECASE)
+        named = f" ({title.group(1).strip()[:80]!r})" if title and title.group(1).strip() else ""
+        return f"the body is an HTML page{named}, not Prometheus text"
+    if head[0] in "{[":
+        return "the body is JSON, not Prometheus text"
+    kind = detect_kind(text)
+    if kind is not None:
+        return f'the metrics are of a {kind} server (set server = "{kind}" or "auto")'
+    return f"the body starts {head.splitlines()[0][:80]!r}"
 
 
 def detect_kind(text: str) -> str | None:
