@@ -146,6 +146,8 @@ class MetricsHandler(BaseHTTPRequestHandler):
                 pass
         elif path == "/html":  # a login page, a UI, a proxy's error page: 200, not metrics
             self._send(200, HTML_PAGE.encode(), {"Content-Type": "text/html; charset=utf-8"})
+        elif path == "/text":  # a plain-text answer of something else, with 200
+            self._send(200, b"It works!\nSee /docs for the API.\n")
         elif path == "/latin1":
             self._send(200, "vllm:num_requests_running 1 # \xe9".encode("latin-1"))
         else:

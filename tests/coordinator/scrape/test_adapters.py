@@ -237,7 +237,7 @@ async def test_source_named_kind_on_wrong_server_is_unknown() -> None:
     ("path", "said"),
     [
         ("/html", "the body is an HTML page ('Sign in - Model Gateway'), not Prometheus text"),
-        ("/big", "the body starts '####"),  # 200 and text, but no sample at all
+        ("/text", "the body is not Prometheus text (a line reads 'It works!')"),
     ],
 )
 async def test_a_named_kind_answered_by_no_metrics_is_a_failed_scrape(
@@ -252,6 +252,17 @@ async def test_a_named_kind_answered_by_no_metrics_is_a_failed_scrape(
     assert sig.error is not None and sig.error.startswith(f"{server_url}{path}: no vllm metrics")
     assert "vllm:num_requests_running and vllm:num_requests_waiting absent" in sig.error
     assert said in sig.error, sig.error
+
+
+def test_a_prometheus_text_without_the_gauges_yet_stays_unknown() -> None:
+    """TGI and TEI export a gauge only once they have set it: a fresh server's text of other
+    samples, or an empty one, is unknown (ok), not a failed scrape; another kind's is one."""
+    fresh_tgi = "# TYPE tgi_request_count counter\ntgi_request_count 0\n\n"
+    for text in (fresh_tgi, "", "# just a comment\n"):
+        sig = ADAPTERS["tgi"].parse(text, None)
+        assert sig.ok and sig.error is None and sig.running is None, (text, sig)
+    wrong = ADAPTERS["sglang"].parse(TRTLLM, None)
+    assert not wrong.ok and "the metrics are of a trtllm server" in (wrong.error or "")
 
 
 @pytest.mark.parametrize("server", ["auto", "vllm"])
