@@ -232,12 +232,13 @@ class Fleet:
 
     async def utilization(self, name: str) -> GateUtilization:
         """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view
-        (after this process's own releases so far: :meth:`flush`)."""
+        (after this process's own releases so far: :meth:`flush`). Redis unreachable:
+        :class:`RedisUnavailable`, whatever ``on_redis_error`` says."""
         gate = self._gates.get(name)
         defaults = gate.defaults if gate is not None else None
         if gate is not None:
             await gate.flush()  # this process's own releases are in what it reads
-        snap = await self.scripts.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
+        snap = await self.runtime.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
         return utilization_of(name, snap)
 
     # -- state, for tools and tests ------------------------------------------------------------
