@@ -192,8 +192,9 @@ class Fleet:
     def gate(self, name: str, **settings: Unpack[GateSettingsKwargs]) -> Gate:
         """The gate ``name``. ``settings`` are the fields of
         :class:`~fleetgate.settings.GateSettings` as keywords (``floor=4``, ``ceiling=...``:
-        :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered only if the gate
-        has no configuration in Redis yet (the coordinator's config wins, and a setting it
+        :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered (by the gate's
+        first heartbeat or call) only if the gate has no configuration in Redis yet -- again
+        after Redis lost it (the coordinator's config wins, and a setting it
         lacks takes its default, not this one); None takes the default. The first call for a
         name fixes them: a later call returns the same gate and ignores its settings.
 
