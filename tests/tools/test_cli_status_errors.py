@@ -58,9 +58,9 @@ def test_a_refused_password_is_named_with_the_url(own_redis: RedisProcess) -> No
 
 
 def test_watch_names_the_url_when_redis_goes_away(own_redis: RedisProcess) -> None:
+    url = own_redis.url
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fleetgate.cli", "status", "--watch", "0.2"]
-        + ["--redis", own_redis.url],
+        [sys.executable, "-m", "fleetgate.cli", "status", "--watch", "0.2", "--redis", url],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
