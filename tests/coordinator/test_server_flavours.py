@@ -172,6 +172,11 @@ async def test_a_named_server_answered_by_no_metrics_is_a_scrape_error(
             assert f"the body is {what}, not Prometheus text" in util["error"], util["error"]
             assert util["reason"] in {"hold_unknown", "reset"}
             assert await async_redis.hget(keys.target, "value") is None  # nothing published
+            # `fleetgate status` says it under the gate's row
+            [row] = [g for g in (await gather_status(async_redis, rut.prefix)).gates]
+            assert row.metrics_error is not None and "no vllm metrics" in row.metrics_error
+            text = format_status(await gather_status(async_redis, rut.prefix), time.time())
+            assert f"  metrics unusable: {url}: no vllm metrics" in text, text
     logged = [r.getMessage() for r in caplog.records if "metrics unusable" in r.getMessage()]
     assert logged and "no vllm metrics" in logged[0]
 
