@@ -222,7 +222,8 @@ class GateScripts:
     ) -> HeartbeatReply:
         """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((waiter member,
         remaining deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate.
-        ``fence_ms`` as for :meth:`acquire_many`."""
+        ``fence_ms`` as for :meth:`acquire_many`; ``defaults`` are registered on a gate without
+        configuration, as an acquire registers them."""
         req = HeartbeatRequest(
             keys, pod_id, pod_ttl_ms, leases, waiters, max_token, defaults, fence_ms
         )
