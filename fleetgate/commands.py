@@ -17,7 +17,7 @@ import msgspec
 from fleetgate._redis import connect, prepare, redact, scrub
 from fleetgate.keys import GateKeys
 from fleetgate.registry import read_registry
-from fleetgate.safety import find_bad_keys, redis_version, server_findings
+from fleetgate.safety import capability_findings, find_bad_keys, redis_version, server_findings
 from fleetgate.scripts import GateScripts, Snapshot, Waiter
 from fleetgate.status import TENANTS_SHOWN, format_status, gather_status, tenant_shown
 
@@ -141,10 +141,12 @@ def format_inspect(gate: str, snap: Snapshot) -> str:
 
 
 async def check(url: str, prefix: str) -> int:
-    """Redis reachable, version >= 7.0, noeviction, a primary, fleetgate's keys intact.
+    """Redis reachable, version >= 7.0, noeviction, a primary, the commands fleetgate sends
+    allowed (:mod:`fleetgate.safety.capabilities`), fleetgate's keys intact.
 
     Exit 1 on any error-level finding (see :mod:`fleetgate.safety`); warnings (replicas
-    attached, a setting that could not be read) are printed but keep exit code 0.
+    attached, a setting that could not be read) and notes (a refused command fleetgate does
+    without) are printed but keep exit code 0.
     """
     shown = redact(url)
     client = connect(url)
@@ -153,6 +155,7 @@ async def check(url: str, prefix: str) -> int:
         await client.ping()
         version = await redis_version(client)
         findings = await server_findings(client)
+        findings += await capability_findings(client, prefix)
         findings += await find_bad_keys(client, prefix)
     except Exception as exc:
         # Anything redis-py raises; its text never holds the password, and scrub() makes sure.
