@@ -67,7 +67,7 @@ async def _probe(
 
 async def capability_findings(client: Any, prefix: str) -> list[Finding]:
     """Findings about the commands fleetgate sends that the server lacks or refuses (empty:
-    it runs every one)."""
+    it runs every one). A cluster client must be prepared (:func:`fleetgate._redis.prepare`)."""
     mode = RedisMode(client)
     keys = GateKeys.of(prefix, PROBE_GATE)
     loader = Loader(mode)
@@ -173,6 +173,14 @@ async def _argument_findings(client: Any, keys: GateKeys) -> list[Finding]:
 
     async def exists(args: int) -> Any:
         return await client.exists(*[keys.base] * (args - 1))
+
+    try:
+        await exists(2)
+    except ResponseError as exc:
+        if unavailable_reply(exc):
+            raise
+        why = f"EXISTS, its probe, was refused: {exc}"
+        return [Finding("warning", "unchecked", f"arguments per command not checked ({why})")]
 
     at_most = await _probe(
         lambda: exists(MAX_ARGS),
