@@ -54,6 +54,9 @@ class ArgCapProxy:
         await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        self._tasks.add(me)
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         back = asyncio.create_task(self._pump(up_reader, writer))
         self._tasks.add(back)
@@ -64,11 +67,12 @@ class ArgCapProxy:
                     break
                 up_writer.write(command)
                 await up_writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
             back.cancel()
             self._tasks.discard(back)
+            self._tasks.discard(me)
             for w in (up_writer, writer):
                 w.close()
                 with contextlib.suppress(ConnectionError):
