@@ -17,6 +17,8 @@ from fleetgate.observed import encode_report, tally
 from fleetgate.registry import read_registry, register, unregister
 from fleetgate.scripts import (
     GRANTED,
+    HEARTBEAT_UNITS_PER_CALL,
+    IDS_PER_CALL,
     MAX_BATCH,
     PARKED,
     GateScripts,
@@ -135,3 +137,27 @@ async def test_a_full_acquire_batch_with_every_report_distinct(
     assert await client.zrange(keys.holders, 0, -1) == ["pod:new"]  # the others released
     assert int(await client.hget(keys.obs, "tn:tenant-7") or 0) == 1
     assert proxy.largest > max(before, 2000)  # this batch was the largest command
+    assert proxy.largest - 1 + len(keys.declared_keys()) <= MAX_ARGS  # on Cluster: 17 keys
+
+
+def test_every_call_shape_fits_on_cluster_too() -> None:
+    """On Cluster a gate's call declares all its keys (17, not 1): the largest call of each
+    shape still fits. A heartbeat_many call is bounded by its units (HEARTBEAT_UNITS_PER_CALL;
+    a gate heavier than that goes alone as a plain heartbeat, in parts of IDS_PER_CALL ids)."""
+    keys = GateKeys.of("fg", "g")
+    declared = len(keys.declared_keys())
+    head = 3  # FCALL, the function, numkeys
+    settings = len(BIG.argv())
+
+    def gate_args(ids: int) -> int:  # heartbeat.lua's ARGV of a gate renewing `ids` ids
+        return len(HeartbeatRequest(keys, "p", 1, [("x", 0)] * ids, [], 0, BIG).argv())
+
+    assert gate_args(0) == 6 + settings
+    assert head + declared + gate_args(IDS_PER_CALL) <= MAX_ARGS  # one part of a heartbeat
+    assert head + declared + 2 + IDS_PER_CALL <= MAX_ARGS  # one part of an adoption
+    per_unit = max(
+        (1 + declared + 1 + gate_args(ids))
+        / HeartbeatRequest(keys, "p", 1, [("x", 0)] * ids, []).units()
+        for ids in range(4 * HEARTBEAT_UNITS_PER_CALL)
+    )
+    assert head + 1 + HEARTBEAT_UNITS_PER_CALL * per_unit <= MAX_ARGS  # a heartbeat_many call
