@@ -17,7 +17,7 @@ import msgspec
 from fleetgate._redis import connect, prepare, redact, scrub
 from fleetgate.keys import GateKeys
 from fleetgate.registry import read_registry
-from fleetgate.safety import capability_findings, find_bad_keys, redis_version, server_findings
+from fleetgate.safety import capability_findings, find_bad_keys, server_findings, server_label
 from fleetgate.scripts import GateScripts, Snapshot, Waiter
 from fleetgate.status import TENANTS_SHOWN, format_status, gather_status, tenant_shown
 
@@ -153,7 +153,7 @@ async def check(url: str, prefix: str) -> int:
     try:
         await prepare(client)
         await client.ping()
-        version = await redis_version(client)
+        label = await server_label(client)
         findings = await server_findings(client)
         if not any(f.code == "replica_role" for f in findings):  # a replica refuses writes
             findings += await capability_findings(client, prefix)
@@ -169,5 +169,5 @@ async def check(url: str, prefix: str) -> int:
     for finding in findings:
         print(f"fleetgate check: {finding.level.upper()}: {finding.message}", file=sys.stderr)
     ok = not any(f.level == "error" for f in findings)
-    print(f"redis {version or '?'} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
+    print(f"{label} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
     return EXIT_OK if ok else EXIT_ERROR

@@ -23,7 +23,13 @@ from __future__ import annotations
 from fleetgate.safety.capabilities import PROBE_GATE, capability_findings
 from fleetgate.safety.findings import Finding, is_wrongtype
 from fleetgate.safety.keyspace import EXPECTED_TYPES, find_bad_keys
-from fleetgate.safety.server import MIN_VERSION, check_redis, redis_version, server_findings
+from fleetgate.safety.server import (
+    MIN_VERSION,
+    check_redis,
+    redis_version,
+    server_findings,
+    server_label,
+)
 
 __all__ = [
     "EXPECTED_TYPES",
@@ -36,4 +42,5 @@ __all__ = [
     "is_wrongtype",
     "redis_version",
     "server_findings",
+    "server_label",
 ]

@@ -39,7 +39,8 @@ BIG = GateSettings(floor=LEASES, ceiling=LEASES, max_queued=100, lease_ms=60_000
 @pytest.fixture
 async def capped(rut: RedisUnderTest) -> AsyncIterator[tuple[ArgCapProxy, aredis.Redis]]:
     """A client whose every command passes the proxy (refused beyond MAX_ARGS)."""
-    assert rut.process is not None
+    if rut.process is None:
+        pytest.skip("needs a private server: FLEETGATE_TEST_REDIS_URL names one not ours")
     async with ArgCapProxy(rut.process.port, MAX_ARGS) as proxy:
         client = connect(proxy.url)
         try:
