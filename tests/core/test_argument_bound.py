@@ -6,6 +6,7 @@ driven past the bound against a real server, through a proxy that refuses a comm
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -22,6 +23,7 @@ from fleetgate.scripts import (
     MAX_BATCH,
     PARKED,
     GateScripts,
+    HeartbeatReply,
     HeartbeatRequest,
 )
 from fleetgate.settings import GateSettings
@@ -162,3 +164,32 @@ def test_every_call_shape_fits_on_cluster_too() -> None:
         for ids in range(4 * HEARTBEAT_UNITS_PER_CALL)
     )
     assert head + 1 + HEARTBEAT_UNITS_PER_CALL * per_unit <= MAX_ARGS  # a heartbeat_many call
+
+
+def test_a_heartbeat_in_parts_reads_as_one() -> None:
+    """The parts keep the ids' order (leases first, newest first, then waiters), and their
+    replies merge into the reply one call would have given: lists joined in order (each id's
+    fencing token beside it), the gate's state as the last part saw it, the earliest expiry."""
+    keys = GateKeys.of("fg", "g")
+    leases = [(f"p:{i}", 0) for i in range(5)]
+    waiters = [(f"}}100}}{i:020d}}}p:w{i}", 1000) for i in range(3)]
+    parts = HeartbeatRequest(keys, "p", 1, leases, waiters).parts(3)
+    assert [(p.leases, p.waiters) for p in parts] == [
+        (leases[:3], []),
+        (leases[3:], waiters[:1]),
+        ([], waiters[1:]),
+    ]
+
+    def reply(expires_at: int, granted: list[str], tokens: list[int], queued: int) -> list[Any]:
+        return [4, 2, [], granted, [], queued, 3, 1000, 500, expires_at, 0, [], tokens, [], [], 8,
+                -1, 0, [], [], [], []]  # fmt: skip
+
+    merged = HeartbeatReply.merge(
+        [
+            HeartbeatReply.decode(reply(100, [], [], 3)),
+            HeartbeatReply.decode(reply(101, ["p:w0"], [7], 2)),
+            HeartbeatReply.decode(reply(102, ["p:w2"], [8], 1)),
+        ]
+    )
+    assert merged.granted_waiters == ["p:w0", "p:w2"] and merged.granted_tokens == [7, 8]
+    assert (merged.expires_at, merged.queued, merged.pod_new) == (100, 1, False)
