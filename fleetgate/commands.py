@@ -19,7 +19,7 @@ from fleetgate._redis import REDIS_ERRORS, connect, error_text, prepare, redact,
 from fleetgate.errors import FleetgateError, RedisUnavailable
 from fleetgate.keys import GateKeys
 from fleetgate.registry import read_registry
-from fleetgate.safety import find_bad_keys, redis_version, server_findings
+from fleetgate.safety import capability_findings, find_bad_keys, server_findings, server_label
 from fleetgate.scripts import GateScripts, Snapshot, Waiter
 from fleetgate.status import TENANTS_SHOWN, format_status, gather_status, tenant_shown
 
@@ -159,18 +159,22 @@ def format_inspect(gate: str, snap: Snapshot) -> str:
 
 
 async def check(url: str, prefix: str) -> int:
-    """Redis reachable, version >= 7.0, noeviction, a primary, fleetgate's keys intact.
+    """Redis reachable, version >= 7.0, noeviction, a primary, the commands fleetgate sends
+    allowed (:mod:`fleetgate.safety.capabilities`), fleetgate's keys intact.
 
     Exit 1 on any error-level finding (see :mod:`fleetgate.safety`); warnings (replicas
-    attached, a setting that could not be read) are printed but keep exit code 0.
+    attached, a setting that could not be read) and notes (a refused command fleetgate does
+    without) are printed but keep exit code 0.
     """
     shown = redact(url)
     client = connect(url)
     try:
         await prepare(client)
         await client.ping()
-        version = await redis_version(client)
+        label = await server_label(client)
         findings = await server_findings(client)
+        if not any(f.code == "replica_role" for f in findings):  # a replica refuses writes
+            findings += await capability_findings(client, prefix)
         findings += await find_bad_keys(client, prefix)
     except Exception as exc:
         # Anything redis-py raises; its text never holds the password, and scrub() makes sure.
@@ -183,5 +187,5 @@ async def check(url: str, prefix: str) -> int:
     for finding in findings:
         print(f"fleetgate check: {finding.level.upper()}: {finding.message}", file=sys.stderr)
     ok = not any(f.level == "error" for f in findings)
-    print(f"redis {version or '?'} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
+    print(f"{label} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
     return EXIT_OK if ok else EXIT_ERROR

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import redis
 
 from fleetgate.admission import weighted_id
 from fleetgate.settings import GateSettings
 
 from .test_token_budget import GRANTED, LONG_MS, TokenGate
+
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
 
 
 def _publish(g: TokenGate, cfg: dict[str, int | str]) -> None:
