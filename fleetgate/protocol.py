@@ -18,9 +18,20 @@ import importlib.resources
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
-__all__ = ["LUA_FILE", "AcquireStatus", "PruneState", "ResizeStatus", "Stat", "Wake", "lua_source"]
+__all__ = [
+    "LUA_FILE",
+    "AcquireStatus",
+    "PruneState",
+    "ResizeStatus",
+    "Stat",
+    "Wake",
+    "GRANTED_WAKE",
+    "WakeNews",
+    "decode_wake",
+    "lua_source",
+]
 
 
 class AcquireStatus(enum.IntEnum):
@@ -63,6 +74,36 @@ class Wake:
     TOO_HEAVY: Final = "c"  # then the ceiling C now in force (ConfigError)
     TOO_MANY_TOKENS: Final = "k"  # then the token ceiling K
     OVER_SHARE: Final = "s"  # then its band's share S of the ceiling
+
+
+class WakeNews(NamedTuple):
+    """A wake, decoded: what happened to the waiter ``lease_id``. ``kind`` is ``"granted"``
+    (``value``: its fencing token), :attr:`Wake.EVICTED` (``value`` 0) or one of the refusal
+    codes :attr:`Wake.TOO_HEAVY`, :attr:`Wake.TOO_MANY_TOKENS`, :attr:`Wake.OVER_SHARE`
+    (``value``: the bound that refused it)."""
+
+    lease_id: str
+    kind: str
+    value: int
+
+
+GRANTED_WAKE: Final = "granted"
+_REFUSAL_CODES: Final = (Wake.TOO_HEAVY, Wake.TOO_MANY_TOKENS, Wake.OVER_SHARE)
+
+
+def decode_wake(wake: str) -> WakeNews | None:
+    """The wake ``'<id>=<value>'`` (the grammar of :class:`Wake`) decoded; None for a value
+    the grammar has no word for (a newer script's: ignored, the heartbeat tells the rest)."""
+    lease_id, _, value = wake.rpartition("=")
+    if not lease_id:
+        return None
+    if value == Wake.EVICTED:
+        return WakeNews(lease_id, Wake.EVICTED, 0)
+    if value[:1] in _REFUSAL_CODES and value[1:].isdigit():
+        return WakeNews(lease_id, value[0], int(value[1:]))
+    if value.isdigit():
+        return WakeNews(lease_id, GRANTED_WAKE, int(value))
+    return None
 
 
 class Stat:
