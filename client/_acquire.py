@@ -217,7 +217,7 @@ class GateAcquirer(GateState):
         elif outcome.status == GRANTED:
             self.runtime.spawn(self._cancel(call.lease_id))  # give it back
         elif outcome.status == PARKED:
-            member = call.ask.member(outcome.token, call.lease_id)
+            member = call.ask.member(outcome.seq, call.lease_id)
             self.runtime.spawn(self._cancel(call.lease_id, member))  # leave the wait list
 
     async def _park(self, waiter: Waiter) -> Lease | None:

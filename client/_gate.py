@@ -387,7 +387,7 @@ class Gate(GateAcquirer):
         ids = [*(lease_id for lease_id, _ in held), *(lease.id for lease in local)]
         if not ids:
             return
-        max_token = max((lease.token for _, lease in held), default=0)
+        max_token = max((lease.fencing_token for _, lease in held), default=0)
         scripts = self.runtime.scripts
         _, expires_at = await scripts.adopt(self.keys, ids, max_token, self.runtime.fence_ms)
         for _, lease in held:
