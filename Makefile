@@ -16,7 +16,7 @@ $(BIN)/.installed: pyproject.toml
 # commands below). The model tests of tests/lua (FLEETGATE_MODEL_EXAMPLES) run in the fast tier at
 # a smaller budget and again in the long tier's hunt at full size.
 FAST_EXAMPLES ?= 100
-HUNT_EXAMPLES ?= 1000
+HUNT_EXAMPLES ?= 2000
 DURATIONS ?= 25
 
 # The fast tier: every test not marked long, all of tests/lua and the multi-process cap tests of
