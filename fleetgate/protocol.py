@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Final, NamedTuple
 
 __all__ = [
+    "GRANTED_WAKE",
     "LUA_FILE",
     "AcquireStatus",
     "PruneState",
     "ResizeStatus",
     "Stat",
     "Wake",
-    "GRANTED_WAKE",
     "WakeNews",
     "decode_wake",
     "lua_source",
