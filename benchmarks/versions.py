@@ -51,6 +51,10 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "uncontended": (r"^ratio$", r"^ratio_p50$", r"^variants\.permit\(\)\.lua_us_per_op$"),
     "script_cost": (r"^sizes\[\d\]\.(acquire|release)[^.]*$", r"^growth\.", r"^status_growth$"),
     "handoff": (r"p50|p99",),
+    "proxy_hop": (
+        r"^summary\.[^.]+\.(cpu_us_per_request|cpu_us_per_stream|rps|added_p50_ms)$",
+        r"^ratios\.",
+    ),
 }
 
 
@@ -129,7 +133,8 @@ def summary(name: str, versions: Sequence[Version]) -> tuple[list[list[Any]], di
     patterns = [re.compile(p) for p in HEADLINES.get(name, (r".",))]
     base = versions[0].runs[name]
     keys = [k for k in base[0] if any(p.search(k) for p in patterns)]
-    rows, out = [], {}
+    rows: list[list[Any]] = []
+    out: dict[str, dict[str, Any]] = {}
     for k in keys:
         meds, spreads = [], []
         for v in versions:
