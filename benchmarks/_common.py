@@ -43,6 +43,7 @@ BENCHMARKS = (
     "fairness",
     "proxy",
     "proxy_workers",
+    "proxy_hop",
     "redis_memory",
     "tokens",
     "flood",

@@ -51,6 +51,10 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "uncontended": (r"^ratio$", r"^ratio_p50$", r"^variants\.permit\(\)\.lua_us_per_op$"),
     "script_cost": (r"^sizes\[\d\]\.(acquire|release)[^.]*$", r"^growth\.", r"^status_growth$"),
     "handoff": (r"p50|p99",),
+    "proxy_hop": (
+        r"^summary\.[^.]+\.(cpu_us_per_request|cpu_us_per_stream|rps|added_p50_ms)$",
+        r"^ratios\.",
+    ),
 }
 
 

@@ -24,6 +24,7 @@ step of the exchange (the permit, the upstream's answer) unless that happens fir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -108,7 +109,7 @@ class Inbound:
         self.stalled = False
         self.over_budget = False
         self.gone = asyncio.Event()
-        self.stop = asyncio.Event()  # gone, too large or stalled: the exchange cannot go on
+        self.stop = _Stop()  # gone, too large or stalled: the exchange cannot go on
         self._chunks: deque[bytes] = deque()
         self._news = asyncio.Event()
         self._callbacks: list[Callable[[], None]] = []
@@ -191,7 +192,7 @@ class Inbound:
         (:class:`TimeoutError`): then ``task`` is cancelled and a result it produced anyway is
         handed to ``discard`` (a lease to release, a response to close)."""
         stop = self.stop
-        waiter: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+        waiter = stop.future()  # a future, not a task awaiting stop.wait(): two per request
         pending: set[asyncio.Future[Any]] = {task, waiter}
         try:
             await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -201,7 +202,7 @@ class Inbound:
                 task.add_done_callback(functools.partial(_discard_later, discard))
             raise
         finally:
-            waiter.cancel()
+            stop.forget(waiter)
         if task.done() and not stop.is_set():
             return task.result()
         task.cancel()
@@ -280,6 +281,37 @@ class Inbound:
             self._news.clear()
             if not (self._chunks or self.complete or self.stop.is_set()):
                 await self._news.wait()
+
+
+class _Stop(asyncio.Event):
+    """An event that also hands out plain futures resolved when it is set (:meth:`future`), to
+    race against without a task awaiting :meth:`wait` (one per race, two per request)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._futures: list[asyncio.Future[None]] = []
+
+    def set(self) -> None:
+        super().set()
+        futures, self._futures = self._futures, []
+        for fut in futures:
+            if not fut.done():
+                fut.set_result(None)
+
+    def future(self) -> asyncio.Future[None]:
+        """A future done when the event is set (at once if it is); :meth:`forget` it after."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.is_set():
+            fut.set_result(None)
+        else:
+            self._futures.append(fut)
+        return fut
+
+    def forget(self, fut: asyncio.Future[None]) -> None:
+        """Stop tracking ``fut`` (the race it was for is over)."""
+        fut.cancel()
+        with contextlib.suppress(ValueError):
+            self._futures.remove(fut)
 
 
 # cleanups started from callbacks, kept referenced until they finish

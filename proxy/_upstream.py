@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
+from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -160,6 +162,16 @@ def poisoned(response: httpx.Response) -> bool:
         return bool(connection._h11_state.trailing_data[0])
     except AttributeError:
         return True
+
+
+async def _within(work: Coroutine[Any, Any, None], seconds: float) -> None:
+    """``await work`` within ``seconds`` (TimeoutError past them): on Python 3.11+ in this
+    task, without the task ``wait_for`` makes for it (one per request)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            await work
+    else:  # pragma: no cover
+        await asyncio.wait_for(work, seconds)
 
 
 async def _close(answer: Answer) -> None:
@@ -394,7 +406,7 @@ class Relay:
 
         errors = self.metrics.upstream_errors
         try:
-            await asyncio.wait_for(pull(), route.stream_timeout_s)
+            await _within(pull(), route.stream_timeout_s)
         except asyncio.CancelledError:
             self.metrics.disconnects.labels(ex.label, "response").inc()
             ex.note = "gone mid-response"

@@ -103,6 +103,7 @@ class ProxyApp:
         self._gates: dict[str, Gate] = {}
         self._gauges: dict[str, Gauge] = {}
         self._children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._answered = 0  # exchanges answered below 400, for access_log_sample
         #: this proxy's name in Via (RFC 9110 7.6.3, a pseudonym): a request naming it has
         #: come back (508); another fleetgate proxy's is a chain, not a loop
         via = f"fleetgate-{secrets.token_hex(4)}" if worker is None else worker.via_name
@@ -397,5 +398,14 @@ class ProxyApp:
         children[1].observe(seconds)
         if ex.used is not None and ex.ask is not None and ex.ask.tokens > 0:
             self.metrics.settled(ex.label, ex.ask.tokens, ex.used)
-        if self.config.proxy.access_log:
+        if self.config.proxy.access_log and self._sampled(ex):
             log_access(ex, status, seconds)
+
+    def _sampled(self, ex: Exchange) -> bool:
+        """Whether ``ex`` has its access log line: with ``access_log_sample`` N, the first of
+        every N exchanges answered below 400; every other exchange always."""
+        every = self.config.proxy.access_log_sample
+        if every == 1 or not 100 <= ex.status < 400:
+            return True
+        self._answered += 1
+        return self._answered % every == 1

@@ -5,6 +5,7 @@ routes that read bodies whole use it, a route streaming its uploads does not."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from typing import Any
 
@@ -62,6 +63,72 @@ def test_writes_wait_for_the_read_and_go_as_one() -> None:
     inner = asyncio.run(go())
     assert inner.writes == [b"POST / HTTP/1.1\r\nContent-Length: 4\r\n\r\nbody"]
     assert inner.reads == 2
+
+
+class _OnSocket(_Recorded):
+    """A recorded stream over a real socket (what httpcore's anyio stream gives)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.sock = sock
+        self.asked: list[str] = []
+
+    def get_extra_info(self, info: str) -> Any:
+        self.asked.append(info)
+        return self.sock if info == "socket" else f"info:{info}"
+
+
+def test_is_readable_polls_the_socket_itself() -> None:
+    """httpcore's pool asks every idle connection is_readable per request: the stream answers
+    from its socket (looked up once), as httpcore does: not readable while idle, readable once
+    the server sent something or closed, and a closed socket counts as readable."""
+    ours, theirs = socket.socketpair()
+    inner = _OnSocket(ours)
+    stream = _CoalescingStream(inner)
+    try:
+        assert stream.get_extra_info("is_readable") is False
+        theirs.send(b"x")  # bytes past an answer, or a server's close: never reuse it
+        assert stream.get_extra_info("is_readable") is True
+        ours.recv(1)
+        assert stream.get_extra_info("is_readable") is False
+        theirs.close()
+        assert stream.get_extra_info("is_readable") is True
+        assert inner.asked == ["socket"]  # once, at the start; every answer from the socket
+        assert stream.get_extra_info("server_addr") == "info:server_addr"
+    finally:
+        ours.close()
+        theirs.close()
+    assert stream.get_extra_info("is_readable") is True  # closed: as httpcore says
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_stream_finds_the_socket_of_the_real_backend(loop: str) -> None:
+    """httpcore's anyio stream gives asyncio's TransportSocket or uvloop's PseudoSocket, not a
+    socket.socket: the stream must still poll it itself, or the saving silently goes."""
+
+    async def go() -> tuple[bool, bool]:
+        accepted: list[asyncio.StreamWriter] = []
+        server = await asyncio.start_server(lambda r, w: accepted.append(w), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        stream = await CoalescingBackend(httpcore.AnyIOBackend()).connect_tcp("127.0.0.1", port)
+        assert isinstance(stream, _CoalescingStream)
+        try:
+            return stream._socket is not None, stream.get_extra_info("is_readable")
+        finally:
+            await stream.aclose()
+            for writer in accepted:
+                writer.close()
+                await writer.wait_closed()
+            server.close()
+            await server.wait_closed()
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        found, readable = uvloop.run(go())
+    else:
+        found, readable = asyncio.run(go())
+    assert found
+    assert readable is False
 
 
 def test_large_writes_go_at_once_and_a_close_drops_what_is_held() -> None:

@@ -100,6 +100,24 @@ def test_no_log_line_has_the_query_string(
     wait_idle(rut.url, rut.prefix, "g")
 
 
+def test_a_sampled_access_log_keeps_every_failure(
+    rut: RedisUnderTest, upstream: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With ``access_log_sample = 3``: one line for the first of every 3 exchanges answered
+    below 400, and a line for every exchange answered 400 or above."""
+    caplog.set_level(logging.INFO)
+    proxy = {"access_log_sample": 3}
+    with serve_proxy(rut, upstream, proxy=proxy) as url, httpx.Client(base_url=url) as http:
+        for i in range(7):
+            assert http.post("/echo", content=f"ok {i}".encode()).status_code == 200
+        for _ in range(2):
+            assert http.get("/status/503").status_code == 503
+    lines = [r.getMessage() for r in caplog.records if r.name == "fleetgate.proxy.access"]
+    assert len([line for line in lines if " 200 " in line]) == 3, lines  # exchanges 1, 4, 7
+    assert len([line for line in lines if " 503 " in line]) == 2, lines
+    wait_idle(rut.url, rut.prefix, "g")
+
+
 def test_one_date_header(rut: RedisUnderTest, upstream: Served) -> None:
     """The upstream's Date passes through, and no second one is added (uvicorn adds one to
     every response by default)."""
