@@ -87,10 +87,12 @@ def prepare(ref: str) -> Version:
         TREES.mkdir(parents=True, exist_ok=True)
         _git("worktree", "add", "--detach", str(tree), sha)
     if not python.exists() or not (tree / ".venv" / ".installed").exists():
-        log(f"versions: venv of {ref} (pip install -e '.[bench]', a minute or two)")
+        log(f"versions: venv of {ref} (pip install -e '.[bench]' httptools, a minute or two)")
         subprocess.run([sys.executable, "-m", "venv", str(tree / ".venv")], check=True)
         subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "-e", f"{tree}[bench]"], check=True
+            # httptools: proxy_hop's caller parses with it (the project's test venv has it too)
+            [str(python), "-m", "pip", "install", "-q", "-e", f"{tree}[bench]", "httptools"],
+            check=True,
         )
         (tree / ".venv" / ".installed").touch()
     return Version(ref, sha[:7], tree, python)
