@@ -13,7 +13,7 @@ the client), not product code.
   is weight-bound and more slots mean more throughput), written with the `gguf` package and
   cached under ~/.cache/fleetgate/models/random-llama-<hash of its parameters>.gguf.
 
-`make test` runs it first (the README's test command builds what tests/real_server/ needs).
+`make test-long` runs it first (the long tier holds tests/real_server/).
 Where the server cannot be built (no cmake or C++ compiler, no route to PyPI) it says why and
 exits 0, and those tests skip saying so -- unless FLEETGATE_REQUIRE_REAL_SERVER is set (CI,
 .ci/run): then it fails, as do the tests, so CI cannot pass without them.
