@@ -14,7 +14,7 @@ local refuse_heads  -- defined below, after handoff (which calls it)
 -- any), t (the lane's tenant); nil when nobody waits. The band's smallest tag wins, unless the
 -- band holds a reservation (a head the free units wait for), whose lane is served first.
 local function next_turn()
-  local top = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 2)
+  local top = fair_top(2)
   if #top == 0 then return nil end
   local lane, f, r = fair_parse(top[1])
   local bound = nil
@@ -154,6 +154,7 @@ local function hand_turn(now, cfg, lim, h, turn)
   elseif turn.f ~= old_f then
     redis.call('ZREM', K_FAIR, fair_member(lane, old_f))
     redis.call('ZADD', K_FAIR, 0, fair_member(lane, turn.f))
+    FAIR = nil
     adm_set('f:' .. lane, pad20(turn.f))
   end
   return ended == 'reserved' or ended == 'full'
@@ -262,24 +263,24 @@ end
 
 -- Lanes of big whose head weighs more than the ceiling, or asks more tokens than the token
 -- ceiling (either lowered while they waited there), refuse their heads (refuse_heads): at most
--- REFUSE_LANES lanes of each kind and REFUSE_HEADS heads of each lane per call; a lane with more
+-- REFUSE.LANES lanes of each kind and REFUSE.HEADS heads of each lane per call; a lane with more
 -- such heads stays in big, scored by the next one, for the next call. A lane whose new head fits
 -- the limit is re-admitted by the readmit that follows. handoff refuses such heads of the fair
 -- order as it meets them. Returns the refusals.
-local REFUSE_LANES, REFUSE_HEADS = 16, 16
+local REFUSE = {LANES = 16, HEADS = 16}
 local function refuse_big(now, cfg)
   local c = string.format('%.0f', cfg.ceiling)
   local lanes = redis.call('ZRANGEBYSCORE', K_BIG, '(' .. c, '(' .. BIG_TOKENS, 'LIMIT', 0,
-    REFUSE_LANES)
+    REFUSE.LANES)
   if cfg.tlim then  -- heads whose tokens do not fit the budget (big_score)
-    local more = redis.call('ZRANGEBYSCORE', K_BIG, BIG_TOKENS, '+inf', 'LIMIT', 0, REFUSE_LANES)
+    local more = redis.call('ZRANGEBYSCORE', K_BIG, BIG_TOKENS, '+inf', 'LIMIT', 0, REFUSE.LANES)
     for _, lane in ipairs(more) do lanes[#lanes + 1] = lane end
   end
   if #lanes == 0 then return 0 end
   local members, ids = {}, {}
   for _, lane in ipairs(lanes) do
     local lo, hi = lane_range(lane)
-    for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, REFUSE_HEADS)) do
+    for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, REFUSE.HEADS)) do
       local id = member_id(m)
       if not too_heavy(cfg, id) then break end
       members[#members + 1] = m

@@ -29,6 +29,7 @@ lane_enter = function(lane, head, lim, tlim)
   end
   local f = num(adm_get('vt:' .. lane_band(lane)), 0) + head_cost(head, lane_tenant(lane))
   redis.call('ZADD', K_FAIR, 0, fair_member(lane, f))
+  FAIR = nil
   adm_set('f:' .. lane, pad20(f))
 end
 
@@ -36,6 +37,7 @@ end
 -- (an idle band starts again from 0: no credit is kept for anyone).
 local function left_fair(lane, f)
   redis.call('ZREM', K_FAIR, fair_member(lane, f))
+  FAIR = nil
   adm_set('f:' .. lane, nil)
   local r = lane_band(lane)
   if #redis.call('ZRANGEBYLEX', K_FAIR, '[' .. r .. '}', '(' .. r .. '~', 'LIMIT', 0, 1) == 0 then
@@ -97,6 +99,7 @@ local function settle_tags(args, i, j)
         local nf = math.max(num(adm_get('vt:' .. lane_band(lane)), 0), f + c)
         redis.call('ZREM', K_FAIR, fair_member(lane, f))
         redis.call('ZADD', K_FAIR, 0, fair_member(lane, nf))
+        FAIR = nil
         -- written now, not at the script's end: an error later in the call (a script is not
         -- rolled back) must not leave the fair order and the tag apart
         ADM['f:' .. lane] = pad20(nf)

@@ -70,32 +70,50 @@ local function adm_flush()
 end
 
 -- A lease id: '<pod>:<n>' then, each only when it applies, 'b<R>' (its band, for a priority
--- other than 0), 'w<W>' (its weight, above 1), 't<T>' (the tokens it holds).
+-- other than 0), 'w<W>' (its weight, above 1), 't<T>' (the tokens it holds). id_tags gives
+-- {weight, band, tokens}, parsed once per call (TAGS); an id that ends in ':<n>' (digits only
+-- after its last colon) has none of the tags: weight 1, band '100' (priority 0), no tokens.
+local function id_tags(id)
+  local t = TAGS[id]
+  if t then return t end
+  if string.find(id, ':%d+$') then
+    t = {1, '100', 0}
+  else
+    -- the band a lease was granted in (band shares count by it, lib_share.lua): R of its
+    -- 'b<R>' (the client tags a call of a priority other than 0; acquire.lua checks the tag
+    -- against the call's class), else '100'. Tokens: what it holds of the gate's token budget
+    -- (a lease resized, resize.lua, changes its id to say its new tokens, so what any id holds
+    -- is always in it: adoption after a restart counts it exactly).
+    local w = string.match(id, ':%d+b?%d*w(%d+)t?%d*$')
+    local k = string.find(id, 't', 1, true) and string.match(id, ':%d+b?%d*w?%d*t(%d+)$')
+    t = {w and tonumber(w) or 1,
+      string.find(id, 'b', 1, true) and string.match(id, ':%d+b(%d%d%d)w?%d*t?%d*$') or '100',
+      k and tonumber(k) or 0}
+  end
+  TAGS[id] = t
+  return t
+end
+
 local function weight_of(id)
-  local w = string.match(id, ':%d+b?%d*w(%d+)t?%d*$')
-  if w then return tonumber(w) end
-  return 1
+  return id_tags(id)[1]
 end
 
--- The band a lease was granted in (band shares count by it, lib_share.lua): R of its 'b<R>'
--- (the client tags a call of a priority other than 0; acquire.lua checks the tag against the
--- call's class), else '100' (priority 0).
 local function band_of(id)
-  if not string.find(id, 'b', 1, true) then return '100' end
-  return string.match(id, ':%d+b(%d%d%d)w?%d*t?%d*$') or '100'
+  return id_tags(id)[2]
 end
 
--- The tokens a lease id holds of the gate's token budget: '<pod>:<n>[w<W>]t<T>' holds T, an id
--- without 't<T>' none. A lease resized (resize.lua) changes its id to say its new tokens, so what
--- any id holds is always in it: adoption after a restart counts it exactly.
 local function tokens_asked(id)
-  if not string.find(id, 't', 1, true) then return 0 end
-  local t = string.match(id, ':%d+b?%d*w?%d*t(%d+)$')
-  if t then return tonumber(t) end
-  return 0
+  return id_tags(id)[3]
 end
 
+-- The lease id of a waiter member '<tenant>}<R>}<seq20>}<id>': after its last brace (tenant
+-- names and ids hold none; the fixed widths of R and seq found first, the pattern otherwise).
 local function member_id(m)
+  local p = string.find(m, '}', 1, true)
+  if p and string.byte(m, p + 4) == 125 and string.byte(m, p + 25) == 125
+      and not string.find(m, '}', p + 26, true) then
+    return string.sub(m, p + 26)
+  end
   return string.match(m, '}([^}]*)$') or m
 end
 
@@ -123,6 +141,19 @@ end
 
 local function fair_member(lane, f)
   return lane_band(lane) .. '}' .. pad20(f) .. '}' .. lane_tenant(lane)
+end
+
+-- The first entries of the fair order, at least n of them (fewer: the whole order), read once
+-- per call while nothing moves it: FAIR = {n = how many the read asked, list = what it got};
+-- every write to K_FAIR drops it (FAIR = nil), so a call that only reads it (the hand-off's
+-- turn, the deadline estimates of each request it parks, retry_full) asks Redis once.
+local function fair_top(n)
+  local c = FAIR
+  if c == nil or (c.n < n and #c.list >= c.n) then
+    c = {n = n, list = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, n)}
+    FAIR = c
+  end
+  return c.list
 end
 
 -- lane, tag, band of a fair member
