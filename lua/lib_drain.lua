@@ -13,7 +13,7 @@
 -- wait of this many ms or more is no deadline (the client sends 24 h for deadline=None). (One
 -- table, not five locals: the main chunk of library + acquire is short of Lua's 200 locals.)
 local DRAIN = {TAU_MS = 10000, GAP_MS = 2000, STALE_MS = 30000, HISTORY = 20,
-  NO_DEADLINE_MS = 86400000}
+  NO_DEADLINE_MS = 86400000, last = {}}
 
 local function drain_parse(v)
   if not v then return 0, 0, 0 end
@@ -43,11 +43,20 @@ end
 
 -- Grants per ms to waiters of band r now; nil before DRAIN.HISTORY grants were counted, or when
 -- the band's last grant is older than DRAIN.STALE_MS (the load it measured may be gone).
+-- (A function of now and the band's field alone: the last answer per band is kept, DRAIN.last,
+-- for the next ask in the same ms -- each request a call parks asks it.)
 local function drain_rate(now, r)
-  local s, w, at = drain_parse(adm_get('dr:' .. r))
-  if s < DRAIN.HISTORY or w <= 0 or now - at > DRAIN.STALE_MS then return nil end
-  s, w = drain_aged(now, s, w, at)
-  return s / w
+  local v = adm_get('dr:' .. r)
+  local last = DRAIN.last[r]
+  if last and last[1] == now and last[2] == v then return last[3] end
+  local s, w, at = drain_parse(v)
+  local rate = nil
+  if s >= DRAIN.HISTORY and w > 0 and now - at <= DRAIN.STALE_MS then
+    s, w = drain_aged(now, s, w, at)
+    rate = s / w
+  end
+  DRAIN.last[r] = {now, v, rate}
+  return rate
 end
 
 -- The ms by which `ahead` waiters are likely granted at `rate` per ms: ahead + sqrt(ahead) (one
@@ -70,8 +79,15 @@ local function expected_start(now, lane, r, t, count)
   local ahead, seen = q + 1, {[r] = true}
   -- the first 64 lanes of band r and above (the fair order sorts by band first)
   local fair = fair_top(64)
+  local parsed = FAIR.parsed
   for j = 1, math.min(#fair, 64) do
-    local other, _, band = fair_parse(fair[j])
+    local p = parsed[j]
+    if p == nil then
+      local l, _, b = fair_parse(fair[j])
+      p = {l, b}
+      parsed[j] = p
+    end
+    local other, band = p[1], p[2]
     if band > r then break end
     if other ~= lane then
       local n = count(other)
@@ -156,19 +172,23 @@ end
 -- rate and hold, worked out once). No command while even the whole wait list would drain in time
 -- at its band's rate (start_bound of queued + 1 bounds expected_start from above).
 local function late_waiter(now, cfg, member, remaining, queued, seen)
+  if not cfg.deadline_admission or cfg.fence > now or remaining >= DRAIN.NO_DEADLINE_MS then
+    return nil
+  end
   local lane = member_lane(member)
-  if lane == nil or not cfg.deadline_admission or cfg.fence > now then return nil end
-  if remaining >= DRAIN.NO_DEADLINE_MS then return nil end
+  if lane == nil then return nil end
   local r = lane_band(lane)
   local band = seen[r]
   if band == nil then
     band = {rate = drain_rate(now, r) or false, hold = 0}
     if band.rate and cfg.deadline_finish then band.hold = band_hold(now, r, nil) or 0 end
+    -- (queued is the heartbeat's: one bound per band)
+    band.bound = band.rate and start_bound(queued + 1, band.rate) + band.hold
     seen[r] = band
   end
   local rate, hold = band.rate, band.hold
   if not rate then return nil end
-  if start_bound(queued + 1, rate) + hold <= remaining then return nil end
+  if band.bound <= remaining then return nil end
   local before = nil
   local function count(l)
     if l == lane then

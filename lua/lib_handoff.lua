@@ -70,6 +70,7 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
   -- moved, and a gate used with defaults writes neither tags nor times per grant.
   local alone = bound == nil
   local i = 1
+  local c = nil  -- the head's cost, when the turn before worked it out (head_cost)
   while i <= last do
     local m = heads[i]
     local id = member_id(m)
@@ -83,7 +84,11 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       unreserve(turn, m)
       -- the next head takes the dropped one's turn
       if i < #heads then
-        turn.f = start_of(turn.f, id, t) + head_cost(member_id(heads[i + 1]), t)
+        local nc = head_cost(member_id(heads[i + 1]), t)
+        turn.f = start_of(turn.f, id, t, c) + nc
+        c = nc
+      else
+        c = nil
       end
       i = i + 1
       if h.dropped >= DROP_MAX then break end
@@ -110,11 +115,12 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       unreserve(turn, m)
       local nxt = i < #heads and head_cost(member_id(heads[i + 1]), t)
       if alone then
-        if nxt then turn.f = start_of(turn.f, id, t) + nxt end
+        if nxt then turn.f = start_of(turn.f, id, t, c) + nxt end
       else
         if turn.f > vt then vt = turn.f end
         if nxt then turn.f = vt + nxt end
       end
+      c = nxt or nil
       i = i + 1
       if h.free <= 0 or #h.grants >= HANDOFF_MAX then return i, 'full', vt end
     end
@@ -177,7 +183,7 @@ local function finish_pass(now, cfg, h)
     for k, id in ipairs(grants) do
       members[#members + 1] = expires
       members[#members + 1] = id
-      add_wake(wakes, id, id .. '=' .. string.format('%.0f', token + k - 1))
+      add_wake(wakes, id, id .. '=' .. string.format('%d', token + k - 1))  -- (an integer)
     end
     add_leases(members, h.extra, h.tokens)
     send_wakes(wakes, cfg)

@@ -3,9 +3,10 @@
 
 -- The start of a lane whose head (lease id, tenant t) has tag f: f minus the head's cost, never
 -- below 0 -- the cost is taken at the tenant's weight now, and a publish may have changed it
--- since the tag was made (the tag would go negative and no longer parse).
-local function start_of(f, id, t)
-  return math.max(0, f - head_cost(id, t))
+-- since the tag was made (the tag would go negative and no longer parse). c: that cost, if the
+-- caller has it already.
+local function start_of(f, id, t, c)
+  return math.max(0, f - (c or head_cost(id, t)))
 end
 
 -- A lane's score in big: the limit its head needs (its weight, or more under a band share:

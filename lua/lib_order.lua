@@ -143,23 +143,24 @@ local function fair_member(lane, f)
   return lane_band(lane) .. '}' .. pad20(f) .. '}' .. lane_tenant(lane)
 end
 
--- The first entries of the fair order, at least n of them (fewer: the whole order), read once
--- per call while nothing moves it: FAIR = {n = how many the read asked, list = what it got};
--- every write to K_FAIR drops it (FAIR = nil), so a call that only reads it (the hand-off's
--- turn, the deadline estimates of each request it parks, retry_full) asks Redis once.
-local function fair_top(n)
-  local c = FAIR
-  if c == nil or (c.n < n and #c.list >= c.n) then
-    c = {n = n, list = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, n)}
-    FAIR = c
-  end
-  return c.list
-end
-
 -- lane, tag, band of a fair member
 local function fair_parse(fm)
   local r, f, t = string.match(fm, '^(%d%d%d)}(%d+)}(.*)$')
   return t .. '}' .. r, tonumber(f), r
+end
+
+-- The first entries of the fair order, at least n of them (fewer: the whole order), read once
+-- per call while nothing moves it: FAIR = {n = how many the read asked, list = what it got};
+-- every write to K_FAIR drops it (FAIR = nil), so a call that only reads it (the hand-off's
+-- turn, the deadline estimates of each request it parks, retry_full) asks Redis once. Its
+-- entries parsed (fair_parse) are kept in FAIR.parsed[j] by whoever parses them.
+local function fair_top(n)
+  local c = FAIR
+  if c == nil or (c.n < n and #c.list >= c.n) then
+    c = {n = n, list = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, n), parsed = {}}
+    FAIR = c
+  end
+  return c.list
 end
 
 -- A tenant's weight (1..1000; 1 when not configured); the default tenant weighs 1.
