@@ -128,6 +128,28 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
   return i, 'open', vt
 end
 
+-- The next n heads of lane in pass h after its first skip members (those the pass took
+-- already) and their waiter entries' expiries: read once per lane and pass, up to the free units
+-- the pass has (+ 1), so the lane's later turns (fair queuing gives lanes of one band turns of a
+-- few heads) find them read; nothing else moves a lane during a pass.
+local function lane_heads(h, lane, skip, n)
+  local c = h.ahead[lane]
+  if c == nil or skip < c.from or not (c.ends or skip + n <= c.from + #c.heads) then
+    local fetch = math.max(n, math.min(h.free, HANDOFF_MAX - #h.grants) + 1)
+    local lo, hi = lane_range(lane)
+    local got = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', skip, fetch)
+    local alive = {}
+    if #got > 0 then alive = redis.call('ZMSCORE', K_WAITERS, unpack(got)) end
+    c = {heads = got, alive = alive, from = skip, ends = #got < fetch}
+    h.ahead[lane] = c
+  end
+  local heads, alive, a = {}, {}, skip - c.from
+  for j = 1, math.min(n, #c.heads - a) do
+    heads[j], alive[j] = c.heads[a + j], c.alive[a + j]
+  end
+  return heads, alive
+end
+
 -- One turn of a hand-off: serve the lane next_turn chose, then move its tag in the fair order
 -- (or take it out: emptied, or its head too big for the limit). Returns true when the pass ends.
 local function hand_turn(now, cfg, lim, h, turn)
@@ -135,16 +157,13 @@ local function hand_turn(now, cfg, lim, h, turn)
   local want = math.min(h.free, HANDOFF_MAX - #h.grants)
   -- with other lanes in the band this lane serves a few before the tags are compared again
   if turn.bound and want > 8 then want = 8 end
-  local lo, hi = lane_range(lane)
   local skip = h.gone_in[lane] or 0  -- its head prefix already removed in this pass
-  local heads = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', skip, want + 1)
+  local heads, alive = lane_heads(h, lane, skip, want + 1)
   if turn.rsv and member_lane(turn.rsv) == lane and heads[1] ~= turn.rsv then
     -- the reserved waiter left its lane: serve by tags again (the next turn looks again)
     adm_set('rsv:' .. turn.r, nil)
     return false
   end
-  local alive = {}
-  if #heads > 0 then alive = redis.call('ZMSCORE', K_WAITERS, unpack(heads)) end
   local vt0 = num(adm_get('vt:' .. turn.r), 0)
   local last = math.min(#heads, want)
   local i, ended, vt = serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt0)
@@ -178,7 +197,7 @@ local function finish_pass(now, cfg, h)
   local grants = h.grants
   if #grants > 0 then
     local token = next_tokens(now, #grants)
-    local expires = now + cfg.lease_ms
+    local expires = string.format('%d', now + cfg.lease_ms)  -- (formatted once, not per score)
     local members, wakes = {}, new_wakes()
     for k, id in ipairs(grants) do
       members[#members + 1] = expires
@@ -224,6 +243,7 @@ local function handoff(now, cfg, lim, units, tokens)
   local h = {free = free, tfree = tfree, grants = {}, gone = {}, extra = 0, tokens = 0,
              dropped = 0, granted_units = 0, served = {},
              gone_in = {},  -- lane -> members of it already removed (its head prefix)
+             ahead = {},  -- lane -> its heads read (lane_heads)
              sh = share_tally(lim - free)}  -- served: band -> its waiters granted (their
                                             -- drain); sh: the band shares' units (nil: none)
   local turns = 0

@@ -31,7 +31,7 @@ end
 -- publish only to the pods that do; a refused PUBSUB leaves every pod to its SPUBLISH.
 local function send_wakes(wakes, cfg)
   local pods = wakes.pods
-  local subs = nil
+  local subs, ttl = nil, string.format('%d', cfg.waiter_ms * 2)
   if #pods > 1 then
     local channels = {}
     for i, pod in ipairs(pods) do channels[i] = K_WAKE .. pod end
@@ -48,7 +48,7 @@ local function send_wakes(wakes, cfg)
     if type(heard) ~= 'number' or heard < 1 then
       redis.call('RPUSH', key, unpack(values))
       -- A dead pod's list disappears by itself; a live pod pops it long before this.
-      redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
+      redis.call('PEXPIRE', key, ttl)
     end
   end
 end
