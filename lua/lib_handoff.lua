@@ -177,9 +177,10 @@ local function hand_turn(now, cfg, lim, h, turn)
       redis.call('ZADD', K_BIG, big_score(member_id(heads[i]), lim, cfg.tlim), lane)
     end
   elseif turn.f ~= old_f then
-    redis.call('ZREM', K_FAIR, fair_member(lane, old_f))
-    redis.call('ZADD', K_FAIR, 0, fair_member(lane, turn.f))
-    FAIR = nil
+    local old_m, new_m = fair_member(lane, old_f), fair_member(lane, turn.f)
+    redis.call('ZREM', K_FAIR, old_m)
+    redis.call('ZADD', K_FAIR, 0, new_m)
+    fair_moved(old_m, new_m)
     adm_set('f:' .. lane, pad20(turn.f))
   end
   return ended == 'reserved' or ended == 'full'

@@ -29,16 +29,18 @@ lane_enter = function(lane, head, lim, tlim)
     return
   end
   local f = num(adm_get('vt:' .. lane_band(lane)), 0) + head_cost(head, lane_tenant(lane))
-  redis.call('ZADD', K_FAIR, 0, fair_member(lane, f))
-  FAIR = nil
+  local m = fair_member(lane, f)
+  redis.call('ZADD', K_FAIR, 0, m)
+  fair_moved(nil, m)
   adm_set('f:' .. lane, pad20(f))
 end
 
 -- A lane left the fair order: when it was the band's last, the band's virtual time goes too
 -- (an idle band starts again from 0: no credit is kept for anyone).
 local function left_fair(lane, f)
-  redis.call('ZREM', K_FAIR, fair_member(lane, f))
-  FAIR = nil
+  local m = fair_member(lane, f)
+  redis.call('ZREM', K_FAIR, m)
+  fair_moved(m, nil)
   adm_set('f:' .. lane, nil)
   local r = lane_band(lane)
   if #redis.call('ZRANGEBYLEX', K_FAIR, '[' .. r .. '}', '(' .. r .. '~', 'LIMIT', 0, 1) == 0 then
@@ -98,9 +100,10 @@ local function settle_tags(args, i, j)
         local c = cost(math.abs(d), lane_tenant(lane))
         if d < 0 then c = -c end
         local nf = math.max(num(adm_get('vt:' .. lane_band(lane)), 0), f + c)
-        redis.call('ZREM', K_FAIR, fair_member(lane, f))
-        redis.call('ZADD', K_FAIR, 0, fair_member(lane, nf))
-        FAIR = nil
+        local old_m, new_m = fair_member(lane, f), fair_member(lane, nf)
+        redis.call('ZREM', K_FAIR, old_m)
+        redis.call('ZADD', K_FAIR, 0, new_m)
+        fair_moved(old_m, new_m)
         -- written now, not at the script's end: an error later in the call (a script is not
         -- rolled back) must not leave the fair order and the tag apart
         ADM['f:' .. lane] = pad20(nf)

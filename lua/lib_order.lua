@@ -23,8 +23,6 @@
 -- the band's free units are reserved for). fg:{G}:tw: tenant -> weight (1..1000).
 ---------------------------------------------------------------------------------------------
 
-local DEFAULT_LANE = '}100'
-
 local function adm_get(field)
   local v = ADM[field]
   if v == nil then
@@ -131,7 +129,7 @@ end
 
 -- The lane of a request's class: '' = priority 0 of the default tenant, else '<R>}<tenant>'.
 local function class_lane(cls)
-  if cls == nil or cls == '' then return DEFAULT_LANE end
+  if cls == nil or cls == '' then return '}100' end  -- (the default lane)
   return string.sub(cls, 5) .. '}' .. string.sub(cls, 1, 3)
 end
 
@@ -149,18 +147,64 @@ local function fair_parse(fm)
   return t .. '}' .. r, tonumber(f), r
 end
 
--- The first entries of the fair order, at least n of them (fewer: the whole order), read once
--- per call while nothing moves it: FAIR = {n = how many the read asked, list = what it got};
--- every write to K_FAIR drops it (FAIR = nil), so a call that only reads it (the hand-off's
--- turn, the deadline estimates of each request it parks, retry_full) asks Redis once. Its
--- entries parsed (fair_parse) are kept in FAIR.parsed[j] by whoever parses them.
+-- The first entries of the fair order, read once per call: FAIR = {list = the first #list
+-- members, complete = whether that is all of them, parsed = its entries parsed (fair_parse),
+-- kept in parsed[j] by whoever parses them}; a read asks at least 8 (the few lanes of most gates:
+-- all of them). Every write to K_FAIR goes through fair_moved, which keeps the list true, so a
+-- call that reads it (each turn of a hand-off, the deadline estimates of each request it parks,
+-- retry_full) asks Redis only when the list no longer holds n.
 local function fair_top(n)
   local c = FAIR
-  if c == nil or (c.n < n and #c.list >= c.n) then
-    c = {n = n, list = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, n), parsed = {}}
+  if c == nil or not (c.complete or #c.list >= n) then
+    local want = math.max(n, 8)
+    local list = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, want)
+    c = {list = list, complete = #list < want, parsed = {}}
     FAIR = c
   end
   return c.list
+end
+
+-- Whether fair member a sorts before b in the fair order: by bytes, as the sorted set orders
+-- them (Lua's < follows the server's locale).
+local function fair_less(a, b)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+
+-- A fair member left (old, nil: none) and one entered (new, nil: none) the fair order, both
+-- written already: FAIR follows -- old leaves the list, new enters it where it sorts if that is
+-- within what the list holds -- or is dropped when it cannot tell.
+local function fair_moved(old, new)
+  local c = FAIR
+  if c == nil then return end
+  local list = c.list
+  c.parsed = {}
+  if old then
+    local at = nil
+    for j, e in ipairs(list) do
+      if e == old then at = j break end
+    end
+    if at then
+      table.remove(list, at)
+    elseif not c.complete and #list > 0 and fair_less(old, list[#list]) then
+      FAIR = nil  -- (it should have been there)
+      return
+    end
+  end
+  if new and (c.complete or (#list > 0 and fair_less(new, list[#list]))) then
+    local at = #list + 1
+    for j, e in ipairs(list) do
+      if e == new then return end
+      if fair_less(new, e) then
+        at = j
+        break
+      end
+    end
+    table.insert(list, at, new)
+  end
 end
 
 -- A tenant's weight (1..1000; 1 when not configured); the default tenant weighs 1.
