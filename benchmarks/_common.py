@@ -46,7 +46,10 @@ BENCHMARKS = (
     "redis_memory",
     "tokens",
     "flood",
+    "first_permit",
 )
+# Modules of benchmarks/ that drive benchmarks rather than being one (no ``run(opts)``).
+DRIVERS = ("versions",)
 T = TypeVar("T")
 ParserName = Literal["python", "hiredis"]
 LoopName = Literal["asyncio", "uvloop"]

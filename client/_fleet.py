@@ -77,7 +77,9 @@ class Fleet:
     flushed, or the gate is new), the gate grants nothing for that long, so that pods still
     running work the lost state counted can count it again first; callers park meanwhile. On a
     standalone Redis only gates first seen within a fence period of the server's first
-    fleetgate state pay it (a restarted or flushed server); on Cluster every new gate does. 0
+    fleetgate state pay it (a restarted or flushed server); on Cluster every new gate does; on
+    a prefix stamped by ``fleetgate init`` (:func:`fleetgate.stamp.init_prefix`) none does
+    until a wipe removes the stamp. The first permit that waits for it logs why, once. 0
     turns it off: safe only when Redis keeps its state (AOF persistence) or one process uses
     the prefix. See docs/failure-modes.md.
     """
@@ -192,8 +194,9 @@ class Fleet:
     def gate(self, name: str, **settings: Unpack[GateSettingsKwargs]) -> Gate:
         """The gate ``name``. ``settings`` are the fields of
         :class:`~fleetgate.settings.GateSettings` as keywords (``floor=4``, ``ceiling=...``:
-        :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered only if the gate
-        has no configuration in Redis yet (the coordinator's config wins, and a setting it
+        :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered (by the gate's
+        first heartbeat or call) only if the gate has no configuration in Redis yet -- again
+        after Redis lost it (the coordinator's config wins, and a setting it
         lacks takes its default, not this one); None takes the default. The first call for a
         name fixes them: a later call returns the same gate and ignores its settings.
 
@@ -232,12 +235,13 @@ class Fleet:
 
     async def utilization(self, name: str) -> GateUtilization:
         """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view
-        (after this process's own releases so far: :meth:`flush`)."""
+        (after this process's own releases so far: :meth:`flush`). Redis unreachable:
+        :class:`RedisUnavailable`, whatever ``on_redis_error`` says."""
         gate = self._gates.get(name)
         defaults = gate.defaults if gate is not None else None
         if gate is not None:
             await gate.flush()  # this process's own releases are in what it reads
-        snap = await self.scripts.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
+        snap = await self.runtime.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
         return utilization_of(name, snap)
 
     # -- state, for tools and tests ------------------------------------------------------------

@@ -234,9 +234,10 @@ class Gate(GateAcquirer):
     async def snapshot(self) -> Snapshot:
         """A consistent view of the gate in Redis (holders, waiters, limit, config, stats),
         after this process's own releases so far (:meth:`flush`); ``differing`` names the
-        settings this process gave that Redis holds otherwise (the stored ones apply)."""
+        settings this process gave that Redis holds otherwise (the stored ones apply). Redis
+        unreachable: :class:`~fleetgate.errors.RedisUnavailable` (in either mode)."""
         await self.flush()
-        snap = await self.runtime.scripts.snapshot(self.keys, defaults=self.defaults)
+        snap = await self.runtime.snapshot(self.keys, defaults=self.defaults)
         differing = settings_differing(self.defaults, self.given, snap.cfg, snap.tenant_weights)
         return msgspec.structs.replace(snap, differing=differing)
 
@@ -386,7 +387,7 @@ class Gate(GateAcquirer):
         ids = [*(lease_id for lease_id, _ in held), *(lease.id for lease in local)]
         if not ids:
             return
-        max_token = max((lease.token for _, lease in held), default=0)
+        max_token = max((lease.fencing_token for _, lease in held), default=0)
         scripts = self.runtime.scripts
         _, expires_at = await scripts.adopt(self.keys, ids, max_token, self.runtime.fence_ms)
         for _, lease in held:

@@ -11,6 +11,7 @@ import msgspec
 import redis.asyncio as aredis
 
 from fleetgate.keys import GateKeys, fleet_keys
+from fleetgate.protocol import Stat
 from fleetgate.registry import read_registry
 from fleetgate.scripts import GateScripts, Snapshot
 from fleetgate.util_hash import UtilHash
@@ -121,6 +122,8 @@ class GateStatus(msgspec.Struct, kw_only=True):
     obs_calls: int | None = None
     obs_overloaded: int | None = None
     obs_timeout: int | None = None
+    #: what the coordinator's last scrape of the gate's metrics found wrong (None: nothing)
+    metrics_error: str | None = None
 
 
 class FleetStatus(msgspec.Struct, kw_only=True):
@@ -191,10 +194,10 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         last_poll=util.last_poll,
         reason=util.reason,
         server=util.server,
-        granted=snap.stat("granted"),
-        rejected=snap.stat("rejected"),
-        expired_leases=snap.stat("expired_leases"),
-        abandoned_waiters=snap.stat("abandoned_waiters"),
+        granted=snap.stat(Stat.GRANTED),
+        rejected=snap.stat(Stat.REJECTED),
+        expired_leases=snap.stat(Stat.EXPIRED_LEASES),
+        abandoned_waiters=snap.stat(Stat.ABANDONED_WAITERS),
         units=snap.units,
         token_limit=snap.token_limit,
         tokens=snap.tokens,
@@ -210,16 +213,17 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         tenants=top,
         tenants_other=other,
         unlisted=max(0, snap.queued - sum(lane.queued for lane in snap.lanes)),
-        evicted=snap.stat("evicted"),
-        shed=snap.stat("shed"),
-        rejected_tenant=snap.stat("rejected_tenant"),
-        too_heavy=snap.stat("too_heavy"),
+        evicted=snap.stat(Stat.EVICTED),
+        shed=snap.stat(Stat.SHED),
+        rejected_tenant=snap.stat(Stat.REJECTED_TENANT),
+        too_heavy=snap.stat(Stat.TOO_HEAVY),
         signal=util.signal,
         latency_p50=util.latency_p50,
         latency_no_load=util.latency_no_load,
         obs_calls=util.obs_calls,
         obs_overloaded=util.obs_overloaded,
         obs_timeout=util.obs_timeout,
+        metrics_error=util.error,
     )
 
 
@@ -282,6 +286,11 @@ def format_status(status: FleetStatus, now: float) -> str:
         if g.token_limit is not None:
             lines.append(f"  tokens held: {g.tokens}/{g.token_limit}{_tuned(g)}")
         lines.extend(_observed_lines(g))
+        if g.metrics_error and not g.metrics_ok:
+            shown = (
+                g.metrics_error if len(g.metrics_error) <= 300 else g.metrics_error[:297] + "..."
+            )
+            lines.append(f"  metrics unusable: {shown}")
         lines.extend(_queue_lines(g))
     if not status.gates:
         lines.append("(no gates registered)")

@@ -104,6 +104,7 @@ async def test_client_rule_covers_acquire_park_wake_release(acl: AclServer) -> N
     assert acl.denials() == []
 
 
+@pytest.mark.long
 async def test_coordinator_rule_covers_election_publish_reaper_and_cli(acl: AclServer) -> None:
     admin = aredis.Redis(port=acl.proc.port, decode_responses=True)
     llm, fixed = GateKeys.of("fg", "llm"), GateKeys.of("fg", "fixed")
@@ -166,6 +167,23 @@ floor = 3
             timeout=60,
         )
         assert out.returncode == 0, (command, out.stderr)
+    assert acl.denials() == []
+
+
+def test_coordinator_rule_covers_init(acl: AclServer) -> None:
+    """``fleetgate init`` under the coordinator rule: the stamp (and a named gate's) written,
+    again a no-op, no denial. (The fixture stamped ``fg`` as the default user; unstamped here.)"""
+    acl.admin.delete("fg:born")
+    argv = [sys.executable, "-m", "fleetgate.cli", "init", "--redis", acl.coordinator_url]
+    for expected in ("stamped (fg:born = 0 and gates llm)", "is already stamped"):
+        out = subprocess.run(
+            [*argv, "--gate", "llm"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and expected in out.stdout, out.stderr
+    assert acl.admin.get("fg:born") == "0" and acl.admin.hget("fg:{llm}:cfg", "fence") == "0"
     assert acl.denials() == []
 
 
