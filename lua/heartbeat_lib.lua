@@ -10,6 +10,28 @@
 -- renewed to a time still ahead did not expire: the gate lost it (a restart, a lossy failover,
 -- a deleted key) while the work still runs. It is counted again ("adopted"), so the fleet cap
 -- accounts for it; a lease whose renewal time has passed is reported lost and never revived.
+
+-- Members per command of scores_of and zadd_pairs: well inside Lua's unpack limit (~8,000).
+local BATCH = 1000
+
+-- The scores of members (a list) in the sorted set key, in order (false: absent), by ZMSCORE
+-- of up to BATCH at a time.
+local function scores_of(key, members)
+  local out = {}
+  for j = 1, #members, BATCH do
+    local got = redis.call('ZMSCORE', key, unpack(members, j, math.min(#members, j + BATCH - 1)))
+    for k, v in ipairs(got) do out[j + k - 1] = v end
+  end
+  return out
+end
+
+-- ZADD of pairs = {score, member, ...}, up to BATCH members at a time (nothing when empty).
+local function zadd_pairs(key, pairs_)
+  for j = 1, #pairs_, 2 * BATCH do
+    redis.call('ZADD', key, unpack(pairs_, j, math.min(#pairs_, j + 2 * BATCH - 1)))
+  end
+end
+
 -- Renew id's lease to r.expiry if it still holds an unexpired one; one that expired is removed,
 -- never revived, unless the pod knows it was renewed to a time still ahead (known > now): then
 -- it is counted again (its weight and tokens too, before it is added) and listed in r.adopted.
@@ -44,19 +66,23 @@ local function renew_waiters(A, i, n, now, cfg, r)
   local late, seen = {}, {}
   local queued = 0
   if n > 0 and cfg.deadline_admission then queued = redis.call('ZCARD', K_WAITERS) end
-  for _ = 1, n do
-    local member, remaining = A[i], tonumber(A[i + 1])
-    local id = member_id(member)
-    i = i + 2
-    if redis.call('ZSCORE', K_WAITERS, member) then
+  local members = {}
+  for k = 1, n do members[k] = A[i + 2 * k - 2] end
+  -- whether each is still in the wait list, and the renewals, in one command each
+  local parked, renew = scores_of(K_WAITERS, members), {}
+  for k = 1, n do
+    local member, remaining = members[k], tonumber(A[i + 2 * k - 1])
+    local id = not parked[k] and member_id(member)  -- (a waiter renewed needs no id)
+    if parked[k] then
       local start, hold = late_waiter(now, cfg, member, remaining, queued, seen)
       if start then
         late[#late + 1] = member
-        r.too_late[#r.too_late + 1] = id
+        r.too_late[#r.too_late + 1] = member_id(member)
         r.too_late_ms[#r.too_late_ms + 1] = start
         r.too_late_hold_ms[#r.too_late_hold_ms + 1] = cfg.deadline_finish and hold or -1
       else
-        redis.call('ZADD', K_WAITERS, now + math.min(cfg.waiter_ms, remaining), member)
+        renew[#renew + 1] = now + math.min(cfg.waiter_ms, remaining)
+        renew[#renew + 1] = member
       end
     elseif renew_lease(id, 0, now, r) then
       r.granted[#r.granted + 1] = id
@@ -71,6 +97,7 @@ local function renew_waiters(A, i, n, now, cfg, r)
       end
     end
   end
+  zadd_pairs(K_WAITERS, renew)
   if #late > 0 then
     remove_waiters(late)
     redis.call('HINCRBY', K_STATS, 'too_late', #late)
@@ -104,13 +131,24 @@ local function heartbeat_gate(A)
              adopted = {}, evicted = {}, too_heavy = {}, too_late = {}, too_late_ms = {},
              too_late_hold_ms = {}, revoked = {}}
   local held = {}  -- the pod's leases held now, in the order sent (newest first)
-  for i = 4, i_waiters - 1, 2 do
-    if renew_lease(A[i], num(A[i + 1], 0), now, r) then
-      held[#held + 1] = A[i]
+  -- a lease still held unexpired (the common case) is renewed by one ZADD of them all; the
+  -- others take renew_lease's path one by one
+  local ids = {}
+  for k = 1, n_leases do ids[k] = A[2 + 2 * k] end
+  local expiry, renew = scores_of(K_HOLDERS, ids), {}
+  for k, id in ipairs(ids) do
+    local e = tonumber(expiry[k])
+    if e and e > now then
+      renew[#renew + 1] = r.expiry
+      renew[#renew + 1] = id
+      held[#held + 1] = id
+    elseif renew_lease(id, num(A[3 + 2 * k], 0), now, r) then
+      held[#held + 1] = id
     else
-      r.lost[#r.lost + 1] = A[i]
+      r.lost[#r.lost + 1] = id
     end
   end
+  zadd_pairs(K_HOLDERS, renew)
   renew_waiters(A, i_waiters + 1, n_waiters, now, cfg, r)
   if #r.adopted > 0 then redis.call('HINCRBY', K_STATS, 'adopted', #r.adopted) end
   raise_seq(max_token)

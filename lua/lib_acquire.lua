@@ -103,7 +103,11 @@ function ACQ.counts(c)
     if not asked[lane] then
       asked[lane] = true
       fields[#fields + 1] = 'f:' .. lane
-      if c.cfg.deadline_admission then fields[#fields + 1] = 'dr:' .. lane_band(lane) end
+      -- (and its band's fields the hand-off reads when the band is on top: lib_handoff next_turn)
+      local r = lane_band(lane)
+      fields[#fields + 1] = 'rsv:' .. r
+      fields[#fields + 1] = 'vt:' .. r
+      if c.cfg.deadline_admission then fields[#fields + 1] = 'dr:' .. r end
     end
   end
   local got = redis.call('HMGET', K_ADM, unpack(fields))

@@ -3,18 +3,17 @@
 -- docs/admission.md).
 --
 -- adm 'dr:<R>' = '<s>,<w>,<at>': s counts the grants to waiters of band R, each weighted by
--- exp(-age / DRAIN_TAU_MS); w is the time they were counted over, weighted the same way (ms);
+-- exp(-age / DRAIN.TAU_MS); w is the time they were counted over, weighted the same way (ms);
 -- at is when they were last moved (server ms). s / w is the band's recent rate of grants. The
--- time between two hand-offs counts up to DRAIN_GAP_MS, or four mean intervals if that is
+-- time between two hand-offs counts up to DRAIN.GAP_MS, or four mean intervals if that is
 -- longer: a longer gap is time with nobody of the band waiting, when no rate was measured (a
 -- drain that seems to stop while the band waits lowers the rate, within that bound).
-local DRAIN_TAU_MS = 10000
-local DRAIN_GAP_MS = 2000
-local DRAIN_STALE_MS = 3 * DRAIN_TAU_MS
--- Weighted grants a band needs before its rate is used: no estimate (so no refusal) before.
-local DRAIN_HISTORY = 20
--- A wait of this many ms or more is no deadline (the client sends 24 h for deadline=None).
-local NO_DEADLINE_MS = 86400000
+-- DRAIN.STALE_MS: a history older than this starts again (3 x TAU_MS). HISTORY: weighted grants
+-- a band needs before its rate is used (no estimate, so no refusal, before). NO_DEADLINE_MS: a
+-- wait of this many ms or more is no deadline (the client sends 24 h for deadline=None). (One
+-- table, not five locals: the main chunk of library + acquire is short of Lua's 200 locals.)
+local DRAIN = {TAU_MS = 10000, GAP_MS = 2000, STALE_MS = 30000, HISTORY = 20,
+  NO_DEADLINE_MS = 86400000, last = {}}
 
 local function drain_parse(v)
   if not v then return 0, 0, 0 end
@@ -24,17 +23,17 @@ end
 
 -- The band's (s, w) moved to now: the counted part of the time since at decays both.
 local function drain_aged(now, s, w, at)
-  local gap = math.max(DRAIN_GAP_MS, s > 0 and 4 * w / s or 0)
+  local gap = math.max(DRAIN.GAP_MS, s > 0 and 4 * w / s or 0)
   local dt = math.min(math.max(0, now - at), gap)
-  local d = math.exp(-dt / DRAIN_TAU_MS)
-  return s * d, w * d + DRAIN_TAU_MS * (1 - d)
+  local d = math.exp(-dt / DRAIN.TAU_MS)
+  return s * d, w * d + DRAIN.TAU_MS * (1 - d)
 end
 
--- k waiters of band r were granted at now. A history older than DRAIN_STALE_MS starts again.
+-- k waiters of band r were granted at now. A history older than DRAIN.STALE_MS starts again.
 local function drain_note(now, r, k)
   local key = 'dr:' .. r
   local s, w, at = drain_parse(adm_get(key))
-  if now - at > DRAIN_STALE_MS then
+  if now - at > DRAIN.STALE_MS then
     s, w = 0, 0
   else
     s, w = drain_aged(now, s, w, at)
@@ -42,13 +41,22 @@ local function drain_note(now, r, k)
   adm_set(key, string.format('%.6g,%.6g,%.0f', s + k, w, now))
 end
 
--- Grants per ms to waiters of band r now; nil before DRAIN_HISTORY grants were counted, or when
--- the band's last grant is older than DRAIN_STALE_MS (the load it measured may be gone).
+-- Grants per ms to waiters of band r now; nil before DRAIN.HISTORY grants were counted, or when
+-- the band's last grant is older than DRAIN.STALE_MS (the load it measured may be gone).
+-- (A function of now and the band's field alone: the last answer per band is kept, DRAIN.last,
+-- for the next ask in the same ms -- each request a call parks asks it.)
 local function drain_rate(now, r)
-  local s, w, at = drain_parse(adm_get('dr:' .. r))
-  if s < DRAIN_HISTORY or w <= 0 or now - at > DRAIN_STALE_MS then return nil end
-  s, w = drain_aged(now, s, w, at)
-  return s / w
+  local v = adm_get('dr:' .. r)
+  local last = DRAIN.last[r]
+  if last and last[1] == now and last[2] == v then return last[3] end
+  local s, w, at = drain_parse(v)
+  local rate = nil
+  if s >= DRAIN.HISTORY and w > 0 and now - at <= DRAIN.STALE_MS then
+    s, w = drain_aged(now, s, w, at)
+    rate = s / w
+  end
+  DRAIN.last[r] = {now, v, rate}
+  return rate
 end
 
 -- The ms by which `ahead` waiters are likely granted at `rate` per ms: ahead + sqrt(ahead) (one
@@ -69,9 +77,18 @@ local function expected_start(now, lane, r, t, count)
   if rate == nil or rate <= 0 then return nil end
   local q = count(lane)
   local ahead, seen = q + 1, {[r] = true}
-  local fair = redis.call('ZRANGEBYLEX', K_FAIR, '-', '(' .. r .. '~', 'LIMIT', 0, 64)
-  for _, e in ipairs(fair) do
-    local other, _, band = fair_parse(e)
+  -- the first 64 lanes of band r and above (the fair order sorts by band first)
+  local fair = fair_top(64)
+  local parsed = FAIR.parsed
+  for j = 1, math.min(#fair, 64) do
+    local p = parsed[j]
+    if p == nil then
+      local l, _, b = fair_parse(fair[j])
+      p = {l, b}
+      parsed[j] = p
+    end
+    local other, band = p[1], p[2]
+    if band > r then break end
     if other ~= lane then
       local n = count(other)
       if band ~= r then
@@ -98,8 +115,9 @@ end
 local function retry_full(now, r)
   local rate = drain_rate(now, r) or 0
   local seen = {[r] = true}
-  for _, e in ipairs(redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 64)) do
-    local band = string.sub(e, 1, 3)
+  local fair = fair_top(64)
+  for j = 1, math.min(#fair, 64) do
+    local band = string.sub(fair[j], 1, 3)
     if not seen[band] then
       seen[band] = true
       rate = rate + (drain_rate(now, band) or 0)
@@ -144,7 +162,7 @@ end
 -- may wait wait_ms is refused when its estimate (deadline_estimate) passes that. No deadline,
 -- no refusal.
 local function past_deadline(start, hold, wait_ms)
-  return start ~= nil and wait_ms < NO_DEADLINE_MS and start + hold > wait_ms
+  return start ~= nil and wait_ms < DRAIN.NO_DEADLINE_MS and start + hold > wait_ms
 end
 
 -- A parked waiter (its member, and the ms it may still wait) re-estimated by its pod's heartbeat
@@ -154,19 +172,23 @@ end
 -- rate and hold, worked out once). No command while even the whole wait list would drain in time
 -- at its band's rate (start_bound of queued + 1 bounds expected_start from above).
 local function late_waiter(now, cfg, member, remaining, queued, seen)
+  if not cfg.deadline_admission or cfg.fence > now or remaining >= DRAIN.NO_DEADLINE_MS then
+    return nil
+  end
   local lane = member_lane(member)
-  if lane == nil or not cfg.deadline_admission or cfg.fence > now then return nil end
-  if remaining >= NO_DEADLINE_MS then return nil end
+  if lane == nil then return nil end
   local r = lane_band(lane)
   local band = seen[r]
   if band == nil then
     band = {rate = drain_rate(now, r) or false, hold = 0}
     if band.rate and cfg.deadline_finish then band.hold = band_hold(now, r, nil) or 0 end
+    -- (queued is the heartbeat's: one bound per band)
+    band.bound = band.rate and start_bound(queued + 1, band.rate) + band.hold
     seen[r] = band
   end
   local rate, hold = band.rate, band.hold
   if not rate then return nil end
-  if start_bound(queued + 1, rate) + hold <= remaining then return nil end
+  if band.bound <= remaining then return nil end
   local before = nil
   local function count(l)
     if l == lane then

@@ -17,17 +17,21 @@
 -- The wake list of a pod is K_WAKE .. pod_id.
 local K_CFG, K_TARGET, K_HOLDERS, K_QUEUE, K_WAITERS, K_SEQ, K_STATS, K_PODS, K_UTIL, K_WAKE
 local K_LANES, K_FAIR, K_BIG, K_ADM, K_TW, K_EVICTED, K_OBS
-local ADM, ADM_DIRTY, PHI  -- per-gate caches of one call (see lib_order.lua)
+local ADM, ADM_DIRTY, PHI, TAGS, FAIR  -- per-gate caches of one call (see lib_order.lua)
 local SHARES  -- the band shares of the gate's configuration (load_cfg; lib_share.lua)
+local K_BASE  -- the base the keys were derived from (a Functions library keeps it across calls)
 local function use_gate(base)
-  K_CFG, K_TARGET, K_HOLDERS = base .. ':cfg', base .. ':target', base .. ':holders'
-  K_QUEUE, K_WAITERS, K_SEQ = base .. ':queue', base .. ':waiters', base .. ':seq'
-  K_STATS, K_PODS, K_UTIL = base .. ':stats', base .. ':pods', base .. ':util'
-  K_WAKE = base .. ':wake:'
-  K_LANES, K_FAIR, K_BIG = base .. ':lanes', base .. ':fair', base .. ':big'
-  K_ADM, K_TW, K_EVICTED = base .. ':adm', base .. ':tw', base .. ':evicted'
-  K_OBS = base .. ':obs'
-  ADM, ADM_DIRTY, PHI, SHARES = {}, {}, {}, nil
+  if base ~= K_BASE then  -- (the names are a function of the base: derived once per base)
+    K_BASE = base
+    K_CFG, K_TARGET, K_HOLDERS = base .. ':cfg', base .. ':target', base .. ':holders'
+    K_QUEUE, K_WAITERS, K_SEQ = base .. ':queue', base .. ':waiters', base .. ':seq'
+    K_STATS, K_PODS, K_UTIL = base .. ':stats', base .. ':pods', base .. ':util'
+    K_WAKE = base .. ':wake:'
+    K_LANES, K_FAIR, K_BIG = base .. ':lanes', base .. ':fair', base .. ':big'
+    K_ADM, K_TW, K_EVICTED = base .. ':adm', base .. ':tw', base .. ':evicted'
+    K_OBS = base .. ':obs'
+  end
+  ADM, ADM_DIRTY, PHI, TAGS, FAIR, SHARES = {}, {}, {}, {}, nil, nil
 end
 -- EVAL form only: gate_library drops the next line (each library function runs it first).
 use_gate(KEYS[1])
@@ -39,10 +43,9 @@ end
 
 -- A number, or the default for nil, NaN, infinities (tonumber accepts 'inf' and '1e400') and
 -- magnitudes beyond 2^53, where a lease would never expire or a floor would lift the cap.
-local NUM_MAX = 9007199254740992
 local function num(v, default)
   local n = tonumber(v)
-  if n == nil or n ~= n or n > NUM_MAX or n < -NUM_MAX then return default end
+  if n == nil or n ~= n or n > 9007199254740992 or n < -9007199254740992 then return default end
   return n
 end
 

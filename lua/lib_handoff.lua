@@ -14,7 +14,7 @@ local refuse_heads  -- defined below, after handoff (which calls it)
 -- any), t (the lane's tenant); nil when nobody waits. The band's smallest tag wins, unless the
 -- band holds a reservation (a head the free units wait for), whose lane is served first.
 local function next_turn()
-  local top = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 2)
+  local top = fair_top(2)
   if #top == 0 then return nil end
   local lane, f, r = fair_parse(top[1])
   local bound = nil
@@ -70,6 +70,7 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
   -- moved, and a gate used with defaults writes neither tags nor times per grant.
   local alone = bound == nil
   local i = 1
+  local c = nil  -- the head's cost, when the turn before worked it out (head_cost)
   while i <= last do
     local m = heads[i]
     local id = member_id(m)
@@ -83,7 +84,11 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       unreserve(turn, m)
       -- the next head takes the dropped one's turn
       if i < #heads then
-        turn.f = start_of(turn.f, id, t) + head_cost(member_id(heads[i + 1]), t)
+        local nc = head_cost(member_id(heads[i + 1]), t)
+        turn.f = start_of(turn.f, id, t, c) + nc
+        c = nc
+      else
+        c = nil
       end
       i = i + 1
       if h.dropped >= DROP_MAX then break end
@@ -110,16 +115,39 @@ local function serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt)
       unreserve(turn, m)
       local nxt = i < #heads and head_cost(member_id(heads[i + 1]), t)
       if alone then
-        if nxt then turn.f = start_of(turn.f, id, t) + nxt end
+        if nxt then turn.f = start_of(turn.f, id, t, c) + nxt end
       else
         if turn.f > vt then vt = turn.f end
         if nxt then turn.f = vt + nxt end
       end
+      c = nxt or nil
       i = i + 1
       if h.free <= 0 or #h.grants >= HANDOFF_MAX then return i, 'full', vt end
     end
   end
   return i, 'open', vt
+end
+
+-- The next n heads of lane in pass h after its first skip members (those the pass took
+-- already) and their waiter entries' expiries: read once per lane and pass, up to the free units
+-- the pass has (+ 1), so the lane's later turns (fair queuing gives lanes of one band turns of a
+-- few heads) find them read; nothing else moves a lane during a pass.
+local function lane_heads(h, lane, skip, n)
+  local c = h.ahead[lane]
+  if c == nil or skip < c.from or not (c.ends or skip + n <= c.from + #c.heads) then
+    local fetch = math.max(n, math.min(h.free, HANDOFF_MAX - #h.grants) + 1)
+    local lo, hi = lane_range(lane)
+    local got = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', skip, fetch)
+    local alive = {}
+    if #got > 0 then alive = redis.call('ZMSCORE', K_WAITERS, unpack(got)) end
+    c = {heads = got, alive = alive, from = skip, ends = #got < fetch}
+    h.ahead[lane] = c
+  end
+  local heads, alive, a = {}, {}, skip - c.from
+  for j = 1, math.min(n, #c.heads - a) do
+    heads[j], alive[j] = c.heads[a + j], c.alive[a + j]
+  end
+  return heads, alive
 end
 
 -- One turn of a hand-off: serve the lane next_turn chose, then move its tag in the fair order
@@ -129,16 +157,13 @@ local function hand_turn(now, cfg, lim, h, turn)
   local want = math.min(h.free, HANDOFF_MAX - #h.grants)
   -- with other lanes in the band this lane serves a few before the tags are compared again
   if turn.bound and want > 8 then want = 8 end
-  local lo, hi = lane_range(lane)
   local skip = h.gone_in[lane] or 0  -- its head prefix already removed in this pass
-  local heads = redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', skip, want + 1)
+  local heads, alive = lane_heads(h, lane, skip, want + 1)
   if turn.rsv and member_lane(turn.rsv) == lane and heads[1] ~= turn.rsv then
     -- the reserved waiter left its lane: serve by tags again (the next turn looks again)
     adm_set('rsv:' .. turn.r, nil)
     return false
   end
-  local alive = {}
-  if #heads > 0 then alive = redis.call('ZMSCORE', K_WAITERS, unpack(heads)) end
   local vt0 = num(adm_get('vt:' .. turn.r), 0)
   local last = math.min(#heads, want)
   local i, ended, vt = serve_heads(now, cfg, lim, h, turn, heads, alive, last, vt0)
@@ -152,8 +177,10 @@ local function hand_turn(now, cfg, lim, h, turn)
       redis.call('ZADD', K_BIG, big_score(member_id(heads[i]), lim, cfg.tlim), lane)
     end
   elseif turn.f ~= old_f then
-    redis.call('ZREM', K_FAIR, fair_member(lane, old_f))
-    redis.call('ZADD', K_FAIR, 0, fair_member(lane, turn.f))
+    local old_m, new_m = fair_member(lane, old_f), fair_member(lane, turn.f)
+    redis.call('ZREM', K_FAIR, old_m)
+    redis.call('ZADD', K_FAIR, 0, new_m)
+    fair_moved(old_m, new_m)
     adm_set('f:' .. lane, pad20(turn.f))
   end
   return ended == 'reserved' or ended == 'full'
@@ -171,12 +198,12 @@ local function finish_pass(now, cfg, h)
   local grants = h.grants
   if #grants > 0 then
     local token = next_tokens(now, #grants)
-    local expires = now + cfg.lease_ms
+    local expires = string.format('%d', now + cfg.lease_ms)  -- (formatted once, not per score)
     local members, wakes = {}, new_wakes()
     for k, id in ipairs(grants) do
       members[#members + 1] = expires
       members[#members + 1] = id
-      add_wake(wakes, id, id .. '=' .. string.format('%.0f', token + k - 1))
+      add_wake(wakes, id, id .. '=' .. string.format('%d', token + k - 1))  -- (an integer)
     end
     add_leases(members, h.extra, h.tokens)
     send_wakes(wakes, cfg)
@@ -217,6 +244,7 @@ local function handoff(now, cfg, lim, units, tokens)
   local h = {free = free, tfree = tfree, grants = {}, gone = {}, extra = 0, tokens = 0,
              dropped = 0, granted_units = 0, served = {},
              gone_in = {},  -- lane -> members of it already removed (its head prefix)
+             ahead = {},  -- lane -> its heads read (lane_heads)
              sh = share_tally(lim - free)}  -- served: band -> its waiters granted (their
                                             -- drain); sh: the band shares' units (nil: none)
   local turns = 0
@@ -263,24 +291,24 @@ end
 
 -- Lanes of big whose head weighs more than the ceiling, or asks more tokens than the token
 -- ceiling (either lowered while they waited there), refuse their heads (refuse_heads): at most
--- REFUSE_LANES lanes of each kind and REFUSE_HEADS heads of each lane per call; a lane with more
+-- REFUSE.LANES lanes of each kind and REFUSE.HEADS heads of each lane per call; a lane with more
 -- such heads stays in big, scored by the next one, for the next call. A lane whose new head fits
 -- the limit is re-admitted by the readmit that follows. handoff refuses such heads of the fair
 -- order as it meets them. Returns the refusals.
-local REFUSE_LANES, REFUSE_HEADS = 16, 16
+local REFUSE = {LANES = 16, HEADS = 16}
 local function refuse_big(now, cfg)
   local c = string.format('%.0f', cfg.ceiling)
   local lanes = redis.call('ZRANGEBYSCORE', K_BIG, '(' .. c, '(' .. BIG_TOKENS, 'LIMIT', 0,
-    REFUSE_LANES)
+    REFUSE.LANES)
   if cfg.tlim then  -- heads whose tokens do not fit the budget (big_score)
-    local more = redis.call('ZRANGEBYSCORE', K_BIG, BIG_TOKENS, '+inf', 'LIMIT', 0, REFUSE_LANES)
+    local more = redis.call('ZRANGEBYSCORE', K_BIG, BIG_TOKENS, '+inf', 'LIMIT', 0, REFUSE.LANES)
     for _, lane in ipairs(more) do lanes[#lanes + 1] = lane end
   end
   if #lanes == 0 then return 0 end
   local members, ids = {}, {}
   for _, lane in ipairs(lanes) do
     local lo, hi = lane_range(lane)
-    for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, REFUSE_HEADS)) do
+    for _, m in ipairs(redis.call('ZRANGEBYLEX', K_LANES, lo, hi, 'LIMIT', 0, REFUSE.HEADS)) do
       local id = member_id(m)
       if not too_heavy(cfg, id) then break end
       members[#members + 1] = m

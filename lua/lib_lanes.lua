@@ -3,9 +3,10 @@
 
 -- The start of a lane whose head (lease id, tenant t) has tag f: f minus the head's cost, never
 -- below 0 -- the cost is taken at the tenant's weight now, and a publish may have changed it
--- since the tag was made (the tag would go negative and no longer parse).
-local function start_of(f, id, t)
-  return math.max(0, f - head_cost(id, t))
+-- since the tag was made (the tag would go negative and no longer parse). c: that cost, if the
+-- caller has it already.
+local function start_of(f, id, t, c)
+  return math.max(0, f - (c or head_cost(id, t)))
 end
 
 -- A lane's score in big: the limit its head needs (its weight, or more under a band share:
@@ -28,14 +29,18 @@ lane_enter = function(lane, head, lim, tlim)
     return
   end
   local f = num(adm_get('vt:' .. lane_band(lane)), 0) + head_cost(head, lane_tenant(lane))
-  redis.call('ZADD', K_FAIR, 0, fair_member(lane, f))
+  local m = fair_member(lane, f)
+  redis.call('ZADD', K_FAIR, 0, m)
+  fair_moved(nil, m)
   adm_set('f:' .. lane, pad20(f))
 end
 
 -- A lane left the fair order: when it was the band's last, the band's virtual time goes too
 -- (an idle band starts again from 0: no credit is kept for anyone).
 local function left_fair(lane, f)
-  redis.call('ZREM', K_FAIR, fair_member(lane, f))
+  local m = fair_member(lane, f)
+  redis.call('ZREM', K_FAIR, m)
+  fair_moved(m, nil)
   adm_set('f:' .. lane, nil)
   local r = lane_band(lane)
   if #redis.call('ZRANGEBYLEX', K_FAIR, '[' .. r .. '}', '(' .. r .. '~', 'LIMIT', 0, 1) == 0 then
@@ -95,8 +100,10 @@ local function settle_tags(args, i, j)
         local c = cost(math.abs(d), lane_tenant(lane))
         if d < 0 then c = -c end
         local nf = math.max(num(adm_get('vt:' .. lane_band(lane)), 0), f + c)
-        redis.call('ZREM', K_FAIR, fair_member(lane, f))
-        redis.call('ZADD', K_FAIR, 0, fair_member(lane, nf))
+        local old_m, new_m = fair_member(lane, f), fair_member(lane, nf)
+        redis.call('ZREM', K_FAIR, old_m)
+        redis.call('ZADD', K_FAIR, 0, new_m)
+        fair_moved(old_m, new_m)
         -- written now, not at the script's end: an error later in the call (a script is not
         -- rolled back) must not leave the fair order and the tag apart
         ADM['f:' .. lane] = pad20(nf)

@@ -23,8 +23,6 @@
 -- the band's free units are reserved for). fg:{G}:tw: tenant -> weight (1..1000).
 ---------------------------------------------------------------------------------------------
 
-local DEFAULT_LANE = '}100'
-
 local function adm_get(field)
   local v = ADM[field]
   if v == nil then
@@ -70,32 +68,50 @@ local function adm_flush()
 end
 
 -- A lease id: '<pod>:<n>' then, each only when it applies, 'b<R>' (its band, for a priority
--- other than 0), 'w<W>' (its weight, above 1), 't<T>' (the tokens it holds).
+-- other than 0), 'w<W>' (its weight, above 1), 't<T>' (the tokens it holds). id_tags gives
+-- {weight, band, tokens}, parsed once per call (TAGS); an id that ends in ':<n>' (digits only
+-- after its last colon) has none of the tags: weight 1, band '100' (priority 0), no tokens.
+local function id_tags(id)
+  local t = TAGS[id]
+  if t then return t end
+  if string.find(id, ':%d+$') then
+    t = {1, '100', 0}
+  else
+    -- the band a lease was granted in (band shares count by it, lib_share.lua): R of its
+    -- 'b<R>' (the client tags a call of a priority other than 0; acquire.lua checks the tag
+    -- against the call's class), else '100'. Tokens: what it holds of the gate's token budget
+    -- (a lease resized, resize.lua, changes its id to say its new tokens, so what any id holds
+    -- is always in it: adoption after a restart counts it exactly).
+    local w = string.match(id, ':%d+b?%d*w(%d+)t?%d*$')
+    local k = string.find(id, 't', 1, true) and string.match(id, ':%d+b?%d*w?%d*t(%d+)$')
+    t = {w and tonumber(w) or 1,
+      string.find(id, 'b', 1, true) and string.match(id, ':%d+b(%d%d%d)w?%d*t?%d*$') or '100',
+      k and tonumber(k) or 0}
+  end
+  TAGS[id] = t
+  return t
+end
+
 local function weight_of(id)
-  local w = string.match(id, ':%d+b?%d*w(%d+)t?%d*$')
-  if w then return tonumber(w) end
-  return 1
+  return id_tags(id)[1]
 end
 
--- The band a lease was granted in (band shares count by it, lib_share.lua): R of its 'b<R>'
--- (the client tags a call of a priority other than 0; acquire.lua checks the tag against the
--- call's class), else '100' (priority 0).
 local function band_of(id)
-  if not string.find(id, 'b', 1, true) then return '100' end
-  return string.match(id, ':%d+b(%d%d%d)w?%d*t?%d*$') or '100'
+  return id_tags(id)[2]
 end
 
--- The tokens a lease id holds of the gate's token budget: '<pod>:<n>[w<W>]t<T>' holds T, an id
--- without 't<T>' none. A lease resized (resize.lua) changes its id to say its new tokens, so what
--- any id holds is always in it: adoption after a restart counts it exactly.
 local function tokens_asked(id)
-  if not string.find(id, 't', 1, true) then return 0 end
-  local t = string.match(id, ':%d+b?%d*w?%d*t(%d+)$')
-  if t then return tonumber(t) end
-  return 0
+  return id_tags(id)[3]
 end
 
+-- The lease id of a waiter member '<tenant>}<R>}<seq20>}<id>': after its last brace (tenant
+-- names and ids hold none; the fixed widths of R and seq found first, the pattern otherwise).
 local function member_id(m)
+  local p = string.find(m, '}', 1, true)
+  if p and string.byte(m, p + 4) == 125 and string.byte(m, p + 25) == 125
+      and not string.find(m, '}', p + 26, true) then
+    return string.sub(m, p + 26)
+  end
   return string.match(m, '}([^}]*)$') or m
 end
 
@@ -113,7 +129,7 @@ end
 
 -- The lane of a request's class: '' = priority 0 of the default tenant, else '<R>}<tenant>'.
 local function class_lane(cls)
-  if cls == nil or cls == '' then return DEFAULT_LANE end
+  if cls == nil or cls == '' then return '}100' end  -- (the default lane)
   return string.sub(cls, 5) .. '}' .. string.sub(cls, 1, 3)
 end
 
@@ -129,6 +145,66 @@ end
 local function fair_parse(fm)
   local r, f, t = string.match(fm, '^(%d%d%d)}(%d+)}(.*)$')
   return t .. '}' .. r, tonumber(f), r
+end
+
+-- The first entries of the fair order, read once per call: FAIR = {list = the first #list
+-- members, complete = whether that is all of them, parsed = its entries parsed (fair_parse),
+-- kept in parsed[j] by whoever parses them}; a read asks at least 8 (the few lanes of most gates:
+-- all of them). Every write to K_FAIR goes through fair_moved, which keeps the list true, so a
+-- call that reads it (each turn of a hand-off, the deadline estimates of each request it parks,
+-- retry_full) asks Redis only when the list no longer holds n.
+local function fair_top(n)
+  local c = FAIR
+  if c == nil or not (c.complete or #c.list >= n) then
+    local want = math.max(n, 8)
+    local list = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, want)
+    c = {list = list, complete = #list < want, parsed = {}}
+    FAIR = c
+  end
+  return c.list
+end
+
+-- Whether fair member a sorts before b in the fair order: by bytes, as the sorted set orders
+-- them (Lua's < follows the server's locale).
+local function fair_less(a, b)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+
+-- A fair member left (old, nil: none) and one entered (new, nil: none) the fair order, both
+-- written already: FAIR follows -- old leaves the list, new enters it where it sorts if that is
+-- within what the list holds -- or is dropped when it cannot tell.
+local function fair_moved(old, new)
+  local c = FAIR
+  if c == nil then return end
+  local list = c.list
+  c.parsed = {}
+  if old then
+    local at = nil
+    for j, e in ipairs(list) do
+      if e == old then at = j break end
+    end
+    if at then
+      table.remove(list, at)
+    elseif not c.complete and #list > 0 and fair_less(old, list[#list]) then
+      FAIR = nil  -- (it should have been there)
+      return
+    end
+  end
+  if new and (c.complete or (#list > 0 and fair_less(new, list[#list]))) then
+    local at = #list + 1
+    for j, e in ipairs(list) do
+      if e == new then return end
+      if fair_less(new, e) then
+        at = j
+        break
+      end
+    end
+    table.insert(list, at, new)
+  end
 end
 
 -- A tenant's weight (1..1000; 1 when not configured); the default tenant weighs 1.

@@ -62,7 +62,7 @@ local function revoke_demand(now, cfg, lim, waiting)
   local rv_band, rv_total = {}, 0
   if waiting > 0 or adm_get('rv') then rv_band, rv_total = revoked_held() end
   local d, top = {}, {}
-  if waiting > 0 then top = redis.call('ZRANGEBYLEX', K_FAIR, '-', '+', 'LIMIT', 0, 1) end
+  if waiting > 0 then top = fair_top(1) end
   if #top > 0 then
     local lane, _, band = fair_parse(top[1])
     local lo, hi = lane_range(lane)

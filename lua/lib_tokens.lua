@@ -16,7 +16,7 @@ local function next_tokens(now, k)
   local least = now * SEQ_PER_MS + k - 1
   if t < least then
     t = least
-    redis.call('SET', K_SEQ, string.format('%.0f', t))
+    redis.call('SET', K_SEQ, string.format('%d', t))  -- (an integer: now x 1000 + k - 1)
   end
   return t - k + 1
 end

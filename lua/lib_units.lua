@@ -139,15 +139,22 @@ local function remove_leases(ids, i, j)
     local n = redis.call('ZREM', K_HOLDERS, unpack(ids, i, j))
     return n, n, 0
   end
-  local n, units, tokens, bands = 0, 0, 0, {}
+  -- which of them hold a lease (one ZMSCORE), then those removed by one ZREM; an id given twice
+  -- is removed, and counted, once
+  local held = redis.call('ZMSCORE', K_HOLDERS, unpack(ids, i, j))
+  local n, units, tokens, bands, gone, seen = 0, 0, 0, {}, {}, {}
   for k = i, j do
-    if redis.call('ZREM', K_HOLDERS, ids[k]) == 1 then
+    local id = ids[k]
+    if held[k - i + 1] and not seen[id] then
+      seen[id] = true
+      gone[#gone + 1] = id
       n = n + 1
-      units = units + weight_of(ids[k])
-      tokens = tokens + tokens_asked(ids[k])
+      units = units + weight_of(id)
+      tokens = tokens + tokens_asked(id)
       held_of(ids, k, k, 1, -1, bands)
     end
   end
+  if n > 0 then redis.call('ZREM', K_HOLDERS, unpack(gone)) end
   lower_adm('extra', units - n)  -- no field is left once every heavy lease is gone
   lower_adm('tok', tokens)
   held_move(bands, true)

@@ -26,16 +26,29 @@ end
 -- one call in one message, separated by newlines (no id holds a control character). A wake
 -- nobody heard -- a pod that pops lists (standalone, Sentinel), a pod between two
 -- subscriptions (it pops the list once subscribed), a dead pod, a server or ACL that refuses
--- SPUBLISH (pcall) -- goes to the list, as ever.
+-- SPUBLISH (pcall) -- goes to the list, as ever. Wakes to several pods ask first who listens,
+-- in one PUBSUB SHARDNUMSUB (a standalone server's answer is nobody: no SPUBLISH is sent), and
+-- publish only to the pods that do; a refused PUBSUB leaves every pod to its SPUBLISH.
 local function send_wakes(wakes, cfg)
-  for _, pod in ipairs(wakes.pods) do
+  local pods = wakes.pods
+  local subs, ttl = nil, string.format('%d', cfg.waiter_ms * 2)
+  if #pods > 1 then
+    local channels = {}
+    for i, pod in ipairs(pods) do channels[i] = K_WAKE .. pod end
+    local got = redis.pcall('PUBSUB', 'SHARDNUMSUB', unpack(channels))
+    if type(got) == 'table' and got.err == nil and #got == 2 * #pods then subs = got end
+  end
+  for i, pod in ipairs(pods) do
     local key = K_WAKE .. pod
     local values = wakes.values[pod]
-    local heard = redis.pcall('SPUBLISH', key, table.concat(values, '\n'))
+    local heard = 0
+    if subs == nil or tonumber(subs[2 * i]) > 0 then
+      heard = redis.pcall('SPUBLISH', key, table.concat(values, '\n'))
+    end
     if type(heard) ~= 'number' or heard < 1 then
       redis.call('RPUSH', key, unpack(values))
       -- A dead pod's list disappears by itself; a live pod pops it long before this.
-      redis.call('PEXPIRE', key, cfg.waiter_ms * 2)
+      redis.call('PEXPIRE', key, ttl)
     end
   end
 end

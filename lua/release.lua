@@ -18,7 +18,13 @@ if released > 0 then redis.call('HINCRBY', K_STATS, 'released', released) end
 if redis.call('ZCARD', K_WAITERS) > 0 then
   local now = now_ms()
   local cfg = load_cfg(now)
-  handoff(now, cfg, current_limit(now, cfg))
+  -- what the hand-off reads of adm, in one HMGET: the counters, and the fields of the band its
+  -- first turn serves (the fair order's top, read here and kept for it)
+  local top = fair_top(2)
+  local r = #top > 0 and string.sub(top[1], 1, 3) or '100'
+  local got = redis.call('HMGET', K_ADM, 'extra', 'tok', 'rsv:' .. r, 'vt:' .. r, 'dr:' .. r)
+  ADM['rsv:' .. r], ADM['vt:' .. r], ADM['dr:' .. r] = got[3], got[4], got[5]
+  handoff(now, cfg, current_limit(now, cfg), units_held(got[1]), cfg.tlim and tokens_held(got[2]))
 end
 adm_flush()
 return released
