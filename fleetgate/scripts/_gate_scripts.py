@@ -36,6 +36,7 @@ from ._calls import ManyHeartbeats, ScriptCall, heartbeat_chunks, heartbeat_roun
 from ._library import GateFunction, Loader, function_missing
 from ._replies import (
     AcquireReply,
+    AdoptReply,
     HeartbeatReply,
     ResizeReply,
     Snapshot,
@@ -43,7 +44,6 @@ from ._replies import (
     as_is,
     decode_snapshot,
     first_int,
-    int_pair,
 )
 
 _R = TypeVar("_R")
@@ -350,13 +350,19 @@ class GateScripts:
         return self._call("prune", keys, prune_argv(epoch, idle_after_ms), first_int)
 
     async def adopt(
-        self, keys: GateKeys, lease_ids: list[str], max_token: int = 0, fence_ms: int = 0
-    ) -> tuple[int, int]:
-        """Count ``lease_ids`` (running work) as leases again after an outage; raise the gate's
-        token counter above ``max_token``; ``fence_ms`` as for :meth:`acquire_many`. Returns
-        (ids added, server-ms expiry)."""
-        args = adopt_argv(lease_ids, max_token, fence_ms)
-        return await self._run(self._call("adopt", keys, args, int_pair))
+        self,
+        keys: GateKeys,
+        local_ids: Sequence[str],
+        leases: Sequence[tuple[str, int]],
+        max_token: int = 0,
+        fence_ms: int = 0,
+    ) -> AdoptReply:
+        """After an outage, count ``local_ids`` (permits granted under the fallback) as leases
+        and keep counting ``leases`` ((id, server-ms expiry last seen): running fleet work),
+        except those that lapsed (``adopt.lua``); raise the gate's token counter above
+        ``max_token``; ``fence_ms`` as for :meth:`acquire_many`."""
+        args = adopt_argv(local_ids, leases, max_token, fence_ms)
+        return await self._run(self._call("adopt", keys, args, AdoptReply.decode))
 
     async def snapshot(
         self, keys: GateKeys, listed: int = 10, defaults: GateSettings | None = None
