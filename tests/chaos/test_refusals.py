@@ -161,3 +161,81 @@ def test_noreplicas_takes_the_outage_path(
     # The fallback's bound while refused, and the shares' while the pods come back.
     assert during <= transition_bound
     assert recovery <= share * pods and after <= limit
+
+
+@pytest.mark.timeout(120)
+def test_out_of_memory_is_one_outage(
+    own_redis: RedisProcess,
+    control: Control,
+    workers: Callable[..., Workers],
+    record_property: Callable[[str, object], None],
+) -> None:
+    """maxmemory reached (noeviction): acquire and adopt are refused (OOM) while release and
+    cancel still run, so memory can be freed. Every pod falls back within a heartbeat -- also
+    one whose callers are all parked or running, which calls no acquire -- and none is handed
+    the units another pod's fallback no longer counts."""
+    limit, pods = 4, 2
+    share = -(-limit // pods)
+    prefix, gate = "fg", "oom"
+    r = redis.Redis.from_url(own_redis.url, decode_responses=True)
+    # 20 ms + 20 ms per passage: A's calls of 2 passages take 60 ms, B's of 300 passages 6 s.
+    with (
+        Sim(base_ms=20, per_passage_ms=20) as sim,
+        LimitSampler(own_redis.url, prefix, gate) as sampler,
+    ):
+        pool = workers(
+            url=own_redis.url, prefix=prefix, gate=gate, limit=limit, lease_ms=10_000,
+            waiter_ms=3000, hb=HB, sim=sim.url,
+        )  # fmt: skip
+        a = pool.spawn(role="load", loops=4, passages=2)
+        b = pool.spawn(role="load", loops=4, passages=300)
+        pool.wait_ready()
+        names = pool.pods()
+        poll(lambda: sim.running >= limit, 20, 0.01, "gate full")
+        time.sleep(1.0)
+        t_oom, t_oom_wall = time.monotonic(), time.time()
+        r.config_set("maxmemory", 1)  # below what Redis uses: every deny-oom write refused
+        at_oom = set(sim.running_tags())
+        poll(lambda: not at_oom & set(sim.running_tags()), 10, 0.005, "calls at the refusal end")
+        t_drained = time.monotonic()
+        time.sleep(max(0.0, 8.0 - (t_drained - t_oom)))  # longer than B's calls: they end
+        r.config_set("maxmemory", 0)
+        t_freed = time.monotonic()
+        poll(lambda: all(s.get("fallback") == "0" for s in control.statuses(names).values()),
+             15, 0.02, "every pod back in fleet mode")  # fmt: skip
+        t_back = time.monotonic()
+        time.sleep(1.0)
+        t_end = time.monotonic()
+        pool.stop_all()
+        finals = {w.pod: control.result(w.pod) or {} for w in (a, b)}
+        held = sampler.held(names, t_oom - 0.1, t_oom + 0.02).values()
+    r.close()
+
+    def fell_back_after(pod: str) -> float | None:
+        on = [e["t"] for e in control.events(pod) if e["ev"] == "fallback" and e["on"]]
+        return round(min(on) - t_oom_wall, 3) if on else None
+
+    fallback_s = {p: fell_back_after(p) for p in names}
+    transition_bound = sum(max(h, share) for h in held)
+    transition = sim.max_between(t_oom, t_drained)
+    during = sim.max_between(t_drained, t_freed)
+    recovery = sim.max_between(t_freed, t_end)
+    errs = {p: caller_errors(f) for p, f in finals.items()}
+    tag = "oom"
+    figure(record_property, f"{tag}.limit", limit)
+    figure(record_property, f"{tag}.fallback_after_s", fallback_s)
+    figure(record_property, f"{tag}.transition_bound", transition_bound)
+    figure(record_property, f"{tag}.max_running_oom_transition", transition)
+    figure(record_property, f"{tag}.max_running_oom", during)
+    figure(record_property, f"{tag}.max_running_recovery", recovery)
+    figure(record_property, f"{tag}.back_after_freed_s", round(t_back - t_freed, 3))
+    figure(record_property, f"{tag}.caller_errors", errs)
+
+    assert all(not e for e in errs.values()), errs
+    # No pod stays in fleet mode while it cannot acquire there: each falls back within about
+    # a heartbeat of the refusal (renewals every min(HB, lease TTL / 3)).
+    assert all(t is not None and t <= HB + 0.5 for t in fallback_s.values()), fallback_s
+    # The fallback's bound: what each pod held at the refusal (or its share) until those calls
+    # end, then the shares, while memory is full and while the pods come back.
+    assert transition <= transition_bound
+    assert during <= share * pods and recovery <= share * pods
