@@ -239,3 +239,73 @@ def test_out_of_memory_is_one_outage(
     # end, then the shares, while memory is full and while the pods come back.
     assert transition <= transition_bound
     assert during <= share * pods and recovery <= share * pods
+
+
+@pytest.mark.timeout(150)
+def test_a_write_pause_serves_from_the_fallback_like_a_full_pause(
+    own_redis: RedisProcess,
+    control: Control,
+    sim: Sim,
+    workers: Callable[..., Workers],
+    record_property: Callable[[str, object], None],
+) -> None:
+    """``CLIENT PAUSE ms WRITE`` (a failover's or an operator's): PING answers, every write
+    waits. A pod in the fallback must not take the answered PING for Redis being back (and
+    stop its local permits while its adoption waits out the pause): it serves from the
+    fallback as under ``CLIENT PAUSE ms ALL`` of the same length."""
+    limit, pods, pause_ms = 4, 2, 6000
+    share = -(-limit // pods)
+    prefix, gate = "fg", "paused"
+    r = redis.Redis.from_url(own_redis.url, decode_responses=True)
+    with LimitSampler(own_redis.url, prefix, gate) as sampler:
+        pool = workers(
+            url=own_redis.url, prefix=prefix, gate=gate, limit=limit, lease_ms=10_000,
+            waiter_ms=3000, hb=HB, sim=sim.url, passages=180,  # 200 ms calls, 2x demand
+        )  # fmt: skip
+        for _ in range(pods):
+            pool.spawn(role="load", loops=4)
+        pool.wait_ready()
+        names = pool.pods()
+        poll(lambda: sim.running >= limit, 20, 0.01, "gate full")
+        # Each pod's share is ceil(limit / live pods) once it has counted its peers (1 before).
+        poll(
+            lambda: all(s.get("live_pods") == str(pods) for s in control.statuses(names).values()),
+            20, 0.05, "every pod sees the others",
+        )  # fmt: skip
+        time.sleep(1.5)
+        local: dict[str, int] = {}
+        peaks: dict[str, tuple[int, int]] = {}
+        walls: dict[str, float] = {}
+
+        def local_grants() -> int:
+            return sum(int(s.get("local_grants", 0)) for s in control.statuses(names).values())
+
+        for kind in ("WRITE", "ALL"):
+            time.sleep(1.0)
+            before = local_grants()
+            t_pause = time.monotonic()
+            held = sampler.held(names, t_pause - 0.1, t_pause).values()
+            walls[kind] = time.time()
+            r.execute_command("CLIENT", "PAUSE", pause_ms, kind)
+            time.sleep(pause_ms / 1000)
+            poll(lambda: all(s.get("fallback") == "0" for s in control.statuses(names).values()),
+                 15, 0.02, "every pod back in fleet mode")  # fmt: skip
+            local[kind] = local_grants() - before
+            peaks[kind] = (sim.max_between(t_pause), sum(max(h, share) for h in held))
+        pool.stop_all()
+        events = [e for p in names for e in control.events(p) if e["ev"] == "fallback"]
+    r.close()
+
+    def seen(kind: str, on: bool) -> list[float]:
+        t0, t1 = walls[kind], walls.get("ALL" if kind == "WRITE" else "", 1e18)
+        return sorted(round(e["t"] - t0, 2) for e in events if e["on"] == on and t0 < e["t"] < t1)
+
+    figure(record_property, "pause_write.limit", limit)
+    for kind in walls:
+        figure(record_property, f"pause_write.{kind}.fallback_on_s", seen(kind, True))
+        figure(record_property, f"pause_write.{kind}.fallback_off_s", seen(kind, False))
+    figure(record_property, "pause_write.local_grants", local)
+    figure(record_property, "pause_write.max_running_and_bound", peaks)
+    assert local["ALL"] > 0
+    assert local["WRITE"] >= 0.8 * local["ALL"], local
+    assert all(peak <= bound for peak, bound in peaks.values()), peaks
