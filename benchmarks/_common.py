@@ -46,6 +46,7 @@ BENCHMARKS = (
     "redis_memory",
     "tokens",
     "flood",
+    "first_permit",
 )
 # Modules of benchmarks/ that drive benchmarks rather than being one (no ``run(opts)``).
 DRIVERS = ("versions",)

@@ -4,6 +4,7 @@
     fleetgate status [--json] [--watch]     leader, epoch and one line per gate (+ its queue)
     fleetgate inspect GATE                  units, lanes and their heads, holders, config
     fleetgate check                         health check: exit 0 if Redis is usable
+    fleetgate init --prefix P               stamp a new prefix: its first permits skip the fence
     fleetgate proxy --config FILE           gateway mode: an HTTP proxy taking a permit per request
     fleetgate sim vllm|rerank ...           model-server simulators for tests, demo, compose
     fleetgate worker ...                    the load generator (docker-compose's workers)
@@ -144,6 +145,42 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _logging_options(p)
 
 
+def _add_init(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "init",
+        help="stamp a new prefix, so that its first permits skip the recovery fence",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Stamp the prefix as deliberately new. Inside Redis a new prefix looks like a\n"
+        "wiped one (no state), so the first permit of each gate waits one registration\n"
+        "period (~3 s: the recovery fence), in case pods still run work the lost state\n"
+        "counted. After init it is granted at once. A wipe (FLUSHALL, FLUSHDB, a\n"
+        "restart without persistence, a failover to an empty replica) removes the stamp\n"
+        "with the state, so the fence holds again then.\n\n"
+        "Run it once, before any pod or coordinator uses the prefix. A stamped prefix\n"
+        "is left as it is (exit 0); a prefix in use (its registry, a leader, a birth mark,\n"
+        "a named gate's keys) is refused (exit 1, nothing written): a Redis that lost its\n"
+        "state and was written to since looks the same, and the fence then protects the\n"
+        "work still running. On Redis Cluster a gate's script reaches only its own slot,\n"
+        "so the stamp is per gate: name the gates with --gate, or give the coordinator's\n"
+        "--config to stamp its gates (exit 2 without either); a gate added later pays the\n"
+        "fence once.\n"
+        "See docs/failure-modes.md.",
+        epilog="examples:\n"
+        "  fleetgate init --prefix fg\n"
+        "  fleetgate init --redis 'redis://c1:7000/0?cluster=1' --gate chat --gate embed\n"
+        "  fleetgate init --config coordinator.toml   # its Redis, prefix and gates",
+    )
+    _redis_options(p)
+    p.add_argument(
+        "--gate",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a gate to stamp by itself (repeat; required on Cluster, optional elsewhere)",
+    )
+    _logging_options(p)
+
+
 def _positive_int(text: str) -> int:
     """``--workers``: a whole number of at least 1."""
     try:
@@ -255,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fleetgate {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    adders = (_add_coordinator, _add_status, _add_inspect, _add_check, _add_proxy)
+    adders = (_add_coordinator, _add_status, _add_inspect, _add_check, _add_init, _add_proxy)
     for add in (*adders, _add_passthrough):
         add(sub)
     return parser
@@ -316,6 +353,22 @@ def _check(args: argparse.Namespace) -> int:
     return asyncio.run(commands.check(url, prefix))
 
 
+def _init(args: argparse.Namespace) -> int:
+    from fleetgate.stamp import init_prefix
+
+    url, prefix = resolve_redis(args)
+    gates = list(args.gate)
+    if args.config:  # a coordinator's config: its gates too (Cluster needs their names)
+        from fleetgate.coordinator.config import load_config
+
+        gates += [g.name for g in load_config(args.config).gates if g.name not in gates]
+    outcome = asyncio.run(init_prefix(url, prefix, gates=gates))
+    print(outcome.message(), file=sys.stdout if outcome.ok else sys.stderr)
+    if outcome.ok:
+        return EXIT_OK
+    return EXIT_USAGE if outcome.result == "needs_gates" else EXIT_ERROR
+
+
 def _proxy(args: argparse.Namespace) -> int:
     try:
         from fleetgate.proxy.main import run_proxy
@@ -333,6 +386,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": _status,
     "inspect": _inspect,
     "check": _check,
+    "init": _init,
     "proxy": _proxy,
 }
 

@@ -137,6 +137,7 @@ class GateAcquirer(GateState):
             rt.spawn(self.check_settings())
         if reply.fence_ms > 0:
             self.beat_after(reply.fence_ms / 1000)
+            rt.fenced(self.name, reply.fence_ms)
         if reply.status == GRANTED:
             self.waiters.pop(lease_id, None)
             return self._granted(lease_id, reply.token, reply.expires_at, ask)

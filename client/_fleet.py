@@ -77,7 +77,9 @@ class Fleet:
     flushed, or the gate is new), the gate grants nothing for that long, so that pods still
     running work the lost state counted can count it again first; callers park meanwhile. On a
     standalone Redis only gates first seen within a fence period of the server's first
-    fleetgate state pay it (a restarted or flushed server); on Cluster every new gate does. 0
+    fleetgate state pay it (a restarted or flushed server); on Cluster every new gate does; on
+    a prefix stamped by ``fleetgate init`` (:func:`fleetgate.stamp.init_prefix`) none does
+    until a wipe removes the stamp. The first permit that waits for it logs why, once. 0
     turns it off: safe only when Redis keeps its state (AOF persistence) or one process uses
     the prefix. See docs/failure-modes.md.
     """

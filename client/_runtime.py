@@ -71,6 +71,8 @@ class Runtime:
         # recovery_fence; lua/lib_fence.lua gate_birth): one registration period by default.
         fence = self.register_period if recovery_fence is None else recovery_fence
         self.fence_ms = int(fence * 1000)
+        #: a first permit has been held behind the recovery fence and said why (once a Fleet)
+        self.fence_said = False
         self.metrics = metrics
         self.redis_options = redis_options
         #: connecting, fleet, fallback, recovering or closing: the one state machine (_mode.py)
@@ -199,6 +201,24 @@ class Runtime:
         self.metrics.background_errors.labels(task).inc()
         where = f"gate {gate}: " if gate else ""
         log.warning("%s%s failed: %s: %s (retrying)", where, task, type(exc).__name__, exc)
+
+    def fenced(self, gate: str, fence_ms: int) -> None:
+        """An acquire of ``gate`` met the recovery fence (``fence_ms`` more): say once per
+        Fleet why it waits and how a new prefix avoids it (``fleetgate init``)."""
+        if self.fence_said:
+            return
+        self.fence_said = True
+        log.warning(
+            "gate %s: no permit for up to %.1f s: Redis held no state for this gate, which is how "
+            "a new prefix and a Redis that lost its state (restarted empty, flushed) both look, "
+            "so nothing is granted until the pods that may still run work under it have counted "
+            "it (the recovery fence, docs/failure-modes.md). On a new prefix, `fleetgate init "
+            "--prefix %s` (on Cluster with --gate for each gate) before the fleet's first start "
+            "skips it.",
+            gate,
+            fence_ms / 1000,
+            self.prefix,
+        )
 
     def renew_by(self, when: float) -> None:
         """A gate got its first lease or waiter and must be renewed by ``when`` (loop time):

@@ -101,6 +101,7 @@ def _start_record(args: argparse.Namespace, setup: Setup, children: Children) ->
         prefix=setup.prefix,
         gates=[GateInfo(**g) for g in setup.gates],
         pids=children.pids(),
+        stamp=setup.stamp,
     )
 
 

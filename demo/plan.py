@@ -97,3 +97,5 @@ class Setup:
     interactive_path: Path | None = None
     #: the non-Python caller's record (one HTTP status per line), None when curl is missing
     gateway_path: Path | None = None
+    #: what ``fleetgate init`` said (the prefix stamped before anything used it)
+    stamp: str = ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -138,6 +139,17 @@ def _redis(children: Children, external: str | None, prefix: str) -> tuple[str, 
     return external, f"{redact(external)} (prefix {prefix})"
 
 
+def _init_prefix(config: Path, say: Callable[[str], None]) -> str:
+    """``fleetgate init --config``, as an operator would before a new fleet's first start: the
+    prefix is new, so its gates' first permits skip the recovery fence (~3 s otherwise)."""
+    argv = [sys.executable, "-m", "fleetgate.cli", "init", "--config", str(config)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    if done.returncode != 0:
+        raise DemoError(f"fleetgate init: {done.stderr.strip() or done.stdout.strip()}")
+    say(f"  fleetgate init --config {config}: {done.stdout.strip()}")
+    return done.stdout.strip()
+
+
 def _start_coordinators(
     children: Children, config: Path, url: str, prefix: str, say: Callable[[str], None]
 ) -> None:
@@ -168,8 +180,9 @@ def prepare(
     urls = {g.name: _start_sim(children, g, say) for g in GATES}
     config = out / "coordinator.toml"
     config.write_text(_config_toml(url, prefix, urls))
+    stamp = _init_prefix(config, say)
     _start_coordinators(children, config, url, prefix, say)
-    setup = Setup(redis_url=url, redis_label=label, prefix=prefix, urls=urls)
+    setup = Setup(redis_url=url, redis_label=label, prefix=prefix, urls=urls, stamp=stamp)
     setup.gates = [
         dict(
             name=g.name,
@@ -184,7 +197,10 @@ def prepare(
         )
         for g in GATES
     ]
-    start_workers(children, setup, out, args.workers, say)
+    (out / "workers").mkdir(exist_ok=True)
     start_search_pod(children, setup, out, args.duration, say)
     start_gateway(children, setup, out, say)
+    # The load last, right before the live view samples: the prefix is stamped, so the first
+    # permits are granted at once (no recovery fence) and the budget moves from its first poll
+    start_workers(children, setup, out, args.workers, say)
     return setup

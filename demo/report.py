@@ -128,6 +128,8 @@ class DemoRecord(msgspec.Struct, kw_only=True):
     interactive: dict[str, Any] = msgspec.field(default_factory=dict)
     interrupted: bool = False
     summary: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: what ``fleetgate init`` said before the fleet started (the prefix stamped as new)
+    stamp: str = ""
 
 
 def worker_totals(stats: list[dict[str, Any]]) -> dict[str, Any]:

@@ -42,7 +42,8 @@ keys are outside any gate's slot and are written by separate commands.
     {prefix}:leader        string  coordinator leadership lease
     {prefix}:epoch         string  coordinator epoch counter
     {prefix}:born          string  server ms this Redis first held gate state under the prefix
-                                   (standalone; the recovery fence)
+                                   (standalone; the recovery fence); 0: stamped new by
+                                   ``fleetgate init`` (fleetgate.stamp)
 """
 
 from __future__ import annotations
@@ -331,8 +332,8 @@ class FleetKeys:
     @property
     def born(self) -> str:
         """Server time (ms) this Redis first held gate state under the prefix; ``0`` for state
-        older than the mark (the recovery fence: ``lua/lib_fence.lua`` gate_birth). Standalone and
-        Sentinel only."""
+        older than the mark, or a prefix stamped new by ``fleetgate init`` (:mod:`fleetgate.stamp`)
+        (the recovery fence: ``lua/lib_fence.lua`` gate_birth). Standalone and Sentinel only."""
         return f"{self.prefix}:born"
 
 

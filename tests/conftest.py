@@ -9,6 +9,7 @@ install Redis.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import uuid
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
 from fleetgate.keys import fleet_keys
+from fleetgate.stamp import init_prefix
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisClusterProcess, RedisProcess
 
 
@@ -101,15 +103,17 @@ def cluster_rut(redis_cluster: RedisClusterProcess) -> RedisUnderTest:
 def own_redis() -> Iterator[RedisProcess]:
     """A private server for this test alone, which the test may kill and restart.
 
-    Like ``rut``'s prefixes, its default prefix ``fg`` is marked as old (no work ran on the new
-    server), so the recovery fence applies only once the test wipes it (kill and start, or
-    FLUSHALL), as in production. Tests of a first start on an empty server start their own.
+    Its default prefix ``fg`` is stamped by ``fleetgate init`` (:func:`fleetgate.stamp.
+    init_prefix`: no work ran on the new server), so the recovery fence applies only once the
+    test wipes it (kill and start, or FLUSHALL), as in production: the wipe tests
+    (tests/chaos/test_wipe.py) are tests of a stamped prefix. Tests of a first start on an
+    empty server start their own.
     """
     if not RedisProcess.available():
         pytest.fail(INSTALL_HINT, pytrace=False)
     with RedisProcess() as proc:
-        with redis.Redis.from_url(proc.url) as client:
-            client.set(fleet_keys("fg").born, 0)
+        outcome = asyncio.run(init_prefix(proc.url, "fg"))
+        assert outcome.result == "stamped", outcome.message()
         yield proc
 
 

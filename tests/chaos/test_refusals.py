@@ -11,6 +11,7 @@ Nothing is cut here: the clients reach Redis, which answers every call, but with
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from fleetgate.keys import fleet_keys
+from fleetgate.stamp import init_prefix
 from fleetgate.tools.redisproc import RedisProcess
 
 from ._harness import Control, LimitSampler, Sim, Workers, figure, poll
@@ -37,7 +38,7 @@ def caller_errors(status: dict[str, object]) -> dict[str, int]:
 
 def writes_refused(r: redis.Redis) -> bool:
     try:
-        r.set("fg:probe", 1)
+        r.set("chaos:probe", 1)
     except redis.ResponseError as exc:
         if str(exc).startswith("NOREPLICAS"):
             return True
@@ -59,7 +60,9 @@ def master_with_replica(*master_args: str) -> Iterator[tuple[RedisProcess, Redis
                  "replica in sync")  # fmt: skip
         with redis.Redis.from_url(master.url) as r:
             poll(lambda: not writes_refused(r), 15, 0.05, "writes accepted")
-            r.set(fleet_keys("fg").born, 0)  # an old server: no recovery fence (see own_redis)
+        # stamped, as own_redis is: no recovery fence until a wipe
+        outcome = asyncio.run(init_prefix(master.url, "fg"))
+        assert outcome.result == "stamped", outcome.message()
         yield master, replica
     finally:
         if replica.proc is not None and replica.proc.poll() is None:

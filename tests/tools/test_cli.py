@@ -6,8 +6,11 @@ import asyncio
 import json
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
@@ -81,11 +84,50 @@ def test_check_health(rut: RedisUnderTest) -> None:
     assert "s3cret" not in bad.stderr + bad.stdout  # secrets never printed
 
 
-@pytest.mark.parametrize("cmd", [[], ["coordinator"], ["status"], ["inspect"], ["check"]])
+@pytest.mark.parametrize("cmd", [[], ["coordinator"], ["status"], ["inspect"], ["check"], ["init"]])
 def test_help_explains(cmd: list[str]) -> None:
     out = fleetgate(*cmd, "--help")
     assert out.returncode == 0
     assert "usage: fleetgate" in out.stdout and len(out.stdout) > 200
+
+
+def test_init_stamps_a_new_prefix_once_and_refuses_one_in_use(rut: RedisUnderTest) -> None:
+    """Exit 0 and what it did; again: a no-op, exit 0; a prefix holding keys: exit 1, why, and
+    nothing written. ``--help`` says what it is for and what a wipe does."""
+    new = f"i{uuid.uuid4().hex[:10]}"
+    first = fleetgate("init", "--redis", rut.url, "--prefix", new)
+    assert first.returncode == 0, first.stderr
+    assert f"prefix {new!r} is new: stamped ({new}:born = 0)" in first.stdout
+    again = fleetgate("init", "--redis", rut.url, "--prefix", new)
+    assert (again.returncode, again.stdout) == (
+        0,
+        f"prefix {new!r} is already stamped: nothing to do.\n",
+    )
+    used = f"u{uuid.uuid4().hex[:10]}"
+    with redis.Redis.from_url(rut.url, decode_responses=True) as r:
+        r.set(f"{used}:leader", "coord-a")
+        refused = fleetgate("init", "--redis", rut.url, "--prefix", used)
+        assert refused.returncode == 1 and refused.stdout == ""
+        assert f"prefix {used!r} is not new (it holds {used}:leader): not stamped" in refused.stderr
+        assert r.get(f"{used}:born") is None
+    help_text = " ".join(fleetgate("init", "--help").stdout.split())
+    assert "recovery fence" in help_text and "removes the stamp" in help_text
+
+
+@pytest.mark.cluster
+def test_init_on_cluster_needs_the_gates(cluster_rut: RedisUnderTest, tmp_path: Path) -> None:
+    """Cluster: exit 2 without gate names, nothing written; the coordinator config's gates are
+    stamped (its Redis and prefix taken from it), each in its own slot."""
+    bare = fleetgate("init", "--redis", cluster_rut.url, "--prefix", cluster_rut.prefix)
+    assert bare.returncode == 2 and "name the gates (--gate NAME" in bare.stderr
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        f'[redis]\nurl = "{cluster_rut.url}"\nprefix = "{cluster_rut.prefix}"\n'
+        '[[gates]]\nname = "chat"\nfloor = 2\n[[gates]]\nname = "embed"\nfloor = 2\n'
+    )
+    done = fleetgate("init", "--config", str(config), "--gate", "rerank")
+    assert done.returncode == 0, done.stderr
+    assert "stamped gates rerank, chat, embed" in done.stdout
 
 
 def test_inspect_names_a_gate_that_does_not_exist(rut: RedisUnderTest) -> None:

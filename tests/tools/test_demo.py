@@ -119,7 +119,11 @@ def _check_token_budget(data: dict[str, Any], stdout: str) -> None:
     stated = {g["server_kv_tokens"] for g in rows if g["server_kv_tokens"] is not None}
     assert stated == {info["kv_tokens"]}, stated  # what the simulator states, every second
     cache = info["kv_tokens"]
-    assert info["token_ceiling"] > cache and budgets[0] == info["token_limit"] <= cache // 4
+    # the first sample: the configured budget, or one doubling of it -- the load starts right
+    # before the live view and, the prefix stamped, is granted at once, so a coordinator poll
+    # may fall between them (the recovery fence used to hold the first ~3 s of it)
+    assert info["token_ceiling"] > cache and info["token_limit"] <= cache // 4
+    assert budgets[0] in (info["token_limit"], 2 * info["token_limit"]), budgets[:3]
     in_use = [g["token_limit"] * (g["token_use_ratio"] or 1.0) for g in rows if g["token_limit"]]
     assert any(abs(u - cache) <= 0.1 * cache for u in in_use), (budgets, in_use)
     assert max(in_use) <= 1.1 * cache, in_use  # tuned to the cache, not to the ceiling
@@ -168,6 +172,8 @@ def test_demo_embedded_redis(tmp_path: Path) -> None:
     _check_token_budget(data, stdout)
     assert "redis" in data["pids"]
     assert data["prefix"] == "fg"
+    # stamped before the coordinators start: its gates' first permits skip the recovery fence
+    assert data["stamp"].startswith("prefix 'fg' is new: stamped"), data["stamp"]
 
 
 @pytest.mark.slow
@@ -185,6 +191,7 @@ def test_demo_external_redis_uses_own_prefix(tmp_path: Path, shared_redis: Redis
             assert "redis" not in data["pids"]
             prefix = data["prefix"]
             assert prefix.startswith("demo-")
+            assert data["stamp"].startswith(f"prefix {prefix!r} is new: stamped"), data["stamp"]
             assert not list(r.scan_iter(match=f"{prefix}:*"))
             assert r.get(sentinel) == b"1"
         finally:

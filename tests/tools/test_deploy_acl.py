@@ -169,6 +169,23 @@ floor = 3
     assert acl.denials() == []
 
 
+def test_coordinator_rule_covers_init(acl: AclServer) -> None:
+    """``fleetgate init`` under the coordinator rule: the stamp (and a named gate's) written,
+    again a no-op, no denial. (The fixture stamped ``fg`` as the default user; unstamped here.)"""
+    acl.admin.delete("fg:born")
+    argv = [sys.executable, "-m", "fleetgate.cli", "init", "--redis", acl.coordinator_url]
+    for expected in ("stamped (fg:born = 0 and gates llm)", "is already stamped"):
+        out = subprocess.run(
+            [*argv, "--gate", "llm"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0 and expected in out.stdout, out.stderr
+    assert acl.admin.get("fg:born") == "0" and acl.admin.hget("fg:{llm}:cfg", "fence") == "0"
+    assert acl.denials() == []
+
+
 async def test_client_rule_denies_keys_outside_its_pattern(acl: AclServer) -> None:
     r = aredis.Redis.from_url(acl.client_url, decode_responses=True)
     try:

@@ -2,12 +2,13 @@
 
 The examples take the Redis URL from ``FLEETGATE_REDIS_URL`` (``Fleet()``'s default), so each
 runs in a process of its own with that variable pointing at a server this test started, and a
-prefix of its own. An example that defines ``test_*`` functions (the ``fleetgate.testing``
-one) has them called, as pytest would.
+prefix of its own, stamped by ``fleetgate init`` first as the quickstart says. An example that
+defines ``test_*`` functions (the ``fleetgate.testing`` one) has them called, as pytest would.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import uuid
 
 import pytest
 
+from fleetgate.stamp import init_prefix
 from fleetgate.tools.redisproc import RedisProcess
 
 from .._tree import ROOT
@@ -50,11 +52,10 @@ def server() -> object:
 
 @pytest.mark.parametrize(("line", "code"), EXAMPLES, ids=[f"line{n}" for n, _ in EXAMPLES])
 def test_the_example_runs_as_written(server: RedisProcess, line: int, code: str) -> None:
-    env = {
-        **os.environ,
-        "FLEETGATE_REDIS_URL": server.url,
-        "FLEETGATE_PREFIX": f"readme{uuid.uuid4().hex[:8]}",
-    }
+    prefix = f"readme{uuid.uuid4().hex[:8]}"
+    # as the quickstart says: `fleetgate init` on a new prefix (no recovery fence at first)
+    assert asyncio.run(init_prefix(server.url, prefix)).result == "stamped"
+    env = {**os.environ, "FLEETGATE_REDIS_URL": server.url, "FLEETGATE_PREFIX": prefix}
     ran = subprocess.run(
         [sys.executable, "-c", code + _RUN_TESTS],
         env=env,
