@@ -129,7 +129,8 @@ def summary(name: str, versions: Sequence[Version]) -> tuple[list[list[Any]], di
     patterns = [re.compile(p) for p in HEADLINES.get(name, (r".",))]
     base = versions[0].runs[name]
     keys = [k for k in base[0] if any(p.search(k) for p in patterns)]
-    rows, out = [], {}
+    rows: list[list[Any]] = []
+    out: dict[str, Any] = {}
     for k in keys:
         meds, spreads = [], []
         for v in versions:

@@ -137,9 +137,14 @@ def _add_check(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "check",
         help="health check (exit code 0 if Redis is usable)",
         description="Connect to Redis and check: version >= 7.0, maxmemory-policy noeviction "
-        "(evicted semaphore keys would reset the cap), connected to a primary, and fleetgate's "
-        "keys under the prefix hold the right types and numbers. Replicas are reported (a "
-        "failover can lose recent grants). Exit 0 when healthy, 1 on any error.",
+        "(evicted semaphore keys would reset the cap), connected to a primary, the commands "
+        "fleetgate sends allowed (Functions: FUNCTION LOAD and FCALL; EVALSHA for the "
+        "coordinator; sharded pub/sub on Cluster; CLIENT SETINFO; commands of 3,999 "
+        "arguments), each probed as fleetgate sends it (it loads fleetgate's Functions "
+        "library, as any client does), and fleetgate's keys under the prefix hold the right "
+        "types and numbers. Replicas are reported (a failover can lose recent grants). Exit 0 "
+        "when healthy, 1 on any error; warnings and notes (a refused command fleetgate does "
+        "without) keep 0.",
     )
     _redis_options(p)
     _logging_options(p)

@@ -194,8 +194,9 @@ class Fleet:
     def gate(self, name: str, **settings: Unpack[GateSettingsKwargs]) -> Gate:
         """The gate ``name``. ``settings`` are the fields of
         :class:`~fleetgate.settings.GateSettings` as keywords (``floor=4``, ``ceiling=...``:
-        :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered only if the gate
-        has no configuration in Redis yet (the coordinator's config wins, and a setting it
+        :class:`~fleetgate.settings.GateSettingsKwargs`), defaults registered (by the gate's
+        first heartbeat or call) only if the gate has no configuration in Redis yet -- again
+        after Redis lost it (the coordinator's config wins, and a setting it
         lacks takes its default, not this one); None takes the default. The first call for a
         name fixes them: a later call returns the same gate and ignores its settings.
 
@@ -234,12 +235,13 @@ class Fleet:
 
     async def utilization(self, name: str) -> GateUtilization:
         """Snapshot of gate ``name``: limit, fleet in-flight and queue, the coordinator's view
-        (after this process's own releases so far: :meth:`flush`)."""
+        (after this process's own releases so far: :meth:`flush`). Redis unreachable:
+        :class:`RedisUnavailable`, whatever ``on_redis_error`` says."""
         gate = self._gates.get(name)
         defaults = gate.defaults if gate is not None else None
         if gate is not None:
             await gate.flush()  # this process's own releases are in what it reads
-        snap = await self.scripts.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
+        snap = await self.runtime.snapshot(GateKeys.of(self.prefix, name), defaults=defaults)
         return utilization_of(name, snap)
 
     # -- state, for tools and tests ------------------------------------------------------------

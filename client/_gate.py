@@ -234,9 +234,10 @@ class Gate(GateAcquirer):
     async def snapshot(self) -> Snapshot:
         """A consistent view of the gate in Redis (holders, waiters, limit, config, stats),
         after this process's own releases so far (:meth:`flush`); ``differing`` names the
-        settings this process gave that Redis holds otherwise (the stored ones apply)."""
+        settings this process gave that Redis holds otherwise (the stored ones apply). Redis
+        unreachable: :class:`~fleetgate.errors.RedisUnavailable` (in either mode)."""
         await self.flush()
-        snap = await self.runtime.scripts.snapshot(self.keys, defaults=self.defaults)
+        snap = await self.runtime.snapshot(self.keys, defaults=self.defaults)
         differing = settings_differing(self.defaults, self.given, snap.cfg, snap.tenant_weights)
         return msgspec.structs.replace(snap, differing=differing)
 

@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping
 
 from fleetgate._redis import error_text
-from fleetgate.keys import fleet_keys
+from fleetgate.registry import register
 from fleetgate.scripts import HeartbeatRequest
 
 from ._gate import Gate
@@ -140,7 +140,7 @@ class Heartbeat:
         # renewal.
         rt = self.runtime
         try:
-            await rt.redis.sadd(fleet_keys(rt.prefix).gates, *(g.name for g in gates))
+            await register(rt.redis, rt.prefix, [g.name for g in gates])
             for g in gates:
                 g.in_registry = True
         except OUTAGE_ERRORS:

@@ -22,7 +22,9 @@ import redis.asyncio as aredis
 
 from fleetgate._redis import REDIS_ERRORS, connect, error_text, prepare, redact
 from fleetgate.errors import FleetgateError, RedisUnavailable
-from fleetgate.scripts import GateScripts
+from fleetgate.keys import GateKeys
+from fleetgate.scripts import GateScripts, Snapshot
+from fleetgate.settings import GateSettings
 
 from ._metrics import ClientMetrics
 from ._mode import ClientMode
@@ -163,6 +165,15 @@ class Runtime:
         mode = self.scripts.redis
         await mode.disconnect_idle()
         await mode.prepare()
+
+    async def snapshot(self, keys: GateKeys, *, defaults: GateSettings | None) -> Snapshot:
+        """A gate's snapshot (``defaults``: what an acquire would register). A read has no
+        fallback: Redis unreachable raises :class:`RedisUnavailable` in either mode, as the
+        calls that cannot fall back do, never redis-py's own error."""
+        try:
+            return await self.scripts.snapshot(keys, defaults=defaults)
+        except OUTAGE_ERRORS as exc:
+            raise self.unreachable(exc) from exc
 
     def unreachable(self, exc: BaseException) -> RedisUnavailable:
         return RedisUnavailable(f"Redis at {redact(self.url)} is unreachable: {error_text(exc)}")

@@ -10,7 +10,8 @@ The room, by job, top down (imports point down the list, never up):
 * :mod:`.controller` (AIMD, on the server's gauges) and :mod:`.gradient` (latency, on what the
   callers report) -- the pure rules, their values in :mod:`.controller_types` and
   :mod:`.gradient_types`;
-* :mod:`.publisher` -- the epoch-fenced writes; :mod:`.errorlog` -- how the loops log failures;
+* :mod:`.publisher` -- the epoch-fenced writes; :mod:`.errorlog` -- how the loops log failures,
+  :mod:`.reach` -- whether Redis answers, told while it does not;
 * :mod:`.control` -- the protocol: what a controller takes and gives;
 * :mod:`.election` -- the leader lease; :mod:`.observations` -- the client-observed counters;
   :mod:`.metrics` -- the daemon's own;

@@ -16,8 +16,10 @@ On winning a term it resumes every gate's controller from the state the last lea
 (warm failover). Bad state in Redis never stops the daemon: every loop catches and logs (repeats
 of one error at most once a minute, :mod:`.errorlog`), a key of the wrong type is named in the
 log (:mod:`fleetgate.safety`), a broken gate does not stop the others from being published, and
-the loops recover by themselves once the key is fixed. At start-up the server settings are
-checked (``maxmemory-policy``, replicas) and problems are logged as WARNING.
+the loops recover by themselves once the key is fixed. Redis unreachable (a wrong URL, an
+outage) is told for as long as it lasts, at growing intervals, and exported
+(:mod:`.reach`). At start-up the server settings are checked (``maxmemory-policy``, replicas)
+and problems are logged as WARNING.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class Coordinator:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = CoordinatorMetrics.create(self.registry)
         self.http = http
-        self.faults = Faults(config)
+        self.faults = Faults(config, self.metrics)
         self.gates = Gates(config, self.metrics, self.faults)
         self._poll = Poll(config, self.metrics, self.faults, self.gates)
         self.reaper = Reaper(config, self.metrics, self.faults, reap_interval)
@@ -203,7 +205,8 @@ class Coordinator:
         while not self._stopping:
             try:
                 findings = await server_findings(self._client)
-            except REDIS_ERRORS:
+            except REDIS_ERRORS as exc:
+                self.faults.unreachable("settings check", exc)
                 await asyncio.sleep(SAFETY_RETRY)
                 continue
             except Exception as exc:
@@ -227,12 +230,14 @@ class Coordinator:
                         await self._on_new_term(term)
                 else:
                     await election.renew()
+                if election.renew_error is not None:  # kept the lead through it, for now
+                    self.faults.unreachable("election", election.renew_error)
+                else:
+                    self.faults.redis.reached()
                 if election.is_leader:
                     self.faults["election"].ok()
             except REDIS_ERRORS as exc:
-                self.faults["election"].error(
-                    f"Redis unreachable ({self.faults.text(exc)})", level=logging.WARNING
-                )
+                self.faults.unreachable("election", exc)
             except Exception as exc:
                 # Bad state in Redis (fg:epoch of the wrong type, ...): log, keep campaigning.
                 if self.faults["election"].error(f"failed: {self.faults.text(exc)}", trace=True):
@@ -282,13 +287,11 @@ class Coordinator:
             self._poll.failures = 0
             try:
                 await self.poll_once()
+                self.faults.redis.reached()
                 if not self._poll.failures:
                     errors.ok()
             except REDIS_ERRORS as exc:
-                errors.error(
-                    f"Redis unreachable ({self.faults.text(exc)}); targets decay if this persists",
-                    level=logging.WARNING,
-                )
+                self.faults.unreachable("poll", exc)
             except Exception as exc:
                 if errors.error(f"failed: {self.faults.text(exc)}", trace=True):
                     await self.faults.diagnose(exc)

@@ -57,6 +57,9 @@ class Election:
         self.ttl = ttl
         self.ttl_ms = int(ttl * 1000)
         self.term: Leadership | None = None
+        #: what the last renewal met when it could not reach Redis (None: it got an answer);
+        #: :meth:`renew` keeps leadership through such an error while the lease is valid
+        self.renew_error: BaseException | None = None
         self._scripts = LeaderScripts(client)
 
     @property
@@ -85,9 +88,11 @@ class Election:
         if self.term is None:
             return False
         sent = time.monotonic()
+        self.renew_error = None
         try:
             owned = await self._scripts.renew(self.keys.leader, self.id, self.ttl_ms)
         except REDIS_ERRORS as exc:
+            self.renew_error = exc
             if self.term.valid():
                 log.warning("lease renewal failed (%s); still leader for now", exc)
                 return True

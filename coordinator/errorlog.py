@@ -4,7 +4,9 @@ Bad state in Redis never stops the daemon: every loop catches and logs. :class:`
 each distinct error of a loop once, then at most once a minute with a count of the repeats, and
 says when the loop recovers. :class:`Faults` holds one per loop, turns an exception into one
 line without the Redis password, and after a ``WRONGTYPE`` error names the keys of the wrong
-type (:mod:`fleetgate.safety`).
+type (:mod:`fleetgate.safety`). Redis being unreachable is not a loop's error but the whole
+coordinator's: every loop reports it to the one :class:`~.reach.RedisReach`
+(:meth:`Faults.unreachable`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from fleetgate._redis import scrub
 from fleetgate.safety import find_bad_keys, is_wrongtype
 
 from .config import Config
+from .metrics import CoordinatorMetrics
+from .reach import RedisReach
 
 __all__ = ["ERROR_LOG_INTERVAL", "LOOPS", "ErrorLog", "Faults"]
 
@@ -64,9 +68,11 @@ class ErrorLog:
 class Faults:
     """The error logs of one coordinator's loops (:data:`LOOPS`), and what they need to say."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, metrics: CoordinatorMetrics | None = None) -> None:
         self.config = config
         self.logs = {name: ErrorLog(name) for name in LOOPS}
+        #: whether Redis answers (every loop reports to it: one account of an outage)
+        self.redis = RedisReach(config.redis.url, metrics)
         #: the Redis client, once the coordinator runs (the diagnosis reads the keys with it)
         self.client: Any = None
 
@@ -76,6 +82,10 @@ class Faults:
     def text(self, exc: BaseException) -> str:
         """``exc`` as one line for a log, never with the Redis password."""
         return scrub(f"{type(exc).__name__}: {exc}", self.config.redis.url)
+
+    def unreachable(self, where: str, exc: BaseException) -> None:
+        """A call of loop ``where`` found Redis unreachable (:attr:`redis` tells, rate-limited)."""
+        self.redis.failed(where, self.text(exc))
 
     async def diagnose(self, exc: BaseException) -> None:
         """After a WRONGTYPE error, name the offending keys in the log."""

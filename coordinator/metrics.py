@@ -32,6 +32,8 @@ class CoordinatorMetrics:
     refused: Counter
     reaped_gates: Counter
     pruned_gates: Counter
+    redis_up: Gauge
+    redis_errors: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> CoordinatorMetrics:
@@ -110,6 +112,16 @@ def _per_coordinator(registry: CollectorRegistry) -> dict[str, Any]:
         "pruned_gates": Counter(
             "fleetgate_coordinator_pruned_gates",
             "Idle gates deleted and dropped from the registry (prune_idle_after)",
+            registry=registry,
+        ),
+        "redis_up": Gauge(
+            "fleetgate_coordinator_redis_up",
+            "1 while this coordinator reaches Redis (0 until it first does, and in an outage)",
+            registry=registry,
+        ),
+        "redis_errors": Counter(
+            "fleetgate_coordinator_redis_errors",
+            "Calls of this coordinator that found Redis unreachable",
             registry=registry,
         ),
     }

@@ -17,7 +17,7 @@ import msgspec
 
 from fleetgate._redis import AnyRedis, BatchCall
 from fleetgate.keys import GateKeys, fleet_keys
-from fleetgate.registry import read_registry
+from fleetgate.registry import read_registry, register, register_calls, unregister
 from fleetgate.scripts import PRUNED, GateScripts
 from fleetgate.units import EXTRA_FIELD, TOKENS_FIELD, tokens_held, units_held
 from fleetgate.util_hash import STATE_FIELD, TOKEN_STATE_FIELD, UtilHash
@@ -173,9 +173,7 @@ class Publisher:
             )
             for p in pubs
         ]
-        replies = await self.scripts.batch(
-            calls, also=[lambda client: client.sadd(self.fleet.gates, *names)]
-        )
+        replies = await self.scripts.batch(calls, also=register_calls(self.prefix, names))
         return [bool(r) for r in replies]
 
     @staticmethod
@@ -227,11 +225,10 @@ class Publisher:
                 pruned.append(name)
         if not pruned:
             return [], failed
-        await self.client.srem(self.fleet.gates, *pruned)
+        await unregister(self.client, self.prefix, pruned)
         used = await self._exist(pruned)
         back = [n for n, found in zip(pruned, used, strict=True) if found]
-        if back:
-            await self.client.sadd(self.fleet.gates, *back)
+        await register(self.client, self.prefix, back)
         return [n for n in pruned if n not in back], failed
 
     async def _exist(self, names: Sequence[str]) -> list[bool]:

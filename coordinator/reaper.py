@@ -63,8 +63,7 @@ class Reaper:
                 self.metrics.reaped_gates.inc(len(names))
                 errors.ok()
             except REDIS_ERRORS as exc:
-                text = self.faults.text(exc)
-                errors.error(f"Redis unreachable ({text})", level=logging.WARNING)
+                self.faults.unreachable("reaper", exc)
                 continue
             except Exception as exc:
                 if errors.error(f"sweep failed: {self.faults.text(exc)}", trace=True):
@@ -74,8 +73,7 @@ class Reaper:
             try:
                 await self._prune(election, publisher, names)
             except REDIS_ERRORS as exc:
-                text = self.faults.text(exc)
-                errors.error(f"Redis unreachable ({text})", level=logging.WARNING)
+                self.faults.unreachable("prune", exc)
             except Exception as exc:
                 if errors.error(f"failed: {self.faults.text(exc)}", trace=True):
                     await self.faults.diagnose(exc)

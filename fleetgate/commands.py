@@ -13,11 +13,13 @@ import sys
 import time
 
 import msgspec
+from redis.exceptions import AuthenticationError, RedisError
 
-from fleetgate._redis import connect, prepare, redact, scrub
+from fleetgate._redis import REDIS_ERRORS, connect, error_text, prepare, redact, scrub
+from fleetgate.errors import FleetgateError, RedisUnavailable
 from fleetgate.keys import GateKeys
 from fleetgate.registry import read_registry
-from fleetgate.safety import find_bad_keys, redis_version, server_findings
+from fleetgate.safety import capability_findings, find_bad_keys, server_findings, server_label
 from fleetgate.scripts import GateScripts, Snapshot, Waiter
 from fleetgate.status import TENANTS_SHOWN, format_status, gather_status, tenant_shown
 
@@ -28,20 +30,32 @@ __all__ = [
     "check",
     "format_inspect",
     "inspect",
+    "redis_failed",
     "status",
 ]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
+def redis_failed(url: str, prefix: str, exc: BaseException) -> FleetgateError:
+    """What an operator command says when Redis at ``url`` fails it: the URL (without its
+    password) and the prefix, then the error -- :class:`RedisUnavailable` for an outage."""
+    where = f"Redis at {redact(url)} (prefix {prefix!r})"
+    why = scrub(error_text(exc), url)
+    if isinstance(exc, REDIS_ERRORS) and not isinstance(exc, AuthenticationError):
+        return RedisUnavailable(f"{where} is unreachable: {why}")
+    return FleetgateError(f"{where} refused the command: {why}")
+
+
 async def status(
     url: str, prefix: str, *, as_json: bool, watch: float | None, tenants: int = TENANTS_SHOWN
 ) -> int:
     """Print the leader, the epoch and one line per gate (or JSON); every ``watch`` seconds.
-    ``tenants``: how many tenants to list per gate (the rest are summed as ``other``)."""
+    ``tenants``: how many tenants to list per gate (the rest are summed as ``other``). Redis
+    failing the read raises :func:`redis_failed`'s error, naming the URL."""
     client = connect(url)
-    await prepare(client)
     try:
+        await prepare(client)
         while True:
             fleet = await gather_status(client, prefix, tenants=tenants)
             if as_json:
@@ -54,6 +68,8 @@ async def status(
             if not watch:
                 return EXIT_OK
             await asyncio.sleep(watch)
+    except (RedisError, OSError) as exc:
+        raise redis_failed(url, prefix, exc) from exc
     finally:
         await client.aclose()
 
@@ -66,6 +82,8 @@ async def inspect(url: str, prefix: str, gate: str, n: int, *, as_json: bool) ->
     try:
         snap = await GateScripts(client).snapshot(GateKeys.of(prefix, gate), n)
         known = None if _has_state(snap) else await read_registry(client, prefix)
+    except (RedisError, OSError) as exc:
+        raise redis_failed(url, prefix, exc) from exc
     finally:
         await client.aclose()
     if known is not None and gate not in known.names:
@@ -141,18 +159,22 @@ def format_inspect(gate: str, snap: Snapshot) -> str:
 
 
 async def check(url: str, prefix: str) -> int:
-    """Redis reachable, version >= 7.0, noeviction, a primary, fleetgate's keys intact.
+    """Redis reachable, version >= 7.0, noeviction, a primary, the commands fleetgate sends
+    allowed (:mod:`fleetgate.safety.capabilities`), fleetgate's keys intact.
 
     Exit 1 on any error-level finding (see :mod:`fleetgate.safety`); warnings (replicas
-    attached, a setting that could not be read) are printed but keep exit code 0.
+    attached, a setting that could not be read) and notes (a refused command fleetgate does
+    without) are printed but keep exit code 0.
     """
     shown = redact(url)
     client = connect(url)
     try:
         await prepare(client)
         await client.ping()
-        version = await redis_version(client)
+        label = await server_label(client)
         findings = await server_findings(client)
+        if not any(f.code == "replica_role" for f in findings):  # a replica refuses writes
+            findings += await capability_findings(client, prefix)
         findings += await find_bad_keys(client, prefix)
     except Exception as exc:
         # Anything redis-py raises; its text never holds the password, and scrub() makes sure.
@@ -165,5 +187,5 @@ async def check(url: str, prefix: str) -> int:
     for finding in findings:
         print(f"fleetgate check: {finding.level.upper()}: {finding.message}", file=sys.stderr)
     ok = not any(f.level == "error" for f in findings)
-    print(f"redis {version or '?'} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
+    print(f"{label} at {shown} (prefix {prefix!r}): {'ok' if ok else 'NOT OK'}")
     return EXIT_OK if ok else EXIT_ERROR

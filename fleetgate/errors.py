@@ -8,7 +8,7 @@
      ├── LeaseRevoked        the gate asked for a held lease back (a higher band waited)
      ├── ConfigError         bad configuration or gate name (also a ValueError)
      ├── GateStateError      a gate's keys in Redis hold data its scripts cannot use
-     └── RedisUnavailable    Redis unreachable and on_redis_error="fail"
+     └── RedisUnavailable    Redis unreachable: on_redis_error="fail", or a read (snapshot)
 
 Redis errors are translated where they enter fleetgate (``raise ... from exc``) so callers only
 need to catch these.
@@ -131,7 +131,9 @@ class ConfigError(FleetgateError, ValueError):
 
 
 class RedisUnavailable(FleetgateError, ConnectionError):
-    """Redis could not be reached and the fleet is configured with ``on_redis_error="fail"``."""
+    """Redis could not be reached and the fleet is configured with ``on_redis_error="fail"``,
+    or a read that has no fallback (``fleet.utilization()``, ``gate.snapshot()``) could not be
+    made."""
 
 
 class GateStateError(FleetgateError):

@@ -121,6 +121,8 @@ class GateStatus(msgspec.Struct, kw_only=True):
     obs_calls: int | None = None
     obs_overloaded: int | None = None
     obs_timeout: int | None = None
+    #: what the coordinator's last scrape of the gate's metrics found wrong (None: nothing)
+    metrics_error: str | None = None
 
 
 class FleetStatus(msgspec.Struct, kw_only=True):
@@ -220,6 +222,7 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         obs_calls=util.obs_calls,
         obs_overloaded=util.obs_overloaded,
         obs_timeout=util.obs_timeout,
+        metrics_error=util.error,
     )
 
 
@@ -282,6 +285,11 @@ def format_status(status: FleetStatus, now: float) -> str:
         if g.token_limit is not None:
             lines.append(f"  tokens held: {g.tokens}/{g.token_limit}{_tuned(g)}")
         lines.extend(_observed_lines(g))
+        if g.metrics_error and not g.metrics_ok:
+            shown = (
+                g.metrics_error if len(g.metrics_error) <= 300 else g.metrics_error[:297] + "..."
+            )
+            lines.append(f"  metrics unusable: {shown}")
         lines.extend(_queue_lines(g))
     if not status.gates:
         lines.append("(no gates registered)")

@@ -10,10 +10,12 @@
 --       then optional: max_token (the highest fencing token the pod holds), fence_ms (the
 --       recovery fence of a gate found without state: lib_fence.lua gate_birth; 0 or absent for
 --       none, as the coordinator's sweep sends), and the pod's defaults
---       (GateSettings.argv(): floor, ceiling, max_queued, lease_ms, waiter_ms, two unused,
---       token_limit, token_ceiling, deadline_admission, band_share, revoke_after_ms) for a gate
---       with no configuration at all (read, never registered here; a configured gate's stored
---       settings alone apply, lib_cfg.lua load_cfg).
+--       (GateSettings.argv(): floor, ceiling, max_queued, lease_ms, waiter_ms,
+--       max_queued_per_tenant, shed_below, token_limit, token_ceiling, deadline_admission,
+--       band_share, revoke_after_ms, tenant_weights), registered on a gate with no
+--       configuration at all as acquire registers them (a pod's idle gate, never called or
+--       wiped, shows its settings); a configured gate's stored settings alone apply
+--       (lib_cfg.lua load_cfg).
 -- Returns {limit, live_pods, lost_leases, granted_waiters, lost_waiters, queued, units held,
 --   lease_ms, waiter_ms, expires_at, pod_new, adopted, granted_tokens, evicted, too_heavy,
 --   ceiling, token_limit, tokens held, too_late, too_late_ms, too_late_hold_ms, revoked}:

@@ -85,9 +85,13 @@ local function heartbeat_gate(A)
   local i_tail = i_waiters + 1 + 2 * n_waiters
   local max_token = num(A[i_tail], 0)
   local now = now_ms()
-  local cfg = load_cfg(now, {A[i_tail + 2], A[i_tail + 3], A[i_tail + 4], A[i_tail + 5],
-    A[i_tail + 6], nil, nil, A[i_tail + 9], A[i_tail + 10], A[i_tail + 11], A[i_tail + 12],
-    A[i_tail + 13]})
+  -- A pod's defaults are registered on a gate without configuration, as its first acquire
+  -- would: an idle pod's gate -- never called yet, or wiped by an empty restart -- shows its
+  -- settings (`fleetgate status`) instead of those of a gate nobody configured. The sweep (no
+  -- pod, no defaults) registers nothing.
+  local d = {}
+  for j = 1, 13 do d[j] = A[i_tail + 1 + j] end
+  local cfg = load_cfg(now, d, pod ~= '' and d[1] ~= nil)
   -- before anything is renewed or counted again: this pod's own leases, adopted below, are
   -- work the fence waits for
   gate_birth(now, cfg, num(A[i_tail + 1], 0))

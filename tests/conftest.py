@@ -5,6 +5,9 @@ stopped afterwards. A server we did not start is used only when FLEETGATE_TEST_R
 (then each test gets its own prefix and nothing is flushed). If ``redis-server`` is missing and a
 Docker engine is reachable, testcontainers starts one; otherwise the run fails saying how to
 install Redis.
+
+Tests marked ``servers`` run once per server of the server matrix (Redis and each Valkey:
+tests/_servers.py): the fixtures below start the matrix's server for them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from fleetgate.client import Fleet
 from fleetgate.keys import fleet_keys
 from fleetgate.stamp import init_prefix
 from fleetgate.tools.redisproc import INSTALL_HINT, RedisClusterProcess, RedisProcess
+
+from ._servers import REQUIRE_ENV, MatrixServer, matrix
 
 
 @dataclass
@@ -47,15 +52,56 @@ def _testcontainers_url() -> tuple[str, object] | None:
     return f"redis://{host}:{port}/0", container
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``servers`` that starts a server runs once per server of the matrix
+    (tests/_servers.py); one that starts none (a module's pure tests) runs once. A server that
+    cannot be had is left out (the report's header says why), but for the test marked
+    ``servers(report_missing=True)``, which skips on it, and with FLEETGATE_REQUIRE_VALKEY set,
+    where every test fails on it."""
+    marker = metafunc.definition.get_closest_marker("servers")
+    if marker is None or "matrix_server" not in metafunc.fixturenames:
+        return
+    servers = matrix()
+    if not (marker.kwargs.get("report_missing") or os.environ.get(REQUIRE_ENV)):
+        servers = tuple(s for s in servers if not s.missing)
+    ids = [s.name for s in servers]
+    metafunc.parametrize("matrix_server", servers, ids=ids, indirect=True, scope="session")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """One line naming the servers of the matrix, and why any is not run."""
+    servers = matrix()
+    line = "server matrix: " + ", ".join(s.name for s in servers if not s.missing)
+    return [line] + [f"server matrix: {s.name} not run: {s.missing}" for s in servers if s.missing]
+
+
 @pytest.fixture(scope="session")
-def shared_redis() -> Iterator[RedisUnderTest]:
-    """One server for the session; tests isolate themselves by prefix."""
+def matrix_server(request: pytest.FixtureRequest) -> MatrixServer | None:
+    """The server of the matrix a ``servers`` test runs against (None: the suite's server).
+    One that cannot be had skips the test, saying why; with FLEETGATE_REQUIRE_VALKEY set, fails."""
+    server: MatrixServer | None = getattr(request, "param", None)
+    if server is not None and server.missing:
+        if os.environ.get(REQUIRE_ENV):
+            pytest.fail(f"{REQUIRE_ENV} is set and {server.missing}", pytrace=False)
+        pytest.skip(server.missing)
+    return server
+
+
+def _binary(server: MatrixServer | None) -> str | None:
+    return server.binary if server is not None else None
+
+
+@pytest.fixture(scope="session")
+def shared_redis(matrix_server: MatrixServer | None) -> Iterator[RedisUnderTest]:
+    """One server for the session (per server of the matrix); tests isolate themselves by
+    prefix."""
+    binary = _binary(matrix_server)
     external = os.environ.get("FLEETGATE_TEST_REDIS_URL")
-    if external:
+    if external and binary is None:
         yield RedisUnderTest(external, "", None)
         return
-    if RedisProcess.available():
-        with RedisProcess() as proc:
+    if binary or RedisProcess.available():
+        with RedisProcess(binary=binary) as proc:
             yield RedisUnderTest(proc.url, "", proc)
         return
     started = _testcontainers_url()
@@ -85,11 +131,12 @@ def rut(shared_redis: RedisUnderTest) -> RedisUnderTest:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[RedisClusterProcess]:
+def redis_cluster(matrix_server: MatrixServer | None) -> Iterator[RedisClusterProcess]:
     """A real 3-master Redis Cluster for the session (tests isolate themselves by prefix)."""
-    if not RedisProcess.available():
+    binary = _binary(matrix_server)
+    if binary is None and not RedisProcess.available():
         pytest.fail(INSTALL_HINT, pytrace=False)
-    with RedisClusterProcess(3) as cluster:
+    with RedisClusterProcess(3, binary=binary) as cluster:
         yield cluster
 
 
@@ -100,7 +147,7 @@ def cluster_rut(redis_cluster: RedisClusterProcess) -> RedisUnderTest:
 
 
 @pytest.fixture
-def own_redis() -> Iterator[RedisProcess]:
+def own_redis(matrix_server: MatrixServer | None) -> Iterator[RedisProcess]:
     """A private server for this test alone, which the test may kill and restart.
 
     Its default prefix ``fg`` is stamped by ``fleetgate init`` (:func:`fleetgate.stamp.
@@ -109,9 +156,10 @@ def own_redis() -> Iterator[RedisProcess]:
     (tests/chaos/test_wipe.py) are tests of a stamped prefix. Tests of a first start on an
     empty server start their own.
     """
-    if not RedisProcess.available():
+    binary = _binary(matrix_server)
+    if binary is None and not RedisProcess.available():
         pytest.fail(INSTALL_HINT, pytrace=False)
-    with RedisProcess() as proc:
+    with RedisProcess(binary=binary) as proc:
         outcome = asyncio.run(init_prefix(proc.url, "fg"))
         assert outcome.result == "stamped", outcome.message()
         yield proc

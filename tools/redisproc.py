@@ -7,10 +7,15 @@ A port from :func:`free_port` was free a moment ago only: by the time the server
 process (a server of a concurrent test run, an outgoing connection) may hold it. A server whose
 ports were picked here therefore starts again on fresh ports when a bind fails, and the server
 that answers the readiness PING must be ours (its ``process_id``), not whoever holds the port.
+
+The server binary is ``redis-server`` on the PATH unless a ``binary`` is given or
+FLEETGATE_REDIS_SERVER names one (a ``valkey-server``, say: the suite's server matrix,
+tests/conftest.py, passes each server it tests against as ``binary``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -22,7 +27,18 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["PortTaken", "RedisClusterProcess", "RedisProcess", "RedisServerMissing", "free_port"]
+__all__ = [
+    "SERVER_ENV",
+    "PortTaken",
+    "RedisClusterProcess",
+    "RedisProcess",
+    "RedisServerMissing",
+    "free_port",
+    "server_binary",
+]
+
+#: Environment variable naming the server binary to start instead of ``redis-server``.
+SERVER_ENV = "FLEETGATE_REDIS_SERVER"
 
 INSTALL_HINT = (
     "redis-server was not found on PATH. Install Redis 7 (Debian/Ubuntu: "
@@ -41,6 +57,13 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 class RedisServerMissing(RuntimeError):
     """No ``redis-server`` binary is available."""
+
+
+def server_binary(binary: str | None = None) -> str | None:
+    """The server binary to start: ``binary``, else $FLEETGATE_REDIS_SERVER, else
+    ``redis-server`` on the PATH; None when it is not found (a path given is used as given)."""
+    chosen = binary or os.environ.get(SERVER_ENV) or "redis-server"
+    return shutil.which(chosen)
 
 
 def free_port() -> int:
@@ -96,7 +119,8 @@ class RedisProcess:
 
     ``extra_args`` may name ``{port}`` (this server's port) and ``{cluster_port}`` (a free port
     picked for the cluster bus). Ports picked here (``port`` None) are picked again when the
-    first start finds one taken; a given ``port`` is used as given.
+    first start finds one taken; a given ``port`` is used as given. ``binary``: the server to
+    run (:func:`server_binary`: a ``valkey-server`` speaks the same protocol).
     """
 
     START_ATTEMPTS = 5
@@ -107,11 +131,12 @@ class RedisProcess:
         *,
         extra_args: list[str] | None = None,
         die_with_parent: bool = False,
+        binary: str | None = None,
     ) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RedisServerMissing(INSTALL_HINT)
-        self.binary = binary
+        found = server_binary(binary)
+        if found is None:
+            raise RedisServerMissing(f"{binary} was not found" if binary else INSTALL_HINT)
+        self.binary = found
         self._pick_ports = port is None
         self.port = port or free_port()
         self.extra_args = list(extra_args or [])
@@ -226,18 +251,20 @@ class RedisProcess:
 
     @staticmethod
     def available() -> bool:
-        """Whether a ``redis-server`` is on the PATH."""
-        return shutil.which("redis-server") is not None
+        """Whether the server binary (:func:`server_binary`) is found."""
+        return server_binary() is not None
 
 
 class RedisClusterProcess:
     """A real Redis Cluster of ``masters`` private ``redis-server --cluster-enabled yes`` nodes,
     created with ``redis-cli --cluster create`` and waited for until every node reports
-    ``cluster_state:ok``."""
+    ``cluster_state:ok``. ``binary``: the nodes' server, as for :class:`RedisProcess` (Redis'
+    ``redis-cli`` creates a Valkey cluster too)."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, *, binary: str | None = None) -> None:
         self.nodes = [
             RedisProcess(
+                binary=binary,
                 extra_args=[
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",

@@ -12,7 +12,12 @@ An adapter is data (:class:`GaugeAdapter`) plus one pure reading rule, :meth:`Ga
   the same batch; a ``pid`` of prometheus_client's multiprocess mode) are the same requests, so
   the **maximum** of those is taken first;
 * a metric that is absent, or a model that is not in the text, is **unknown** (None), never 0;
-  NaN, infinite or negative values are refused and named in ``error``.
+  NaN, infinite or negative values are refused and named in ``error``;
+* an answer without a single sample of the kind's in-flight or waiting gauge that is no
+  Prometheus text (an HTML page, JSON, plain text) or another kind's metrics is a failed scrape
+  saying what it got (:func:`foreign_answer`), never a good one with every value unknown; a
+  Prometheus text of no other kind is unknown, as ever (TGI and TEI export a gauge only once
+  they have set it).
 
 Names and paths are each server's own; ``docs/servers.md`` cites the source file of every one.
 """
@@ -20,13 +25,14 @@ Names and paths are each server's own; ``docs/servers.md`` cites the source file
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from fleetgate.errors import ConfigError
 
-from .promtext import Sample, sample_names_present, select_samples
+from .promtext import Sample, first_foreign_line, sample_names_present, select_samples
 from .signal_struct import Signals
 
 __all__ = [
@@ -35,6 +41,7 @@ __all__ = [
     "DETECTION_ORDER",
     "GaugeAdapter",
     "detect_kind",
+    "foreign_answer",
     "get_adapter",
     "validate_server",
 ]
@@ -108,6 +115,7 @@ class GaugeAdapter:
     hidden_queue: bool = False
     total_label: str | None = None
     _wanted: frozenset[str] = field(init=False, repr=False, compare=False)
+    _markers: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = {self.waiting, *self.kv_usage}
@@ -120,6 +128,8 @@ class GaugeAdapter:
         if self.kv_blocks is not None:
             names.update(self.kv_blocks)
         object.__setattr__(self, "_wanted", frozenset(names))
+        markers = frozenset(n for n in (self.running, self.waiting) if n)
+        object.__setattr__(self, "_markers", markers)
 
     @property
     def wanted(self) -> frozenset[str]:
@@ -144,6 +154,13 @@ class GaugeAdapter:
         # "unknown" with the reason kept, never a crashed poll loop.
         except Exception as exc:
             return Signals.failure(f"unparseable metrics: {type(exc).__name__}: {exc}"), None
+        if not any(s.name in self._markers for s in samples):
+            foreign = foreign_answer(text, self.server)
+            if foreign is not None:
+                gauges = " and ".join(sorted(self._markers))
+                return Signals.failure(
+                    f"no {self.server} metrics ({gauges} absent): {foreign}"
+                ), None
         label = self.model_label
         model = model_name if label is not None else None
         if model is None and prefer is not None and label is not None:
@@ -342,6 +359,28 @@ def get_adapter(server: str) -> GaugeAdapter:
     except KeyError:
         known = ", ".join(sorted(ADAPTERS))
         raise ConfigError(f"unknown server kind {server!r} (known: {known})") from None
+
+
+def foreign_answer(text: str, server: str) -> str | None:
+    """Why ``text``, an answer without the gauges of ``server`` (a kind, or ``auto``), is no
+    metrics of that kind: an HTML page (with its title), JSON, not the Prometheus text format,
+    or another kind's metrics. None for a Prometheus text of no other kind (the gauges may not
+    be set yet: unknown, not a failure)."""
+    head = text.lstrip()[:4096]
+    lowered = head.lower()
+    if lowered.startswith(("<!doctype html", "<html")) or "<html" in lowered[:512]:
+        title = re.search(r"<title[^>]*>([^<]*)</title>", head, re.IGNORECASE)
+        named = f" ({title.group(1).strip()[:80]!r})" if title and title.group(1).strip() else ""
+        return f"the body is an HTML page{named}, not Prometheus text"
+    if head[:1] in ("{", "["):
+        return "the body is JSON, not Prometheus text"
+    line = first_foreign_line(text)
+    if line is not None:
+        return f"the body is not Prometheus text (a line reads {line[:80]!r})"
+    kind = detect_kind(text)
+    if kind is not None and kind != server:
+        return f'the metrics are of a {kind} server (set server = "{kind}" or "auto")'
+    return None
 
 
 def detect_kind(text: str) -> str | None:

@@ -10,7 +10,8 @@ goes to ``prometheus_client``'s parser, which decides what it means or refuses i
 fast one accepts; the fast one is ~10x cheaper per line, which a poll of a thousand endpoints
 needs.
 :func:`sample_names_present` answers "which of these names has a sample here" for server
-detection, with the same scan and no parsing.
+detection, with the same scan and no parsing; :func:`first_foreign_line` "is this the text
+format at all" for an answer without them.
 
 Pure functions; they raise on unparseable selected lines (the caller turns that into a failure).
 """
@@ -24,7 +25,7 @@ from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["Sample", "sample_names_present", "select_samples"]
+__all__ = ["Sample", "first_foreign_line", "sample_names_present", "select_samples"]
 
 
 class Sample(NamedTuple):
@@ -48,6 +49,8 @@ _PLAIN = re.compile(
     rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_LABEL}(?:,{_LABEL})*,?)?)\}})?[ \t]+([^ \t#]+)[ \t]*"
 )
 _PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)"')
+# A line that is neither blank nor a comment.
+_DATA_LINE = re.compile(r"^[ \t]*[^# \t\r\n].*$", re.MULTILINE)
 
 
 def _plain(line: str) -> Sample | None:
@@ -97,6 +100,23 @@ def select_samples(text: str, names: frozenset[str]) -> list[Sample]:
                 if s.name in names:
                     out.append(Sample(s.name, s.labels, float(s.value)))
     return out
+
+
+def first_foreign_line(text: str, lines: int = 20) -> str | None:
+    """The first of ``text``'s first ``lines`` data lines (not blank, not a comment) that is no
+    sample line of the text format, or None when they all are (an empty text too). A cheap
+    "is this Prometheus text at all?" for an answer that had none of the samples wanted."""
+    for n, line in enumerate(_DATA_LINE.finditer(text)):
+        if n >= lines:
+            break
+        data = line.group(0)
+        if _plain(data) is not None:
+            continue
+        try:
+            list(text_string_to_metric_families(data + "\n"))
+        except Exception:  # third-party parser, untrusted text: any refusal means "not a sample"
+            return data.strip()
+    return None
 
 
 def sample_names_present(text: str, names: Iterable[str]) -> set[str]:

@@ -30,7 +30,7 @@ from typing import Protocol
 import httpx
 import msgspec
 
-from .adapters import ADAPTERS, AUTO, DETECTION_ORDER, GaugeAdapter, detect_kind
+from .adapters import ADAPTERS, AUTO, DETECTION_ORDER, GaugeAdapter, detect_kind, foreign_answer
 from .published import counter_increase, props_url, stated_slots
 from .signal_struct import Signals
 from .signals import ScrapeResult, combine, derive_metrics_url, read_result, scrape
@@ -247,7 +247,9 @@ class MetricsSource:
                     ", ".join(self.urls),
                 )
                 return None
-            problems.append(f"{r.url}: no metrics of a known server kind")
+            foreign = foreign_answer(r.text, AUTO)
+            why = f" ({foreign})" if foreign is not None else ""
+            problems.append(f"{r.url}: no metrics of a known server kind{why}")
         return Signals.failure("server kind not detected: " + "; ".join(problems))
 
     def _note_model(self, adapter: GaugeAdapter, models: set[str | None]) -> None:

@@ -13,7 +13,8 @@ One job per module:
   (:mod:`~fleetgate._redis.permits`) and one command table per process and cluster;
 * :mod:`~fleetgate._redis.shard_pubsub`: :class:`ShardSubscriber`, Cluster shard channels on one
   connection per node (the wake-ups on Cluster);
-* :mod:`~fleetgate._redis.limits`: connections per pool and the wait for a free one;
+* :mod:`~fleetgate._redis.limits`: connections per pool and the wait for a free one; the most
+  arguments of one command (:data:`MAX_ARGS`);
 * :mod:`~fleetgate._redis.mode`: :class:`RedisMode` and :func:`prepare`;
 * :mod:`~fleetgate._redis.outage`: which errors are outages (:data:`REDIS_ERRORS`,
   :class:`ServerUnavailable`) and how an error reads in a log line (:func:`error_text`);
@@ -24,7 +25,13 @@ One job per module:
 from __future__ import annotations
 
 from fleetgate._redis.clients import connect
-from fleetgate._redis.limits import CLUSTER_MAX_CONNECTIONS, MAX_CONNECTIONS, POOL_TIMEOUT
+from fleetgate._redis.limits import (
+    CLUSTER_MAX_CONNECTIONS,
+    MAX_ARGS,
+    MAX_CONNECTIONS,
+    POOL_TIMEOUT,
+    in_chunks,
+)
 from fleetgate._redis.mode import AnyRedis, BatchCall, RedisMode, prepare
 from fleetgate._redis.outage import (
     REDIS_ERRORS,
@@ -38,6 +45,7 @@ from fleetgate._redis.urls import split_cluster_flag, validate_redis_url
 
 __all__ = [
     "CLUSTER_MAX_CONNECTIONS",
+    "MAX_ARGS",
     "MAX_CONNECTIONS",
     "POOL_TIMEOUT",
     "REDIS_ERRORS",
@@ -48,6 +56,7 @@ __all__ = [
     "ServerUnavailable",
     "connect",
     "error_text",
+    "in_chunks",
     "prepare",
     "redact",
     "scrub",

@@ -1,9 +1,21 @@
 """How many connections a client pools and how long a call waits for one: the bounds shared by
-the standalone, Sentinel and Cluster clients."""
+the standalone, Sentinel and Cluster clients; and the most arguments one command may carry."""
 
 from __future__ import annotations
 
-__all__ = ["CLUSTER_MAX_CONNECTIONS", "MAX_CONNECTIONS", "POOL_TIMEOUT"]
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
+
+__all__ = ["CLUSTER_MAX_CONNECTIONS", "MAX_ARGS", "MAX_CONNECTIONS", "POOL_TIMEOUT", "in_chunks"]
+
+_T = TypeVar("_T")
+
+# The most arguments (the command's name included) of any command fleetgate sends: ElastiCache
+# Serverless refuses a request of more than 3,999 arguments. A command whose arguments grow with
+# the load (the ids of one heartbeat or adoption, gate names for the registry) is sent in
+# chunks; an acquire batch stays below it by MAX_BATCH (fleetgate.scripts._argv). `fleetgate
+# check` reports a server that refuses fewer (docs/operations.md, "Managed Redis").
+MAX_ARGS = 3999
 
 # Connections of one process' pool (per node on Cluster), whatever its number of gates or
 # concurrent calls. Calls beyond it wait for a free connection (a blocking pool) instead of
@@ -25,3 +37,10 @@ CLUSTER_MAX_CONNECTIONS = 8
 # cluster client before it fails as an outage: a pool busy that long means Redis does not answer
 # (every call in flight waits out its socket_timeout, 2 s, meanwhile).
 POOL_TIMEOUT = 10.0
+
+
+def in_chunks(items: Sequence[_T], size: int) -> Iterator[Sequence[_T]]:
+    """``items`` in consecutive slices of at most ``size`` (one command's share of
+    :data:`MAX_ARGS`); nothing for no items."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

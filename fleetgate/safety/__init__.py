@@ -9,24 +9,38 @@
   wrong Redis type (every script on that gate then fails with ``WRONGTYPE``) or configuration
   values that are not numbers.
 
-Both report :class:`Finding` values (:mod:`fleetgate.safety.findings`). Connection errors
+* :func:`capability_findings` (:mod:`fleetgate.safety.capabilities`): the commands fleetgate
+  sends that the server lacks or refuses (Functions, EVALSHA, sharded pub/sub, CLIENT, CONFIG,
+  arguments per command), each probed.
+
+All report :class:`Finding` values (:mod:`fleetgate.safety.findings`). Connection errors
 propagate (the caller decides: the coordinator retries later, ``fleetgate check`` reports Redis
 unusable). Permission and unknown-command errors are findings.
 """
 
 from __future__ import annotations
 
+from fleetgate.safety.capabilities import PROBE_GATE, capability_findings
 from fleetgate.safety.findings import Finding, is_wrongtype
 from fleetgate.safety.keyspace import EXPECTED_TYPES, find_bad_keys
-from fleetgate.safety.server import MIN_VERSION, check_redis, redis_version, server_findings
+from fleetgate.safety.server import (
+    MIN_VERSION,
+    check_redis,
+    redis_version,
+    server_findings,
+    server_label,
+)
 
 __all__ = [
     "EXPECTED_TYPES",
     "MIN_VERSION",
+    "PROBE_GATE",
     "Finding",
+    "capability_findings",
     "check_redis",
     "find_bad_keys",
     "is_wrongtype",
     "redis_version",
     "server_findings",
+    "server_label",
 ]

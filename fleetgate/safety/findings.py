@@ -9,7 +9,10 @@ from redis.exceptions import NoPermissionError, ResponseError
 
 __all__ = ["Finding", "Level", "denied", "is_wrongtype"]
 
-Level = Literal["error", "warning"]
+#: error: fleetgate's guarantees do not hold as configured (``fleetgate check`` exits 1);
+#: warning: a risk or something not checked; note: a difference that costs nothing (a refused
+#: command fleetgate does without)
+Level = Literal["error", "warning", "note"]
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,8 @@ class Finding:
     """One problem: ``error`` means fleetgate's guarantees do not hold as configured."""
 
     level: Level
-    # version, eviction, unchecked, replica_role, replicas, wrong_type, bad_value, schema
+    # version, eviction, unchecked, replica_role, replicas, wrong_type, bad_value, schema,
+    # functions, evalsha, shard_pubsub, client, config, arguments (safety.capabilities)
     code: str
     message: str
 

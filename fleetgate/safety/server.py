@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError
 from fleetgate._redis import RedisMode
 from fleetgate.safety.findings import Finding, denied
 
-__all__ = ["MIN_VERSION", "check_redis", "redis_version", "server_findings"]
+__all__ = ["MIN_VERSION", "check_redis", "redis_version", "server_findings", "server_label"]
 
 MIN_VERSION = (7, 0)  # the scripts are a Functions library (FUNCTION LOAD, FCALL)
 
@@ -72,6 +72,21 @@ async def redis_version(client: aredis.Redis | aredis.RedisCluster) -> str | Non
     versions = [str(info.get("redis_version", "")) for _, info in nodes]
     known = [v for v in versions if v]
     return min(known, key=_version_tuple) if known else None
+
+
+async def server_label(client: aredis.Redis | aredis.RedisCluster) -> str:
+    """The server's name and version as ``fleetgate check`` prints them (the first primary's):
+    ``redis 7.0.15``, ``valkey 9.1.2`` (whose ``redis_version`` says 7.2.4, for compatibility);
+    ``redis ?`` when INFO is refused."""
+    try:
+        nodes = await _per_node(client, "server")
+    except ResponseError as exc:
+        if not denied(exc):
+            raise
+        nodes = []
+    info = nodes[0][1] if nodes else {}
+    name = str(info.get("server_name") or "redis")
+    return f"{name} {info.get(f'{name}_version') or info.get('redis_version') or '?'}"
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

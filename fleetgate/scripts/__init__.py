@@ -24,7 +24,13 @@ batches), ``_gate_scripts`` (:class:`GateScripts`, the call surface), ``_leader`
 
 from __future__ import annotations
 
-from ._argv import HEARTBEAT_UNITS_PER_CALL, MAX_BATCH, AcquireRequest, HeartbeatRequest
+from ._argv import (
+    HEARTBEAT_UNITS_PER_CALL,
+    IDS_PER_CALL,
+    MAX_BATCH,
+    AcquireRequest,
+    HeartbeatRequest,
+)
 from ._calls import ScriptCall
 from ._gate_scripts import GateScripts
 from ._leader import LeaderScripts
@@ -35,6 +41,7 @@ from ._library import (
     SCHEMA,
     SCRIPT_NAMES,
     GateLibrary,
+    Loader,
     function_missing,
     gate_library,
     lib_source,
@@ -73,6 +80,7 @@ __all__ = [
     "GRANTED",
     "HEARTBEAT_UNITS_PER_CALL",
     "IDLE",
+    "IDS_PER_CALL",
     "IN_USE",
     "LEADER_SCRIPT_NAMES",
     "LIB_PARTS",
@@ -103,6 +111,7 @@ __all__ = [
     "Holder",
     "Lane",
     "LeaderScripts",
+    "Loader",
     "ResizeReply",
     "ScriptCall",
     "Snapshot",

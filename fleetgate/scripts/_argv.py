@@ -3,6 +3,7 @@ in the order its header in ``lua/`` lists the values, and the bounds of a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,8 +13,17 @@ from fleetgate.keys import GateKeys
 from fleetgate.settings import GateSettings
 
 # Requests per acquire_many / release_many call: the script's variadic commands take 2 values per
-# id, well inside Lua's unpack limit (~8,000), and one call stays short for other clients.
+# id, well inside Lua's unpack limit (~8,000), and one call stays short for other clients. It
+# also keeps a call within MAX_ARGS (3,999 arguments, fleetgate._redis.limits): at most 3 per
+# request, 1 per release and 8 per released report (fleetgate.observed.tally: 4 fields per
+# tenant and class at most, 2 arguments each), ~2,400 for a full batch (tests/core/
+# test_argument_bound.py sends the worst).
 MAX_BATCH = 256
+# Leases and waiters of one gate per heartbeat.lua or adopt.lua call (2 arguments each in a
+# heartbeat, 1 in an adoption): a pod holding more is renewed (adopted) in several calls, in
+# order, so that no call exceeds MAX_ARGS (~3,060 arguments with the rest of a heartbeat's and
+# its 17 keys on Cluster) nor Lua's unpack limit.
+IDS_PER_CALL = 1500
 # What one heartbeat_many call may carry, in units of about 30 µs of server time: an idle gate
 # (nothing to renew: reap, register the pod, count) is 1, a gate with leases or waiters 2 plus
 # one per 4 ids (measured: ~30 µs per idle gate, ~70 µs per gate holding one lease;
@@ -139,6 +149,21 @@ class HeartbeatRequest:
         if self.defaults is not None:
             args += self.defaults.argv()
         return args
+
+    def parts(self, ids: int = IDS_PER_CALL) -> list[HeartbeatRequest]:
+        """This heartbeat as calls of at most ``ids`` leases and waiters each, in order (the
+        leases first, newest first as sent: revocation marks a pod's newest leases first)."""
+        if len(self.leases) + len(self.waiters) <= ids:
+            return [self]
+        items = [(True, x) for x in self.leases] + [(False, x) for x in self.waiters]
+        return [
+            dataclasses.replace(
+                self,
+                leases=[x for lease, x in items[i : i + ids] if lease],
+                waiters=[x for lease, x in items[i : i + ids] if not lease],
+            )
+            for i in range(0, len(items), ids)
+        ]
 
     def units(self) -> int:
         """This gate's share of one heartbeat_many call (see HEARTBEAT_UNITS_PER_CALL)."""

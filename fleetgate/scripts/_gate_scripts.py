@@ -13,13 +13,14 @@ from typing import Any, TypeVar
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
-from fleetgate._redis import BatchCall, RedisMode, ServerUnavailable, unavailable_reply
+from fleetgate._redis import BatchCall, RedisMode, ServerUnavailable, in_chunks, unavailable_reply
 from fleetgate.errors import ConfigError, GateStateError
 from fleetgate.keys import GateKeys
 from fleetgate.settings import GateSettings
 
 from ._argv import (
     HEARTBEAT_UNITS_PER_CALL,
+    IDS_PER_CALL,
     AcquireRequest,
     HeartbeatRequest,
     acquire_argv,
@@ -222,7 +223,8 @@ class GateScripts:
     ) -> HeartbeatReply:
         """Renew ``leases`` ((id, server-ms expiry last seen)) and ``waiters`` ((waiter member,
         remaining deadline ms)) of pod ``pod_id``; an empty pod id only sweeps the gate.
-        ``fence_ms`` as for :meth:`acquire_many`."""
+        ``fence_ms`` as for :meth:`acquire_many`; ``defaults`` are registered on a gate without
+        configuration, as an acquire registers them."""
         req = HeartbeatRequest(
             keys, pod_id, pod_ttl_ms, leases, waiters, max_token, defaults, fence_ms
         )
@@ -245,11 +247,31 @@ class GateScripts:
         call per round. Cluster: one round trip per node per round, the node's gates' calls
         pipelined (before, one concurrent call per gate: a round trip and a connection each).
 
+        A gate with more than :data:`IDS_PER_CALL` leases and waiters is renewed in several
+        calls, in order (:meth:`HeartbeatRequest.parts`), their replies merged
+        (:meth:`HeartbeatReply.merge`): no call exceeds :data:`~fleetgate._redis.MAX_ARGS`.
+
         Returns one reply per request, in order: the decoded reply, or the exception of that
         gate's call (a gate error such as WRONGTYPE as :meth:`translate` gives it; a failed
         multi-gate call is sent again gate by gate, so one broken gate never stops the others'
         renewals). An outage (connection error, an OOM/READONLY/... reply) raises.
         """
+        split = [req.parts() for req in requests]
+        if all(len(p) == 1 for p in split):  # the usual case: no gate holds that many ids
+            return await self._heartbeat_parts(requests, units)
+        replies = iter(await self._heartbeat_parts([p for ps in split for p in ps], units))
+        out: list[HeartbeatReply | Exception] = []
+        for ps in split:
+            mine = [next(replies) for _ in ps]
+            failed = [r for r in mine if isinstance(r, Exception)]
+            ok = [r for r in mine if isinstance(r, HeartbeatReply)]
+            out.append(failed[0] if failed else HeartbeatReply.merge(ok))
+        return out
+
+    async def _heartbeat_parts(
+        self, requests: Sequence[HeartbeatRequest], units: int = HEARTBEAT_UNITS_PER_CALL
+    ) -> list[HeartbeatReply | Exception]:
+        """:meth:`heartbeats` of requests within :data:`IDS_PER_CALL` each."""
         slots = [self.redis.slot_group(req.keys.base) for req in requests]
         singles, many = heartbeat_chunks(slots, [r.units() for r in requests], units)
         chunks = singles + many
@@ -360,9 +382,26 @@ class GateScripts:
         """After an outage, count ``local_ids`` (permits granted under the fallback) as leases
         and keep counting ``leases`` ((id, server-ms expiry last seen): running fleet work),
         except those that lapsed (``adopt.lua``); raise the gate's token counter above
-        ``max_token``; ``fence_ms`` as for :meth:`acquire_many`."""
-        args = adopt_argv(local_ids, leases, max_token, fence_ms)
-        return await self._run(self._call("adopt", keys, args, AdoptReply.decode))
+        ``max_token``; ``fence_ms`` as for :meth:`acquire_many`. More than
+        :data:`IDS_PER_CALL` of either go in several calls, in order: the reply sums them (its
+        expiry is the first call's)."""
+        parts: list[tuple[Sequence[str], Sequence[tuple[str, int]]]] = [
+            *((ids, ()) for ids in in_chunks(local_ids, IDS_PER_CALL)),
+            *(((), pairs) for pairs in in_chunks(leases, IDS_PER_CALL)),
+        ] or [((), ())]
+        replies = [
+            await self._run(
+                self._call(
+                    "adopt", keys, adopt_argv(ids, pairs, max_token, fence_ms), AdoptReply.decode
+                )
+            )
+            for ids, pairs in parts
+        ]
+        return AdoptReply(
+            sum(r.added for r in replies),
+            replies[0].expires_at,
+            [i for r in replies for i in r.lapsed],
+        )
 
     async def snapshot(
         self, keys: GateKeys, listed: int = 10, defaults: GateSettings | None = None

@@ -8,7 +8,9 @@ JSON, with :class:`Waiter`, :class:`Holder`, :class:`Lane`, and the util hash it
 
 from __future__ import annotations
 
+import dataclasses
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +85,22 @@ class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
         return out
 
 
+# HeartbeatReply's lists of ids (and of the values that go with them, in the same order)
+_HEARTBEAT_LISTS = (
+    "lost_leases",
+    "granted_waiters",
+    "lost_waiters",
+    "adopted",
+    "granted_tokens",
+    "evicted",
+    "too_heavy",
+    "too_late",
+    "too_late_ms",
+    "too_late_hold_ms",
+    "revoked",
+)
+
+
 @dataclass(frozen=True)
 class HeartbeatReply:
     """``heartbeat.lua``'s reply for one gate (``heartbeat_many.lua`` returns one per gate)."""
@@ -118,6 +136,23 @@ class HeartbeatReply:
     too_late_hold_ms: list[int] = field(default_factory=list)
     #: the pod's leases the gate marked revoked (a higher band waited past revoke_after)
     revoked: list[str] = field(default_factory=list)
+
+    @classmethod
+    def merge(cls, parts: Sequence[HeartbeatReply]) -> HeartbeatReply:
+        """The replies of one gate's heartbeat sent in parts (``HeartbeatRequest.parts``), in
+        order, as one: the ids of each list in order, the gate's state as the last part saw
+        it, ``pod_new`` if any part created the pod's entry, and the earliest expiry (the
+        first part's leases were renewed first)."""
+        if len(parts) == 1:
+            return parts[0]
+        merged: dict[str, Any] = {
+            f.name: getattr(parts[-1], f.name) for f in dataclasses.fields(cls)
+        }
+        for name in _HEARTBEAT_LISTS:
+            merged[name] = [x for part in parts for x in getattr(part, name)]
+        merged["expires_at"] = min(part.expires_at for part in parts)
+        merged["pod_new"] = any(part.pod_new for part in parts)
+        return cls(**merged)
 
     @classmethod
     def decode(cls, r: Any) -> HeartbeatReply:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from fleetgate.client import Fleet
 from fleetgate.coordinator.config import Config
+from fleetgate.coordinator.daemon import Coordinator
 from fleetgate.coordinator.scrape.adapters import ADAPTERS
 from fleetgate.keys import GateKeys
 from fleetgate.status import format_status, gather_status
@@ -31,6 +33,7 @@ from fleetgate.tools.sim.vllm import VllmSimConfig, build_app
 
 from ..conftest import RedisUnderTest
 from ._coordinator import config_with, eventually, running
+from .scrape._metrics_server import serve_metrics
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
@@ -137,6 +140,52 @@ async def test_no_metrics_is_unknown_and_named(
             assert util["metrics_ok"] == "0" and util["server"] == ""
             assert "server kind not detected" in util["error"] and "HTTP 404" in util["error"]
             assert await async_redis.hget(keys.target, "value") is None  # no target published
+
+
+@pytest.mark.parametrize("answer", ["html", "json"])
+async def test_a_named_server_answered_by_no_metrics_is_a_scrape_error(
+    rut: RedisUnderTest,
+    async_redis: aredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    answer: str,
+) -> None:
+    """``server = "vllm"`` at a URL that answers 200 with an HTML page, or with trtllm-serve's
+    JSON ``/metrics``: a scrape error (metrics_ok 0, the reason in the snapshot, the log and
+    the scrape_errors counter) and the target held, as for any unreadable /metrics. Before:
+    metrics_ok 1 and no error anywhere (``auto`` did say it)."""
+    caplog.set_level(logging.WARNING, logger="fleetgate.coordinator")
+    keys = GateKeys.of(rut.prefix, MODEL)
+    with contextlib.ExitStack() as stack:
+        if answer == "html":
+            url = stack.enter_context(serve_metrics()) + "/html"
+        else:
+            served = stack.enter_context(serve_in_thread(build_app(VllmSimConfig(flavor="trtllm"))))
+            url = served.url + "/metrics"
+        gate = f'[[gates]]\nname = "{MODEL}"\nmetrics_url = "{url}"\nserver = "vllm"\nfloor = 2\n'
+        async with running(config_with(rut, gate)) as coord:
+            await eventually(lambda: async_redis.exists(keys.util), 5, "a snapshot")
+            await eventually(lambda: _scrape_errors(coord) >= 2, 5, "two failed scrapes")
+            util = await async_redis.hgetall(keys.util)
+            assert util["metrics_ok"] == "0" and util["server"] == "vllm"
+            assert f"{url}: no vllm metrics" in util["error"]
+            what = "an HTML page ('Sign in - Model Gateway')" if answer == "html" else "JSON"
+            assert f"the body is {what}, not Prometheus text" in util["error"], util["error"]
+            assert util["reason"] in {"hold_unknown", "reset"}
+            assert await async_redis.hget(keys.target, "value") is None  # nothing published
+            # `fleetgate status` says it under the gate's row
+            [row] = [g for g in (await gather_status(async_redis, rut.prefix)).gates]
+            assert row.metrics_error is not None and "no vllm metrics" in row.metrics_error
+            text = format_status(await gather_status(async_redis, rut.prefix), time.time())
+            assert f"  metrics unusable: {url}: no vllm metrics" in text, text
+    logged = [r.getMessage() for r in caplog.records if "metrics unusable" in r.getMessage()]
+    assert logged and "no vllm metrics" in logged[0]
+
+
+def _scrape_errors(coord: Coordinator) -> float:
+    value = coord.registry.get_sample_value(
+        "fleetgate_coordinator_scrape_errors_total", {"gate": MODEL}
+    )
+    return value or 0.0
 
 
 async def _util_is(r: aredis.Redis, keys: GateKeys, **want: str) -> bool:

@@ -36,6 +36,7 @@ async def spread(redis_cluster: RedisClusterProcess, prefix: str) -> int:
     return len(nodes)
 
 
+@pytest.mark.servers
 async def test_scripts_on_every_node(
     cluster_rut: RedisUnderTest, redis_cluster: RedisClusterProcess
 ) -> None:
@@ -72,6 +73,7 @@ async def test_client_park_and_wake_on_cluster(cluster_rut: RedisUnderTest) -> N
         assert util.in_flight == 0 and util.queued == 0
 
 
+@pytest.mark.servers
 def test_cap_holds_across_processes_on_cluster(cluster_rut: RedisUnderTest) -> None:
     probe = f"{cluster_rut.prefix}:probe"
     with mp.get_context("spawn").Pool(3) as pool:

@@ -29,6 +29,7 @@ from . import _admission_workers as workers
 from ._admission import Sampler, assert_no_trace, ctx, publish_cfg, units
 
 
+@pytest.mark.servers
 def test_units_never_above_limit_across_processes(rut: RedisUnderTest, r: redis.Redis) -> None:
     """4 processes x 6 loops of random weights (1..8), priorities (-1, 0, 5) and tenants, with
     cancellations and short deadlines: units held never pass the limit, sampled from Redis and

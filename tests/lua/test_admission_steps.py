@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 import redis
 
 from fleetgate.admission import lane_class
@@ -18,6 +19,9 @@ from fleetgate.keys import GateKeys
 from fleetgate.scripts import SCRIPT_NAMES, HeartbeatReply, script_source
 
 from ._admission import banded
+
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
 
 LONG_MS = 600_000
 

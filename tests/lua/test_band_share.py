@@ -19,6 +19,9 @@ from fleetgate.settings import GateSettings
 
 from ._admission import banded
 
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
+
 LONG_MS = 600_000
 GRANTED, PARKED, OVER_SHARE = 1, 2, 8
 

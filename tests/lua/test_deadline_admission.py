@@ -20,6 +20,9 @@ from fleetgate.scripts import SCRIPT_NAMES, script_source
 
 from ._admission import banded
 
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
+
 LONG_MS = 600_000
 NO_DEADLINE_MS = 24 * 3600 * 1000
 GRANTED, PARKED, TOO_LATE = 1, 2, 7

@@ -18,6 +18,9 @@ from hypothesis import strategies as st
 from fleetgate.keys import GateKeys
 from fleetgate.scripts._library import lib_source
 
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
+
 # Run drain_note for each (ms since the start, grants) of ARGV[2] (JSON) from ARGV[1] on, then
 # return {s, w, rate at the last instant (grants per s), the rate after ARGV[3] ms more}.
 _DRIVER = """

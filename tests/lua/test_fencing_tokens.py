@@ -32,6 +32,9 @@ from .. import _workers
 from ..chaos._proxy import TcpProxy
 from ..conftest import RedisUnderTest
 
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
+
 SPAWN = multiprocessing.get_context("spawn")
 HB = 0.2
 GATE = "tokens"
@@ -40,7 +43,8 @@ GATE = "tokens"
 @pytest.fixture
 def replica(own_redis: RedisProcess) -> Iterator[RedisProcess]:
     """A replica of ``own_redis``, in sync before the test goes on."""
-    with RedisProcess(extra_args=["--replicaof", "127.0.0.1", str(own_redis.port)]) as proc:
+    replica_of = ["--replicaof", "127.0.0.1", str(own_redis.port)]
+    with RedisProcess(binary=own_redis.binary, extra_args=replica_of) as proc:
         r = redis.Redis.from_url(proc.url, decode_responses=True)
         deadline = time.monotonic() + 10
         while r.info("replication").get("master_link_status") != "up":

@@ -3,20 +3,24 @@ a stored configuration (fg:{G}:cfg, published by the coordinator or registered b
 client), every script reads it -- the arrival (acquire), the hand-offs inside release, cancel
 and resize, the heartbeat and the snapshot alike. A caller's defaults never fill a field the
 stored configuration lacks (the default of the field applies, as for a script that takes no
-defaults); they count only for a gate with no configuration at all, where acquire registers
-them.
+defaults); they count only for a gate with no configuration at all, where acquire (and a pod's
+heartbeat) registers them.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import redis
 
 from fleetgate.admission import weighted_id
 from fleetgate.settings import GateSettings
 
 from .test_token_budget import GRANTED, LONG_MS, TokenGate
+
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
 
 
 def _publish(g: TokenGate, cfg: dict[str, int | str]) -> None:
@@ -114,3 +118,46 @@ def test_a_gate_without_configuration_registers_the_callers_defaults_for_every_s
     assert g.held()[1:] == (1, 60) and g.waiting() == ["p:2t60"]
     assert g.release("p:1t60") == 1
     assert g.held()[1:] == (1, 60) and g.waiting() == []
+
+
+def test_a_heartbeat_registers_the_pods_defaults_as_an_acquire_would(r: redis.Redis) -> None:
+    """An idle pod's gate -- never called yet, or wiped by an empty restart -- gets its settings
+    stored by the pod's heartbeat, exactly as its first acquire would store them (every field,
+    the tenant weights too), so the snapshot and ``fleetgate status`` show them rather than the
+    defaults of a gate nobody configured (limit 1). Over stored settings a heartbeat writes
+    nothing; the coordinator's sweep (no pod, no defaults) registers nothing. Before: the
+    heartbeat only read the defaults."""
+    caller = GateSettings(
+        floor=6,
+        ceiling=32,
+        max_queued=50,
+        lease_ms=LONG_MS,
+        waiter_ms=3_000,
+        max_queued_per_tenant=3,
+        shed_below=5,
+        token_limit=100,
+        token_ceiling=200,
+        band_share={0: 0.5},
+        revoke_after=2.0,
+        tenant_weights={"a": 3},
+    ).argv()
+    beaten, acquired = TokenGate(r, floor=1, token_limit=0), TokenGate(r, floor=1, token_limit=0)
+    beaten.defaults = acquired.defaults = list(caller)
+
+    beaten.call("heartbeat", "", 1000, 0, 0)  # the coordinator's sweep
+    assert not set(r.hgetall(beaten.keys.cfg)) - {"fence"}
+    assert _inspect(beaten)["limit"] == 1  # nobody configured it: the defaults of a gate
+
+    reply = beaten.heartbeat("pod", [])
+    assert acquired.acquire(("p:0", 0)) == [GRANTED]
+    stored = {k: v for k, v in r.hgetall(beaten.keys.cfg).items() if k != "fence"}
+    assert stored == {k: v for k, v in r.hgetall(acquired.keys.cfg).items() if k != "fence"}
+    assert stored["floor"] == "6" and stored["shed_below"] == "5"
+    weights = [r.hgetall(g.keys.tenant_weights) for g in (beaten, acquired)]
+    assert weights == [{"a": "3"}, {"a": "3"}]
+    assert reply.limit == 6 and _inspect(beaten)["limit"] == 6  # seen without the defaults
+
+    # stored settings win: another pod's heartbeat with other defaults writes nothing
+    beaten.defaults = GateSettings(floor=9, ceiling=9).argv()
+    beaten.heartbeat("other-pod", [])
+    assert r.hget(beaten.keys.cfg, "floor") == "6" and r.hget(beaten.keys.cfg, "ceiling") == "32"

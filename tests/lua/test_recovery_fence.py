@@ -23,16 +23,21 @@ from fleetgate.scripts import GRANTED, PARKED, GateScripts
 from fleetgate.settings import GateSettings
 from fleetgate.tools.redisproc import RedisProcess
 
+from .._servers import MatrixServer
 from ..conftest import RedisUnderTest
+
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
 
 FENCE_MS = 600
 ONE = GateSettings(floor=1, ceiling=1, max_queued=10, lease_ms=60_000, waiter_ms=60_000)
 
 
 @pytest.fixture
-async def empty() -> AsyncIterator[aredis.Redis]:
-    """A server that never held fleetgate state (no ``fg:born``: a first start)."""
-    with RedisProcess() as proc:
+async def empty(matrix_server: MatrixServer | None) -> AsyncIterator[aredis.Redis]:
+    """A server of the matrix's kind that never held fleetgate state (no ``fg:born``: a first
+    start)."""
+    with RedisProcess(binary=matrix_server.binary if matrix_server else None) as proc:
         r = aredis.Redis.from_url(proc.url, decode_responses=True)
         yield r
         await r.aclose()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import pytest
 import redis
 
 from fleetgate.admission import lane_class
@@ -20,6 +21,9 @@ from fleetgate.scripts import SCRIPT_NAMES, script_source
 from fleetgate.settings import GateSettings
 
 from ._admission import banded, units
+
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
 
 LONG_MS = 600_000
 GRANTED, PARKED = 1, 2

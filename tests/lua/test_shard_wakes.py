@@ -20,6 +20,9 @@ from fleetgate.settings import GateSettings
 
 from ..conftest import RedisUnderTest
 
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
+
 D = GateSettings(floor=1, ceiling=8)
 
 

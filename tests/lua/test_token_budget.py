@@ -11,11 +11,15 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 import redis
 
 from fleetgate.admission import lane_class, weighted_id
 from fleetgate.keys import GateKeys
 from fleetgate.scripts import SCRIPT_NAMES, HeartbeatReply, script_source
+
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
 
 LONG_MS = 600_000
 GRANTED, PARKED, TOO_MANY_TOKENS = 1, 2, 6

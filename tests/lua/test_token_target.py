@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis
 
 from fleetgate.settings import GateSettings
 
 from .test_token_budget import GRANTED, LONG_MS, PARKED, TokenGate
+
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
 
 CONFIGURED = 1000
 

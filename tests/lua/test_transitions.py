@@ -17,6 +17,9 @@ from fleetgate.tools.redisproc import RedisProcess
 
 from ..conftest import RedisUnderTest
 
+# the scripts against each server of the matrix (tests/_servers.py)
+pytestmark = pytest.mark.servers
+
 
 @pytest.fixture
 def keys(rut: RedisUnderTest) -> GateKeys:

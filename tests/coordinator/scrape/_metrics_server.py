@@ -1,6 +1,6 @@
 """A metrics server for the scrape tests: vLLM expositions (current and older) and the answers
 of a misbehaving server (404, a redirect, huge, endless and trickling bodies, Latin-1), each at
-its own path, served by a thread of the test process."""
+its own path (an HTML page among them), served by a thread of the test process."""
 
 from __future__ import annotations
 
@@ -92,6 +92,15 @@ vllm:gpu_cache_usage_perc{model_name="llama"} 0.97
 """
 
 
+# What a wrong URL may answer with 200: a web page.
+HTML_PAGE = """\
+<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>Sign in - Model Gateway</title></head>
+<body><form method="post"><input name="user"><input name="password" type="password"></form>
+</body></html>
+"""
+
+
 class MetricsHandler(BaseHTTPRequestHandler):
     """Answers by path: ``/metrics``, ``/old/metrics`` the two expositions; the rest fail."""
 
@@ -135,6 +144,10 @@ class MetricsHandler(BaseHTTPRequestHandler):
                     time.sleep(pause)
             except OSError:
                 pass
+        elif path == "/html":  # a login page, a UI, a proxy's error page: 200, not metrics
+            self._send(200, HTML_PAGE.encode(), {"Content-Type": "text/html; charset=utf-8"})
+        elif path == "/text":  # a plain-text answer of something else, with 200
+            self._send(200, b"It works!\nSee /docs for the API.\n")
         elif path == "/latin1":
             self._send(200, "vllm:num_requests_running 1 # \xe9".encode("latin-1"))
         else:

@@ -221,12 +221,59 @@ async def test_source_counts_gate_model_when_exposed(caplog: pytest.LogCaptureFi
 
 
 async def test_source_named_kind_on_wrong_server_is_unknown() -> None:
-    with serve_in_thread(build_app(VllmSimConfig(flavor="tgi"))) as served:
+    with serve_in_thread(build_app(VllmSimConfig(flavor="sglang"))) as served:
         gate = _gate(f'metrics_url = "{served.url}/metrics"\nserver = "llamacpp"').gates[0]
         async with httpx.AsyncClient() as client:
             sig = await MetricsSource(gate, client).read(timeout=2, max_bytes=1 << 20)
-    # Named kinds are not second-guessed: nothing of llama.cpp's is there, so all is unknown.
+    # Named kinds are not second-guessed: nothing of llama.cpp's is there, so all is unknown,
+    # and the scrape failed, saying what it found instead
     assert sig.server == "llamacpp" and sig.running is None and sig.waiting_capacity is None
+    assert not sig.ok and sig.error is not None
+    assert f"{served.url}/metrics: no llamacpp metrics" in sig.error
+    assert 'the metrics are of a sglang server (set server = "sglang" or "auto")' in sig.error
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        ("/html", "the body is an HTML page ('Sign in - Model Gateway'), not Prometheus text"),
+        ("/text", "the body is not Prometheus text (a line reads 'It works!')"),
+    ],
+)
+async def test_a_named_kind_answered_by_no_metrics_is_a_failed_scrape(
+    server_url: str, path: str, said: str
+) -> None:
+    """Before: ``server = "vllm"`` read an HTML page as a good scrape with every value unknown
+    (metrics_ok 1, no error anywhere)."""
+    gate = _gate(f'metrics_url = "{server_url}{path}"\nserver = "vllm"').gates[0]
+    async with httpx.AsyncClient() as client:
+        sig = await MetricsSource(gate, client).read(timeout=2, max_bytes=1 << 20)
+    assert not sig.ok and sig.running is None and sig.waiting_capacity is None
+    assert sig.error is not None and sig.error.startswith(f"{server_url}{path}: no vllm metrics")
+    assert "vllm:num_requests_running and vllm:num_requests_waiting absent" in sig.error
+    assert said in sig.error, sig.error
+
+
+def test_a_prometheus_text_without_the_gauges_yet_stays_unknown() -> None:
+    """TGI and TEI export a gauge only once they have set it: a fresh server's text of other
+    samples, or an empty one, is unknown (ok), not a failed scrape; another kind's is one."""
+    fresh_tgi = "# TYPE tgi_request_count counter\ntgi_request_count 0\n\n"
+    for text in (fresh_tgi, "", "# just a comment\n"):
+        sig = ADAPTERS["tgi"].parse(text, None)
+        assert sig.ok and sig.error is None and sig.running is None, (text, sig)
+    wrong = ADAPTERS["sglang"].parse(TRTLLM, None)
+    assert not wrong.ok and "the metrics are of a trtllm server" in (wrong.error or "")
+
+
+@pytest.mark.parametrize("server", ["auto", "vllm"])
+async def test_json_at_the_metrics_path_is_named(server: str) -> None:
+    """trtllm-serve's ``/metrics`` is JSON: read as vLLM's path it is a failed scrape naming
+    JSON (``auto`` probes on to ``/prometheus/metrics`` from a base URL, not from a URL)."""
+    with serve_in_thread(build_app(VllmSimConfig(flavor="trtllm"))) as served:
+        gate = _gate(f'metrics_url = "{served.url}/metrics"\nserver = "{server}"').gates[0]
+        async with httpx.AsyncClient() as client:
+            sig = await MetricsSource(gate, client).read(timeout=2, max_bytes=1 << 20)
+    assert not sig.ok and "the body is JSON, not Prometheus text" in (sig.error or ""), sig
 
 
 async def test_probing_shares_one_timeout_and_stops_at_an_unreachable_server() -> None:
