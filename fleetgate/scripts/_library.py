@@ -62,19 +62,18 @@ LIB_PARTS = (
 )
 
 # Function flags (FUNCTION LOAD): a function without flags is refused before it starts while
-# Redis is out of memory (maxmemory reached), as acquire, publish, adopt, set_target and prune
-# should be (they add state), and as the heartbeats are: out of memory is one outage, and a pod
-# is never in fleet mode while it cannot acquire there. A pod that only renews (its callers
-# parked or running) would stay in fleet mode while a pod whose acquire was refused serves
-# under its fallback, and be handed the units that pod's releases free: 6 running under a
-# limit of 4, bound 4, in tests/chaos/test_refusals.py::test_out_of_memory_is_one_outage. With
-# the heartbeat refused every pod falls back within a renewal period. allow-oom runs the rest
-# anyway: release and cancel free memory (under EVAL they ran because their first write is a
-# removal), and inspect only reads (it writes only when converting a schema-1 gate, which is
-# small), so ``fleetgate status`` works during the incident.
+# Redis is out of memory (maxmemory reached). Out of memory is one outage: every script that
+# writes is refused -- acquire, adopt, the heartbeats, and release and cancel too -- so every pod
+# falls back at its next call or renewal and no pod is granted anything meanwhile. A pod that
+# only renewed stayed in fleet mode while a pod whose acquire was refused served under its
+# fallback, and was handed the units that pod's releases freed: 6 running under a limit of 4,
+# bound 4 (tests/chaos/test_refusals.py::test_out_of_memory_is_one_outage). Releases and
+# cancels that ran under OOM still handed units to waiters of pods not yet fallen back (the
+# soak with --refusals: 10 running, allowance 8): refused now, they are retried until Redis
+# serves writes (their units stay held meanwhile: under the limit, never over). inspect only
+# reads (it writes only when converting a schema-1 gate, which is small): allow-oom, so
+# ``fleetgate status`` works during the incident.
 FUNCTION_FLAGS: dict[str, tuple[str, ...]] = {
-    "release": ("allow-oom",),
-    "cancel": ("allow-oom",),
     "inspect": ("allow-oom",),
 }
 # The shared library's top level points the gate keys at KEYS[1] (the EVAL form); each library
