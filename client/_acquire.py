@@ -21,6 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 from fleetgate._redis import error_text
 from fleetgate.ask import DEFAULT_ASK, Ask
 from fleetgate.errors import ConfigError, DeadlineUnreachable, FleetgateError, Overloaded
+from fleetgate.protocol import GRANTED_WAKE, Wake, decode_wake
 from fleetgate.scripts import (
     GRANTED,
     MAX_BATCH,
@@ -53,15 +54,6 @@ log = logging.getLogger("fleetgate.client")
 
 #: how long a parked caller that gives up waits for its cancel's round trip before it returns
 CANCEL_WAIT_S = 0.25
-
-# The wake value of a waiter evicted by a higher band ('<id>=x'); a grant is '<id>=<token>'.
-_EVICTED = "x"
-# The wake value of a waiter refused because it weighs more than the ceiling C, lowered after it
-# parked, starts so: '<id>=c<C>'; one that asks more tokens than the token ceiling K: '<id>=k<K>';
-# one heavier than its band's share S of the ceiling: '<id>=s<S>'.
-_REFUSED = "c"
-_REFUSED_TOKENS = "k"
-_REFUSED_SHARE = "s"
 
 
 class Requeue(Exception):
@@ -140,13 +132,13 @@ class GateAcquirer(GateState):
             rt.fenced(self.name, reply.fence_ms)
         if reply.status == GRANTED:
             self.waiters.pop(lease_id, None)
-            return self._granted(lease_id, reply.token, reply.expires_at, ask)
+            return self._granted(lease_id, reply.fencing_token, reply.expires_at, ask)
         if reply.status != PARKED:
             self.waiters.pop(lease_id, None)
             raise self._refusal(reply, ask, wait_ms)
-        waiter.member = ask.member(reply.token, lease_id)
-        if reply.estimate_ms >= 0:
-            waiter.expected_wait = reply.estimate_ms / 1000
+        waiter.member = ask.member(reply.seq, lease_id)
+        if reply.expected_wait_ms >= 0:
+            waiter.expected_wait = reply.expected_wait_ms / 1000
             self.series.of(ask).expected_wait_seconds.observe(waiter.expected_wait)
         return await self._park(waiter)
 
@@ -156,41 +148,42 @@ class GateAcquirer(GateState):
         if reply.status == TOO_HEAVY:
             return ConfigError(
                 f"gate {self.name!r}: weight: {ask.weight} is above the gate's ceiling "
-                f"({reply.max_queued}); it could never be granted"
+                f"({reply.bound}); it could never be granted"
             )
         if reply.status == OVER_SHARE:
             return ConfigError(
                 f"gate {self.name!r}: weight: {ask.weight} is above the share of the ceiling "
-                f"that band_share gives priority {ask.priority} ({reply.max_queued}); it could "
+                f"that band_share gives priority {ask.priority} ({reply.bound}); it could "
                 "never be granted"
             )
         if reply.status == TOO_MANY_TOKENS:
             return ConfigError(
                 f"gate {self.name!r}: tokens: {ask.tokens} is above the gate's token_ceiling "
-                f"({reply.max_queued}); it could never be granted"
+                f"({reply.bound}); it could never be granted"
             )
         self.series.of(ask).rejected.inc()
         if reply.status == REJECTED_TENANT:
             return Overloaded(
                 self.name,
-                reply.max_queued,
-                reason=f"tenant {ask.tenant!r} has max_queued_per_tenant={reply.max_queued} "
+                reply.bound,
+                reason=f"tenant {ask.tenant!r} has max_queued_per_tenant={reply.bound} "
                 "calls waiting",
             )
         if reply.status == TOO_LATE:
-            return self._too_late(reply.max_queued, wait_ms, reply.estimate_ms)
+            return self._too_late(reply.expected_wait_ms, wait_ms, reply.expected_hold_ms)
         if reply.status == SHED:
             return Overloaded(
                 self.name,
-                reply.max_queued,
-                reason=f"priority {ask.priority} is below shed_below={reply.max_queued} and "
+                reply.bound,
+                reason=f"priority {ask.priority} is below shed_below={reply.bound} and "
                 "the call could not start at once (a sheddable band never waits)",
             )
         assert reply.status == REJECTED, reply.status
         # the gate's estimate of when a place frees for this caller, behind those refused
         # before it (their returns spread over the drain), spread a little more (x1 to x1.5)
-        later = reply.token / 1000 * random.uniform(1.0, 1.5) if reply.token > 0 else None
-        return Overloaded(self.name, reply.max_queued, retry_after=later)
+        back = reply.retry_after_ms / 1000
+        later = back * random.uniform(1.0, 1.5) if back > 0 else None
+        return Overloaded(self.name, reply.bound, retry_after=later)
 
     async def _request(self, lease_id: str, wait_ms: int, ask: Ask = DEFAULT_ASK) -> AcquireReply:
         """One acquire, sent with this process's batch of the gate; its answer.
@@ -225,7 +218,7 @@ class GateAcquirer(GateState):
         elif outcome.status == GRANTED:
             self.runtime.spawn(self._cancel(call.lease_id))  # give it back
         elif outcome.status == PARKED:
-            member = call.ask.member(outcome.token, call.lease_id)
+            member = call.ask.member(outcome.seq, call.lease_id)
             self.runtime.spawn(self._cancel(call.lease_id, member))  # leave the wait list
 
     async def _park(self, waiter: Waiter) -> Lease | None:
@@ -366,20 +359,19 @@ class GateAcquirer(GateState):
     # -- hand-offs (from the wake listener and the heartbeat) ----------------------------------
 
     def _woken(self, value: str) -> None:
-        """A wake: '<id>=<token>' (granted), '<id>=x' (evicted by a higher band) or
-        '<id>=c<ceiling>' (heavier than the ceiling now in force), '<id>=k<K>' (more tokens than
-        the token ceiling), '<id>=s<S>' (heavier than its band's share of the ceiling)."""
-        lease_id, _, token = value.rpartition("=")
-        if token == _EVICTED:
+        """A wake (:func:`fleetgate.protocol.decode_wake`): granted, evicted by a higher band,
+        or refused by a bound now in force (the ceiling, the token ceiling, its band's share)."""
+        news = decode_wake(value)
+        if news is None:
+            return
+        lease_id, kind, n = news
+        if kind == GRANTED_WAKE:
+            self.on_granted(lease_id, n)
+        elif kind == Wake.EVICTED:
             self.on_evicted(lease_id)
-        elif token.startswith(_REFUSED) and token[1:].isdigit():
-            self.on_too_heavy(lease_id, int(token[1:]))
-        elif token.startswith(_REFUSED_TOKENS) and token[1:].isdigit():
-            self.on_too_heavy(lease_id, int(token[1:]), tokens=True)
-        elif token.startswith(_REFUSED_SHARE) and token[1:].isdigit():
-            self.on_too_heavy(lease_id, int(token[1:]), share=True)
-        elif lease_id and token.isdigit():
-            self.on_granted(lease_id, int(token))
+        else:
+            tokens, share = kind == Wake.TOO_MANY_TOKENS, kind == Wake.OVER_SHARE
+            self.on_too_heavy(lease_id, n, tokens=tokens, share=share)
 
     def _too_late(self, expected_ms: int, wait_ms: int, hold_ms: int) -> DeadlineUnreachable:
         """The error of a call that would start ``expected_ms`` from now and may wait

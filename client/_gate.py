@@ -394,7 +394,7 @@ class Gate(GateAcquirer):
         held = [(lease.id, lease) for lease in self.leases.values()]  # a resize changes the id
         if not held and not local:
             return
-        max_token = max((lease.token for _, lease in held), default=0)
+        max_token = max((lease.fencing_token for _, lease in held), default=0)
         reply = await self.runtime.scripts.adopt(
             self.keys,
             [lease.id for lease in local],

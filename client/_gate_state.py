@@ -149,7 +149,7 @@ class GateState:
     def renewal(self) -> Renewal:
         """What the next heartbeat of this gate renews."""
         # newest first (fencing tokens rise in grant order): a revocation takes those first
-        held = sorted(self.leases.values(), key=lambda lease: lease.token, reverse=True)
+        held = sorted(self.leases.values(), key=lambda lease: lease.fencing_token, reverse=True)
         return Renewal(
             leases=[(lease.id, lease.expires_at) for lease in held],
             waiters=[
@@ -157,7 +157,7 @@ class GateState:
                 for w in self.waiters.values()
                 if w.parked and not w.future.done()
             ],
-            max_token=max((lease.token for lease in held), default=0),
+            max_token=max((lease.fencing_token for lease in held), default=0),
         )
 
     def beat_after(self, seconds: float) -> None:

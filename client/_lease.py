@@ -45,18 +45,19 @@ class LeaseHolder(Protocol):
 class Lease(Reporting):
     """One granted permit. Released by the ``permit()`` context manager or :meth:`release`.
 
-    ``token`` is a fencing token, monotonic per gate in grant order; ``ask`` what it was asked
-    with, and of it ``weight`` (the units it holds), ``priority`` and ``tenant``; ``tokens``
-    what it holds of the gate's token budget now (:meth:`resize` changes it). ``lost`` is
-    set when the lease could not be renewed and Redis no longer counts it; ``is_lost`` reads the
-    same from any thread. Leaving a ``permit()`` block whose lease was lost raises
-    :class:`LeaseLost` (unless the block raised already). ``revoked`` is set when the gate asks
-    for the lease back (a higher band waited longer than the gate's ``revoke_after``): finish or
-    abandon the work and leave the block; the lease holds its units until it is released.
-    ``is_revoked`` reads the same from any thread, ``revoked_sync`` is the same as a
-    :class:`threading.Event` (the blocking API hands out these leases too); leaving a
-    ``permit()`` block whose lease was revoked raises :class:`LeaseRevoked` (unless the block
-    raised already).
+    ``fencing_token`` is monotonic per gate in grant order (a resource that remembers the
+    highest it saw can refuse a stale holder; ``token`` is its deprecated name until 0.4);
+    ``ask`` what it was asked with, and of it ``weight`` (the units it holds), ``priority`` and
+    ``tenant``; ``tokens`` the LLM tokens it holds of the gate's token budget now
+    (:meth:`resize` changes it). ``lost`` is set when the lease could not be renewed and Redis
+    no longer counts it; ``is_lost`` reads the same from any thread. Leaving a ``permit()``
+    block whose lease was lost raises :class:`LeaseLost` (unless the block raised already).
+    ``revoked`` is set when the gate asks for the lease back (a higher band waited longer than
+    the gate's ``revoke_after``): finish or abandon the work and leave the block; the lease
+    holds its units until it is released. ``is_revoked`` reads the same from any thread,
+    ``revoked_sync`` is the same as a :class:`threading.Event` (the blocking API hands out these
+    leases too); leaving a ``permit()`` block whose lease was revoked raises
+    :class:`LeaseRevoked` (unless the block raised already).
     """
 
     def __init__(
@@ -71,7 +72,7 @@ class Lease(Reporting):
     ) -> None:
         self.gate = gate
         self.id = lease_id
-        self.token = token
+        self.fencing_token = token
         self.ask = ask
         self.local = local
         # The metric series it counts in (set when granted; kept, so its release counts there).
@@ -217,17 +218,17 @@ class Lease(Reporting):
     def revoked_error(self) -> LeaseRevoked:
         """The error for leaving a permit block whose lease was revoked."""
         return LeaseRevoked(
-            f"gate {self.gate.name!r}: lease {self.id} (token {self.token}) was revoked while "
-            "its block ran: a call of a higher priority waited longer than the gate's "
-            "revoke_after for its units"
+            f"gate {self.gate.name!r}: lease {self.id} (fencing token {self.fencing_token}) "
+            "was revoked while its block ran: a call of a higher priority waited longer than "
+            "the gate's revoke_after for its units"
         )
 
     def lost_error(self) -> LeaseLost:
         """The error for leaving a permit block whose lease was lost."""
         return LeaseLost(
-            f"gate {self.gate.name!r}: lease {self.id} (token {self.token}) was lost while its "
-            "block ran: it was not renewed in time, so Redis stopped counting it and the fleet "
-            "may have run over its limit"
+            f"gate {self.gate.name!r}: lease {self.id} (fencing token {self.fencing_token}) "
+            "was lost while its block ran: it was not renewed in time, so Redis stopped "
+            "counting it and the fleet may have run over its limit"
         )
 
     async def release(self) -> None:
@@ -246,6 +247,12 @@ class Lease(Reporting):
         else:
             self.gate._release_fleet(self)
 
+    @property
+    def token(self) -> int:
+        """Deprecated (until 0.4): :attr:`fencing_token`."""
+        return self.fencing_token
+
     def __repr__(self) -> str:
         kind = "local" if self.local else "fleet"
-        return f"Lease(gate={self.gate.name!r}, id={self.id!r}, token={self.token}, {kind})"
+        token = self.fencing_token
+        return f"Lease(gate={self.gate.name!r}, id={self.id!r}, fencing_token={token}, {kind})"

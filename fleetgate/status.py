@@ -11,6 +11,7 @@ import msgspec
 import redis.asyncio as aredis
 
 from fleetgate.keys import GateKeys, fleet_keys
+from fleetgate.protocol import Stat
 from fleetgate.registry import read_registry
 from fleetgate.scripts import GateScripts, Snapshot
 from fleetgate.util_hash import UtilHash
@@ -193,10 +194,10 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         last_poll=util.last_poll,
         reason=util.reason,
         server=util.server,
-        granted=snap.stat("granted"),
-        rejected=snap.stat("rejected"),
-        expired_leases=snap.stat("expired_leases"),
-        abandoned_waiters=snap.stat("abandoned_waiters"),
+        granted=snap.stat(Stat.GRANTED),
+        rejected=snap.stat(Stat.REJECTED),
+        expired_leases=snap.stat(Stat.EXPIRED_LEASES),
+        abandoned_waiters=snap.stat(Stat.ABANDONED_WAITERS),
         units=snap.units,
         token_limit=snap.token_limit,
         tokens=snap.tokens,
@@ -212,10 +213,10 @@ def gate_status(name: str, snap: Snapshot, *, tenants: int = TENANTS_SHOWN) -> G
         tenants=top,
         tenants_other=other,
         unlisted=max(0, snap.queued - sum(lane.queued for lane in snap.lanes)),
-        evicted=snap.stat("evicted"),
-        shed=snap.stat("shed"),
-        rejected_tenant=snap.stat("rejected_tenant"),
-        too_heavy=snap.stat("too_heavy"),
+        evicted=snap.stat(Stat.EVICTED),
+        shed=snap.stat(Stat.SHED),
+        rejected_tenant=snap.stat(Stat.REJECTED_TENANT),
+        too_heavy=snap.stat(Stat.TOO_HEAVY),
         signal=util.signal,
         latency_p50=util.latency_p50,
         latency_no_load=util.latency_no_load,

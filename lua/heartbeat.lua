@@ -27,7 +27,7 @@
 --   else -1);
 --   the fencing tokens of granted_waiters (fresh), the waiters evicted by a higher
 --   band (Overloaded), the waiters refused because they weigh more than the ceiling (lowered
---   after they parked: ConfigError, as acquire's status 5; wake '<id>=c<ceiling>'), the
+--   after they parked: ConfigError, as acquire's ST.TOO_HEAVY; wake '<id>=c<ceiling>'), the
 --   ceiling in force, the TTLs in force (the client paces its heartbeat by them), the server
 --   time renewed leases now expire at, pod_new = 1 when this pod's entry had to be created
 --   (first registration, or the entry expired or was wiped), and the ids counted again

@@ -36,6 +36,18 @@ local function pairs_to_map(flat)
   return m
 end
 
+-- The band shares as priority -> permille, and the units each band holds (priority -> units);
+-- extra: adm 'extra'.
+local function band_views(extra)
+  local band_share, by_band = {}, {}
+  local n_held = redis.call('ZCARD', K_HOLDERS)
+  for b, u in pairs(n_held > 0 and adm_bands('held', n_held + extra) or {}) do
+    if u > 0 then by_band[tostring(100 - tonumber(b))] = u end
+  end
+  for _, e in ipairs(cfg.shares or {}) do band_share[tostring(100 - tonumber(e.r))] = e.p end
+  return band_share, by_band
+end
+
 local head, leases, lanes = {}, {}, {}
 local function lane_info(lane, tag)
   local lo, hi = lane_range(lane)
@@ -78,13 +90,7 @@ if n > 0 then
 end
 
 local extra = num(redis.call('HGET', K_ADM, 'extra'), 0)
--- band shares as priority -> permille, and the units each band holds (priority -> units)
-local band_share, by_band = {}, {}
-local n_held = redis.call('ZCARD', K_HOLDERS)
-for b, u in pairs(n_held > 0 and adm_bands('held', n_held + extra) or {}) do
-  if u > 0 then by_band[tostring(100 - tonumber(b))] = u end
-end
-for _, e in ipairs(cfg.shares or {}) do band_share[tostring(100 - tonumber(e.r))] = e.p end
+local band_share, by_band = band_views(extra)
 local out = cjson.encode({
   now = now,
   schema = SCHEMA,

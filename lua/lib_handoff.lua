@@ -231,7 +231,7 @@ local function handoff(now, cfg, lim, units, tokens)
 end
 
 -- Waiters heavier than the gate can ever hold: the ceiling in force was lowered after they
--- parked (an arrival that heavy is refused by acquire: status 5). Such a head is refused as that
+-- parked (an arrival that heavy is refused by acquire: TOO_HEAVY). Such a head is refused as that
 -- arrival would be (the client raises the same ConfigError), and its lane moves on: ids (already
 -- removed from lanes and waiters) are recorded in fg:{G}:evicted as '<id>=c' for 2 x waiter_ms,
 -- so a pod that missed the wake '<id>=c<ceiling>' learns of it from its heartbeat (reply field
@@ -247,12 +247,13 @@ refuse_heads = function(now, cfg, ids)
     records[#records + 1] = id .. '=c'
     local w = weight_of(id)
     if w > cfg.ceiling then
-      add_wake(wakes, id, id .. '=c' .. c)
+      add_wake(wakes, id, id .. '=' .. WAKE.TOO_HEAVY .. c)
     elseif SHARES ~= nil and w > (share_ceiling(band_of(id), cfg.ceiling) or w) then
       local sc = share_ceiling(band_of(id), cfg.ceiling)
-      add_wake(wakes, id, id .. '=s' .. string.format('%.0f', sc))
+      add_wake(wakes, id, id .. '=' .. WAKE.OVER_SHARE .. string.format('%.0f', sc))
     else
-      add_wake(wakes, id, id .. '=k' .. string.format('%.0f', cfg.token_ceiling))
+      add_wake(wakes, id, id .. '=' .. WAKE.TOO_MANY_TOKENS
+        .. string.format('%.0f', cfg.token_ceiling))
     end
   end
   redis.call('ZADD', K_EVICTED, unpack(records))

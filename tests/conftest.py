@@ -31,6 +31,25 @@ from fleetgate.tools.redisproc import INSTALL_HINT, RedisClusterProcess, RedisPr
 
 from ._servers import REQUIRE_ENV, MatrixServer, matrix
 
+# Markers whose tests are long by nature: every test carrying one is in the long tier
+# (``make test-long``) without a ``long`` marker of its own; see pytest_collection_modifyitems.
+LONG_BY_NATURE = ("chaos", "real_server", "slow")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects (the mark plugin's hook runs after)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put every chaos, real-server and slow (load, burst) test in the long tier.
+
+    The tiers are ``-m "not long"`` (``make test``) and ``-m long`` (``make test-long``), so
+    each test runs in exactly one of them (``tests/test_tiers.py`` checks the Makefile's
+    commands). A test is long by its ``long`` marker (set where a module's or a test's measured
+    duration puts it there) or by one of the markers above, which a new chaos or real-server
+    test carries anyway: it cannot land in the fast tier by forgetting a second marker.
+    """
+    for item in items:
+        if any(item.get_closest_marker(name) for name in LONG_BY_NATURE):
+            item.add_marker(pytest.mark.long)
+
 
 @dataclass
 class RedisUnderTest:

@@ -17,72 +17,100 @@ from typing import Any
 import msgspec
 
 from fleetgate.observed import TokenUsage
+from fleetgate.protocol import AcquireStatus, PruneState, ResizeStatus
 from fleetgate.util_hash import UtilHash
 
-GRANTED, PARKED, REJECTED = 1, 2, 0  # acquire.lua's status
+# The statuses, named in fleetgate.protocol (and in Lua from there: lua/lib_proto.lua ST).
+GRANTED, PARKED, REJECTED = AcquireStatus.GRANTED, AcquireStatus.PARKED, AcquireStatus.REJECTED
 # acquire.lua's other refusals: the tenant's queue bound, a sheddable band that could not be
 # granted at once, a weight above the ceiling, tokens above the token ceiling (never grantable),
 # an expected start past the deadline (deadline-aware admission), a weight above the band's share
 # of the ceiling (headroom between bands: never grantable).
-REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS, TOO_LATE, OVER_SHARE = 3, 4, 5, 6, 7, 8
+REJECTED_TENANT, SHED = AcquireStatus.REJECTED_TENANT, AcquireStatus.SHED
+TOO_HEAVY, TOO_MANY_TOKENS = AcquireStatus.TOO_HEAVY, AcquireStatus.TOO_MANY_TOKENS
+TOO_LATE, OVER_SHARE = AcquireStatus.TOO_LATE, AcquireStatus.OVER_SHARE
 # resize.lua's status: resized, growth refused (does not fit now), no such lease, tokens above
 # the token ceiling.
-RESIZED, RESIZE_REFUSED, RESIZE_LOST, RESIZE_TOO_MANY = 1, 0, -1, -2
-
-PRUNED, IDLE, IN_USE, PRUNE_REFUSED = 1, 2, 0, -1  # prune.lua's state
+RESIZED, RESIZE_REFUSED = ResizeStatus.RESIZED, ResizeStatus.RESIZE_REFUSED
+RESIZE_LOST, RESIZE_TOO_MANY = ResizeStatus.RESIZE_LOST, ResizeStatus.RESIZE_TOO_MANY
+# prune.lua's state
+PRUNED, IDLE, IN_USE, PRUNE_REFUSED = (
+    PruneState.PRUNED,
+    PruneState.IDLE,
+    PruneState.IN_USE,
+    PruneState.PRUNE_REFUSED,
+)
 
 
 class AcquireReply(msgspec.Struct, frozen=True, kw_only=True):
-    """``acquire.lua``'s reply. Of ``holders``, ``position`` and ``max_queued`` only the one of
-    the outcome is set (the others are 0)."""
+    """``acquire.lua``'s reply to one request, each field with one meaning. The fields of the
+    other outcomes are 0 (-1 for the estimates)."""
 
-    status: int  # GRANTED, PARKED, REJECTED, REJECTED_TENANT, SHED, TOO_HEAVY, TOO_MANY_TOKENS,
-    # TOO_LATE, OVER_SHARE
-    #: granted: the fencing token; parked: the seq of the waiter member; REJECTED: ms after
-    #: which a place in the wait list is expected to free for it (0: no estimate)
-    token: int
+    status: AcquireStatus
     limit: int
-    holders: int  # granted: units held counting this one
-    position: int  # parked: waiters counting this one
-    #: refused: the bound that refused it (max_queued, per tenant, shed_below, ceiling, token
-    #: ceiling or the band's share of the ceiling), or for TOO_LATE the expected wait (ms)
-    max_queued: int
+    fencing_token: int = 0  # granted: monotonic per gate in grant order
+    holders: int = 0  # granted: units held counting this one
+    seq: int = 0  # parked: the waiter's place in its lane (its member's seq20)
+    position: int = 0  # parked: waiters counting this one
+    #: refused: the bound that refused it (max_queued, max_queued_per_tenant, shed_below, the
+    #: ceiling, the token ceiling or the band's share of the ceiling); 0 for TOO_LATE
+    bound: int = 0
+    #: REJECTED (the list is full): ms after which a place is expected to free for it (0: no
+    #: estimate)
+    retry_after_ms: int = 0
+    #: parked: the wait (ms) the gate expects by its bands' service rates; TOO_LATE: the expected
+    #: wait that refused it; -1: none
+    expected_wait_ms: int = -1
+    #: TOO_LATE with deadline_admission "finish": the band's expected hold (ms) the deadline had
+    #: to cover too; -1: none
+    expected_hold_ms: int = -1
     lease_ms: int  # the TTLs in force (the caller paces its first renewal by them)
     waiter_ms: int
-    expires_at: int  # server ms: when the lease (or the parked entry) expires; 0 if rejected
+    expires_at: int = 0  # server ms: when the lease (or the parked entry) expires
     #: ms the gate's recovery fence still holds every grant (0: none; ``lua/lib_fence.lua``
     #: gate_birth): a caller parked behind it asks for its hand-off when it ends
     fence_ms: int = 0
-    #: parked: the wait (ms) the gate expects by its measured drain (deadline-aware admission);
-    #: TOO_LATE: the band's expected hold (ms) the deadline had to cover too (the gate's
-    #: deadline_admission is "finish"); -1: none
-    estimate_ms: int = -1
+
+    # Deprecated (0.2.x, removed in 0.4): the wire's overloaded slots, by their old names.
+    @property
+    def token(self) -> int:
+        """Deprecated: ``fencing_token`` (granted), ``seq`` (parked) or ``retry_after_ms``."""
+        return self.fencing_token or self.seq or self.retry_after_ms
+
+    @property
+    def max_queued(self) -> int:
+        """Deprecated: ``bound`` (refused), or ``expected_wait_ms`` for TOO_LATE."""
+        return self.expected_wait_ms if self.status == TOO_LATE else self.bound
+
+    @property
+    def estimate_ms(self) -> int:
+        """Deprecated: ``expected_wait_ms`` (parked) or ``expected_hold_ms`` (TOO_LATE)."""
+        return self.expected_hold_ms if self.status == TOO_LATE else self.expected_wait_ms
+
+    @classmethod
+    def decode(
+        cls, row: Sequence[Any], limit: int, lease_ms: int, waiter_ms: int, fence_ms: int
+    ) -> AcquireReply:
+        """One request's five values (status, token, n, expires_at, estimate: acquire.lua's
+        header) as the reply of its outcome; the call's shared values are given."""
+        status, token, n, expires_at, estimate = (int(x) for x in row)
+        st = AcquireStatus(status)
+        common = {"limit": limit, "lease_ms": lease_ms, "waiter_ms": waiter_ms}
+        common |= {"fence_ms": fence_ms, "expires_at": expires_at}
+        if st == GRANTED:
+            return cls(status=st, fencing_token=token, holders=n, **common)
+        if st == PARKED:
+            return cls(status=st, seq=token, position=n, expected_wait_ms=estimate, **common)
+        if st == TOO_LATE:
+            return cls(status=st, expected_wait_ms=n, expected_hold_ms=estimate, **common)
+        return cls(status=st, bound=n, retry_after_ms=token if st == REJECTED else 0, **common)
 
     @classmethod
     def decode_many(cls, reply: Any) -> list[AcquireReply]:
         """acquire.lua's reply: {limit, lease_ms, waiter_ms, released, fence_ms, then per
         request: status, token, n, expires_at, estimate}."""
-        limit, lease_ms, waiter_ms = int(reply[0]), int(reply[1]), int(reply[2])
-        fence_ms = int(reply[4])
-        out = []
-        for i in range(5, len(reply), 5):
-            status, token, n, expires_at, estimate = (int(x) for x in reply[i : i + 5])
-            out.append(
-                cls(
-                    status=status,
-                    token=token,
-                    limit=limit,
-                    holders=n if status == GRANTED else 0,
-                    position=n if status == PARKED else 0,
-                    max_queued=n if status not in (GRANTED, PARKED) else 0,
-                    lease_ms=lease_ms,
-                    waiter_ms=waiter_ms,
-                    expires_at=expires_at,
-                    fence_ms=fence_ms,
-                    estimate_ms=estimate,
-                )
-            )
-        return out
+        shared = (int(reply[0]), int(reply[1]), int(reply[2]), int(reply[4]))
+        return [cls.decode(reply[i : i + 5], *shared) for i in range(5, len(reply), 5)]
 
 
 # HeartbeatReply's lists of ids (and of the values that go with them, in the same order)

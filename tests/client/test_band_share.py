@@ -21,6 +21,7 @@ FLOOR = 4
 
 
 @pytest.mark.parametrize("share", [{0: 0.5}, {}], ids=["headroom", "strict"])
+@pytest.mark.long
 def test_a_batch_flood_leaves_the_share_it_may_not_hold_free(
     rut: RedisUnderTest, share: dict[int, float]
 ) -> None:

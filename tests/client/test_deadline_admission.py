@@ -26,6 +26,7 @@ ctx = mp.get_context("spawn")
 
 
 @pytest.mark.parametrize("admission", [True, "finish", False], ids=["on", "finish", "off"])
+@pytest.mark.long
 def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(
     rut: RedisUnderTest, admission: bool | str
 ) -> None:

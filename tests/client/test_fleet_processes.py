@@ -45,6 +45,7 @@ def test_cap_holds_across_processes(rut: RedisUnderTest, r: redis.Redis) -> None
     assert int(r.hget(keys.stats, "granted") or 0) == 200
 
 
+@pytest.mark.long
 def test_fifo_order_across_processes(rut: RedisUnderTest, r: redis.Redis) -> None:
     keys = GateKeys.of(rut.prefix, "fifo")
     record = f"{rut.prefix}:order"
@@ -93,6 +94,7 @@ def _spawn_holder(rut: RedisUnderTest, r: redis.Redis, gate: str, lease_ms: int,
     return p
 
 
+@pytest.mark.long
 def test_killed_holder_permit_goes_to_next_waiter(rut: RedisUnderTest, r: redis.Redis) -> None:
     keys = GateKeys.of(rut.prefix, "kill-holder")
     lease_ms = 1000
@@ -119,6 +121,7 @@ def test_killed_holder_permit_goes_to_next_waiter(rut: RedisUnderTest, r: redis.
     assert int(r.hget(keys.stats, "expired_leases") or 0) == 1
 
 
+@pytest.mark.long
 def test_killed_waiter_leaves_queue(rut: RedisUnderTest, r: redis.Redis) -> None:
     keys = GateKeys.of(rut.prefix, "kill-waiter")
     waiter_ms = 1000

@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 
+import pytest
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
@@ -173,6 +174,7 @@ async def _script_calls(r: aredis.Redis) -> int:
     )
 
 
+@pytest.mark.long
 async def test_many_held_and_idle_gates_cost_few_calls(
     rut: RedisUnderTest, own_redis: object
 ) -> None:

@@ -107,6 +107,7 @@ def test_a_revoked_lease_is_given_back_before_the_higher_band_starts(
     assert [e for e, _, _ in events].count("LeaseRevoked") == 1  # leaving its block said so
 
 
+@pytest.mark.long
 def test_map_queues_a_revoked_item_again_and_completes(rut: RedisUnderTest) -> None:
     gate, probe, started = "rvmap", f"{rut.prefix}:probe", f"{rut.prefix}:started"
     r = redis.Redis.from_url(rut.url, decode_responses=True)

@@ -35,6 +35,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.long
 async def test_settings_another_process_stored_are_named_once(
     rut: RedisUnderTest, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -95,6 +96,7 @@ def test_only_given_settings_are_compared() -> None:
     }
 
 
+@pytest.mark.long
 def test_across_processes_every_script_follows_the_stored_configuration(
     rut: RedisUnderTest,
 ) -> None:

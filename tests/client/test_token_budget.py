@@ -198,6 +198,7 @@ async def test_tokens_of_work_resized_during_an_outage_are_counted_when_redis_re
             await held.release()
 
 
+@pytest.mark.long
 def test_the_fallback_bounds_tokens_across_processes(
     own_redis: RedisProcess, rut: RedisUnderTest
 ) -> None:

@@ -7,11 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetgate.coordinator.config import Config
 from fleetgate.errors import ConfigError
+
+pytestmark = pytest.mark.long  # 800 fuzzed configs: 8-14 s
 
 _KEYS = [
     "redis", "url", "prefix", "coordinator", "poll_interval", "poll_jitter", "leader_ttl",

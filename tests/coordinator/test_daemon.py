@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
@@ -23,6 +24,7 @@ async def limit_of(r: aredis.Redis, keys: GateKeys) -> int:
     return (await GateScripts(r).snapshot(keys)).limit
 
 
+@pytest.mark.long
 async def test_targets_rise_fall_and_decay_to_floor(
     rut: RedisUnderTest, async_redis: aredis.Redis
 ) -> None:

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from fleetgate.keys import GateKeys
@@ -46,6 +47,7 @@ metrics_url = "{metrics_url}"
     return path
 
 
+@pytest.mark.long
 def test_failover_and_fencing(
     tmp_path: Path, rut: RedisUnderTest, procs: list[subprocess.Popen[bytes]]
 ) -> None:

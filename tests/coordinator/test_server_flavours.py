@@ -193,6 +193,7 @@ async def _util_is(r: aredis.Redis, keys: GateKeys, **want: str) -> bool:
     return all(util.get(k) == v for k, v in want.items())
 
 
+@pytest.mark.long
 async def test_latency_controller_drives_a_server_without_metrics(
     rut: RedisUnderTest, async_redis: aredis.Redis
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aredis
 from prometheus_client import CollectorRegistry
 
@@ -89,6 +90,7 @@ async def test_the_budget_grows_to_the_stated_cache_and_is_cut_by_preemptions(
                 await asyncio.gather(*callers)
 
 
+@pytest.mark.long
 async def test_a_new_leader_resumes_the_budget_and_without_one_it_lapses(
     rut: RedisUnderTest, async_redis: aredis.Redis
 ) -> None:

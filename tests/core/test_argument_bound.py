@@ -63,7 +63,7 @@ async def _acquire(
         batch = ids[i : i + MAX_BATCH]
         replies = await scripts.acquire_many(keys, [(x, 60_000) for x in batch], BIG)
         statuses += [r.status for r in replies]
-        tokens.update({x: r.token for x, r in zip(batch, replies, strict=True)})
+        tokens.update({x: r.fencing_token or r.seq for x, r in zip(batch, replies, strict=True)})
     return statuses, tokens
 
 

@@ -56,6 +56,7 @@ async def test_scripts_on_every_node(
     await client.aclose()
 
 
+@pytest.mark.long
 async def test_client_park_and_wake_on_cluster(cluster_rut: RedisUnderTest) -> None:
     async with Fleet(
         cluster_rut.url, prefix=cluster_rut.prefix, registry=CollectorRegistry()
@@ -96,6 +97,7 @@ def _two_gates_in_one_slot() -> tuple[str, str]:
     raise AssertionError("no two names share a slot")
 
 
+@pytest.mark.long
 def test_two_gates_in_one_slot_keep_their_leases(
     cluster_rut: RedisUnderTest, rut: RedisUnderTest
 ) -> None:

@@ -79,6 +79,7 @@ async def test_a_round_is_one_pipeline_per_node(
 
 
 @pytest.mark.cluster
+@pytest.mark.long
 def test_cap_holds_across_processes_with_grouped_gates(cluster_rut: RedisUnderTest) -> None:
     """3 processes x 60 tasks over 5 gates of one group (floor 2): they share a slot, so each
     process renews them together in heartbeat_many calls and pops their wake lists together;

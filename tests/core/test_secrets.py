@@ -130,6 +130,7 @@ def _cli(*args: str) -> str:
 @pytest.mark.parametrize(
     "case", ["unreachable", "unreachable-cluster", "right-password", "wrong-password"]
 )
+@pytest.mark.long
 async def test_no_password_in_logs_errors_cli_or_metrics(
     password_redis: RedisProcess, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -87,6 +87,7 @@ def sentinel() -> Iterator[SentinelDeployment]:
         yield deployment
 
 
+@pytest.mark.long
 async def test_fleet_takes_permits_on_the_master_the_sentinels_name(
     sentinel: SentinelDeployment,
 ) -> None:

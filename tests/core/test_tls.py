@@ -150,6 +150,7 @@ async def test_mutual_tls_with_a_client_certificate(mtls_redis: TlsRedis) -> Non
     await _permit_works(mtls_redis.tls_url(client_cert=True), "mtls")
 
 
+@pytest.mark.long
 async def test_cluster_flag_over_tls(certs: Certs) -> None:
     with TlsRedis(certs, auth_clients="optional", cluster=True) as node:
         url = node.tls_url(client_cert=False)

@@ -32,7 +32,7 @@ async def test_an_unrenewed_lease_nobody_reaped_is_kept(r: aredis.Redis) -> None
     a = await scripts.acquire(keys, "p:1", 1000, SHORT)
     assert a.status == GRANTED
     await asyncio.sleep(0.1)  # expired, and no script ran
-    reply = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.token)
+    reply = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.fencing_token)
     assert reply.lapsed == [] and reply.added == 0
     assert await r.zscore(keys.holders, "p:1") == reply.expires_at > a.expires_at
     # Still one unit held: another pod parks.
@@ -45,7 +45,7 @@ async def test_a_lease_reaped_and_granted_to_another_pod_lapses(r: aredis.Redis)
     a = await scripts.acquire(keys, "p:1", 1000, SHORT)
     await asyncio.sleep(0.1)
     assert (await scripts.acquire(keys, "q:1", 1000, SHORT)).status == GRANTED  # reaps p:1
-    reply = await scripts.adopt(keys, ["p:2"], [("p:1", a.expires_at)], a.token)
+    reply = await scripts.adopt(keys, ["p:2"], [("p:1", a.expires_at)], a.fencing_token)
     assert reply.lapsed == ["p:1"] and reply.added == 1  # the local p:2 is always counted
     assert set(await r.zrange(keys.holders, 0, -1)) == {"q:1", "p:2"}
 
@@ -56,7 +56,7 @@ async def test_a_lease_missing_before_its_expiry_is_counted_again(r: aredis.Redi
     scripts, keys = GateScripts(r), GateKeys.of("fg", "missing")
     a = await scripts.acquire(keys, "p:1", 1000, LONG)
     assert await scripts.release(keys, "p:1")
-    reply = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.token)
+    reply = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.fencing_token)
     assert reply.lapsed == [] and reply.added == 1
     assert await r.zrange(keys.holders, 0, -1) == ["p:1"]
 
@@ -68,10 +68,10 @@ async def test_a_wiped_gate_under_its_fence_counts_every_lease_again(r: aredis.R
     a = await scripts.acquire(keys, "p:1", 1000, SHORT)
     await r.flushall()
     await asyncio.sleep(0.1)
-    reply = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.token, fence_ms=2000)
+    reply = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.fencing_token, fence_ms=2000)
     assert reply.lapsed == [] and reply.added == 1
     # The same lease after the fence ended, reaped and missing again: lapsed.
     await r.flushall()
     await asyncio.sleep(0.1)
-    late = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.token, fence_ms=0)
+    late = await scripts.adopt(keys, [], [("p:1", a.expires_at)], a.fencing_token, fence_ms=0)
     assert late.lapsed == ["p:1"] and late.added == 0

@@ -2,7 +2,9 @@
 
 The same limit as tests/test_sizes.py's for Python functions (80 lines, the aim about 60): a
 top-level ``local function``, ``function`` or ``name = function`` of a ``lua/*.lua`` file counts
-from its first line to the ``end`` at column 0 that closes it. A failure lists every offender.
+from its first line to the ``end`` at column 0 that closes it. A script's body (the file's own
+statements, which the library wraps as ``<name>_body``: every line after its header comment
+that is in no top-level function) counts likewise. A failure lists every offender.
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
     return found
 
 
+def body_lines(source: str) -> int:
+    """The lines of a script's body: those after its header comment (the leading ``--`` lines)
+    outside its top-level functions."""
+    lines = source.splitlines()
+    start = next((k for k, line in enumerate(lines) if not line.startswith("--")), len(lines))
+    n, inside = 0, False
+    for line in lines[start:]:
+        if inside:
+            inside = not re.match(r"^end\b", line)
+        elif _START.match(line):
+            inside = True
+        else:
+            n += 1
+    return n
+
+
 def test_no_lua_function_over_the_limit() -> None:
     files = sorted(LUA.glob("*.lua"))
     assert len(files) > 10  # the scripts were found
@@ -43,6 +61,25 @@ def test_no_lua_function_over_the_limit() -> None:
         for name, k in long_functions(path.read_text(), FUNCTION_LINES)
     ]
     assert not bad, "too long (split by step):\n  " + "\n  ".join(bad)
+
+
+_SCRIPTS = [
+    p.stem
+    for p in sorted(LUA.glob("*.lua"))
+    if not p.stem.startswith("lib_") and p.stem != "heartbeat_lib"
+]
+
+
+@pytest.mark.parametrize("name", _SCRIPTS)
+def test_no_script_body_over_the_limit(name: str) -> None:
+    k = body_lines((LUA / f"{name}.lua").read_text())
+    assert 0 < k <= FUNCTION_LINES, f"{name}.lua: its body is {k} lines (split it into steps)"
+
+
+def test_a_body_counts_the_lines_outside_functions() -> None:
+    src = "-- header\n-- more\nlocal a = 1\nlocal function f()\n  x()\nend\n\nreturn a\n"
+    assert body_lines(src) == 3  # local a, the blank line, return
+    assert body_lines("-- only a header\n") == 0
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ async def test_grant_park_reject_and_fifo_handoff(
     assert [p.status for p in parked] == [PARKED] * 3
     assert [p.position for p in parked] == [1, 2, 3]
     full = await scripts.acquire(keys, "p4:1", 1000, D2)
-    assert full.status == REJECTED and full.max_queued == 3
+    assert full.status == REJECTED and full.bound == 3
     assert await async_redis.zcard(keys.waiters) == 3
     assert await async_redis.hget(keys.stats, "rejected") == "1"
 

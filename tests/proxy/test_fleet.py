@@ -119,6 +119,7 @@ def test_two_proxies_and_a_python_worker_hold_the_cap(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.long
 def test_sigterm_drains_requests_in_flight(rut: RedisUnderTest, tmp_path: Path) -> None:
     _configure(rut, "g", 2)
     with serve_app(upstream_app()) as up:

@@ -258,6 +258,7 @@ def _text(rng: Any, words: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
 
 
+@pytest.mark.long
 def test_the_estimate_error_on_a_realistic_mix(
     rut: RedisUnderTest,
     upstream: Served,

@@ -141,6 +141,7 @@ def test_two_workers_share_the_port_and_the_cap(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.long
 def test_sigterm_drains_every_worker(rut: RedisUnderTest, up: Served, tmp_path: Path) -> None:
     limit = 4
     _configure(rut, limit)
@@ -190,6 +191,7 @@ def _zombie(pid: int) -> bool:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.long
 def test_a_dead_worker_is_logged_and_replaced(
     rut: RedisUnderTest, up: Served, tmp_path: Path
 ) -> None:

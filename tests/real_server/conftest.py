@@ -1,10 +1,11 @@
 """Fixtures of the real-server room: llama.cpp's ``llama-server`` and its random-weight model,
 built and cached by ``make llama-server`` (``.ci/llama_server.py``).
 
-``make test`` builds both first (cached: a second run does nothing). Without the binary (a
-machine without cmake or a C++ compiler, or a bare ``pytest``) every test here skips, saying how
-to build it; with ``FLEETGATE_REQUIRE_REAL_SERVER=1`` (CI, ``.ci/run``) it fails instead, so CI
-cannot pass by skipping them. The model is written here when only it is missing (seconds).
+``make test-long`` (the long tier, where these tests are) builds both first (cached: a second
+run does nothing). Without the binary (a machine without cmake or a C++ compiler, or a bare
+``pytest``) every test here skips, saying how to build it; with
+``FLEETGATE_REQUIRE_REAL_SERVER=1`` (CI's long tier, ``.ci/run``) it fails instead, so CI cannot
+pass by skipping them. The model is written here when only it is missing (seconds).
 """
 
 from __future__ import annotations

@@ -104,6 +104,7 @@ async def test_client_rule_covers_acquire_park_wake_release(acl: AclServer) -> N
     assert acl.denials() == []
 
 
+@pytest.mark.long
 async def test_coordinator_rule_covers_election_publish_reaper_and_cli(acl: AclServer) -> None:
     admin = aredis.Redis(port=acl.proc.port, decode_responses=True)
     llm, fixed = GateKeys.of("fg", "llm"), GateKeys.of("fg", "fixed")

@@ -35,6 +35,7 @@ def scrape(url: str) -> dict[tuple[str, ...], float]:
     }
 
 
+@pytest.mark.long
 def test_worker_drives_gates_and_serves_client_metrics(rut: RedisUnderTest) -> None:
     embed, ranker = "embed", "rerank/sim"
     port = free_port()

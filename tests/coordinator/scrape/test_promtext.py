@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +37,7 @@ def _lines(draw: st.DrawFn) -> str:
 
 @settings(max_examples=2000, deadline=None)
 @given(_lines())
+@pytest.mark.long
 def test_fast_path_agrees_with_prometheus_client(line: str) -> None:
     fast = _plain(line)
     if fast is None:

@@ -130,6 +130,7 @@ _finite_or_not = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.text())
+@pytest.mark.long
 def test_arbitrary_text_never_crashes(text: str) -> None:
     sig = parse_signals(text, model_name=None)
     for value in (sig.running, sig.waiting_capacity, sig.waiting, sig.kv_cache_usage):
@@ -155,6 +156,7 @@ def test_arbitrary_text_never_crashes(text: str) -> None:
         max_size=12,
     )
 )
+@pytest.mark.long
 def test_arbitrary_values_never_crash(rows: list[tuple[str, str, str, float | str]]) -> None:
     text = "".join(
         f'{name}{{engine="{engine}",model_name="m",reason="{reason}"}} {value}\n'
