@@ -55,7 +55,6 @@ log = logging.getLogger("fleetgate.client")
 #: how long a parked caller that gives up waits for its cancel's round trip before it returns
 CANCEL_WAIT_S = 0.25
 
-
 class Requeue(Exception):
     """The parked entry vanished from Redis (expired while this process stalled): park again."""
 
