@@ -165,7 +165,7 @@ class Fleet:
 
     async def close(self) -> None:
         """Stop background tasks, leave every wait list, release held leases, close connections."""
-        self.runtime.closing = True
+        self.runtime.mode.fire("close")
         loops = [t for t in (self._heartbeat, self._fallback.task, self._contact.task) if t]
         for t in loops:
             t.cancel()

@@ -308,10 +308,14 @@ class Gate(GateAcquirer):
             lease = self.leases.get(lease_id)
             if lease is not None and lease_id not in lost:
                 lease.expires_at = reply.expires_at
-        for lease_id in reply.lost_leases:
+        self._lose(reply.lost_leases, "not renewed in time")
+
+    def _lose(self, lease_ids: Iterable[str], why: str) -> None:
+        """Redis no longer counts these leases (of this gate): their holders are told."""
+        for lease_id in lease_ids:
             lease = self.leases.pop(lease_id, None)
             if lease is not None:
-                log.warning("gate %s: lease %s lost (not renewed in time)", self.name, lease_id)
+                log.warning("gate %s: lease %s lost (%s)", self.name, lease_id, why)
                 self.series.lease_lost.inc()
                 lease.series().drop(lease.weight)
                 lease._mark_lost()
@@ -372,8 +376,12 @@ class Gate(GateAcquirer):
         """Redis is back: count every permit this pod still runs as a fleet lease again.
 
         Local permits become fleet leases (renewed by the heartbeat, released by the release
-        script); fleet leases that Redis lost in a restart are re-added. Raises the Redis error
-        if Redis fails again (the fleet stays in fallback and retries).
+        script); fleet leases Redis still holds are kept (and renewed), those it lost in a
+        restart before they could expire are re-added. A fleet lease that expired and was
+        reaped meanwhile (this pod cut off past its TTL: its units may have gone to another
+        pod) lapsed: it is not counted again and its holder is told (``lease.lost``), as the
+        heartbeat tells a frozen holder. Raises the Redis error if Redis fails again (the fleet
+        stays in fallback and retries).
 
         A permit released while the adoption is in flight may have been counted again by it
         (adopt.lua adds every id it is given that Redis does not hold: a local one always, a
@@ -384,18 +392,25 @@ class Gate(GateAcquirer):
         """
         local = list(self.local_leases.values())
         held = [(lease.id, lease) for lease in self.leases.values()]  # a resize changes the id
-        ids = [*(lease_id for lease_id, _ in held), *(lease.id for lease in local)]
-        if not ids:
+        if not held and not local:
             return
         max_token = max((lease.fencing_token for _, lease in held), default=0)
-        scripts = self.runtime.scripts
-        _, expires_at = await scripts.adopt(self.keys, ids, max_token, self.runtime.fence_ms)
-        for _, lease in held:
-            lease.expires_at = expires_at
-        for lease in local:
-            lease.expires_at = expires_at
+        reply = await self.runtime.scripts.adopt(
+            self.keys,
+            [lease.id for lease in local],
+            [(lease_id, lease.expires_at) for lease_id, lease in held],
+            max_token,
+            self.runtime.fence_ms,
+        )
+        lapsed = set(reply.lapsed)
         for lease_id, lease in held:
-            if self.leases.get(lease_id) is not lease:
+            if lease_id not in lapsed:
+                lease.expires_at = reply.expires_at
+        for lease in local:
+            lease.expires_at = reply.expires_at
+        self._lose(reply.lapsed, "its renewal time passed while Redis was unreachable")
+        for lease_id, lease in held:
+            if lease_id not in lapsed and self.leases.get(lease_id) is not lease:
                 # Released (or resized to a new id) while the adoption was in flight: if that
                 # reached Redis first, the adoption added the id back. A no-op otherwise.
                 self.runtime.spawn(self._cancel(lease_id))

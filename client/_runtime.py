@@ -27,6 +27,7 @@ from fleetgate.scripts import GateScripts, Snapshot
 from fleetgate.settings import GateSettings
 
 from ._metrics import ClientMetrics
+from ._mode import ClientMode
 
 __all__ = ["OUTAGE_ERRORS", "OnRedisError", "Runtime"]
 
@@ -76,14 +77,8 @@ class Runtime:
         self.fence_said = False
         self.metrics = metrics
         self.redis_options = redis_options
-        #: set while Redis is unreachable and gates serve under their local fair share
-        self.fallback_active = False
-        #: Redis has answered this process at least once (see _contact.FirstContact)
-        self.reached_redis = False
-        #: Redis answers again after an outage: running work is being adopted, no new local
-        #: permit starts until fleet mode resumes (see _fallback.Fallback)
-        self.recovering = False
-        self.closing = False
+        #: connecting, fleet, fallback, recovering or closing: the one state machine (_mode.py)
+        self.mode = ClientMode()
         #: set to make the heartbeat re-plan now (see poke_heartbeat)
         self.replan = asyncio.Event()
         #: loop time the heartbeat's nap ends (inf while it is not napping); see renew_by
@@ -95,6 +90,33 @@ class Runtime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._redis: aredis.Redis | None = None
         self._scripts: GateScripts | None = None
+
+    # -- the mode (read here, changed by ClientMode.fire) ---------------------------------------
+
+    @property
+    def fallback_active(self) -> bool:
+        """Redis cannot serve writes here now: gates serve under their local fair share."""
+        return self.mode.fallback_active
+
+    @property
+    def recovering(self) -> bool:
+        """Redis writes again after an outage: running work is being adopted, no new local
+        permit starts until fleet mode resumes (see _fallback.Fallback)."""
+        return self.mode.recovering
+
+    @property
+    def closing(self) -> bool:
+        return self.mode.closing
+
+    @property
+    def reached_redis(self) -> bool:
+        """Redis has answered this process at least once (see _contact.FirstContact)."""
+        return self.mode.reached
+
+    @reached_redis.setter
+    def reached_redis(self, value: bool) -> None:
+        if value:
+            self.mode.fire("answered")
 
     # -- the connection ----------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ __all__ = [
 
 
 class ServerUnavailable(aredis.ConnectionError):
-    """A reply meaning the server cannot serve writes now (OOM, READONLY, MISCONF, BUSY,
-    LOADING, MASTERDOWN): an outage like a refused connection, not a bug in the data.
+    """A reply meaning the server cannot serve writes here now (:data:`UNAVAILABLE_REPLIES`:
+    OOM, READONLY, NOREPLICAS, ...): an outage like a refused connection, not a bug in the data.
 
     A subclass of redis-py's ``ConnectionError`` (as its own ``BusyLoadingError`` is), so every
     handler of :data:`REDIS_ERRORS` treats it as "Redis unavailable": the fair-share fallback,
@@ -33,18 +33,48 @@ class ServerUnavailable(aredis.ConnectionError):
     """
 
 
-# Error codes of replies that mean "cannot serve writes now". redis-py maps OOM and READONLY to
-# classes of their own (and strips the code from the message); the others arrive as plain
-# ResponseError whose message starts with the code.
-UNAVAILABLE_REPLIES = frozenset({"OOM", "READONLY", "MISCONF", "BUSY", "LOADING", "MASTERDOWN"})
+# The one taxonomy of refusals: the error codes of replies that mean "cannot write here now",
+# whatever the script. Every one takes the outage path (the fair-share fallback, or
+# RedisUnavailable in "fail" mode); any other error reply is a script or data error.
+#   OOM         maxmemory reached (noeviction)
+#   READONLY    a replica (a demoted master after a failover)
+#   NOREPLICAS  min-replicas-to-write not met (a replica frozen, lagging or cut off)
+#   MISCONF     stop-writes-on-bgsave-error after a failed snapshot
+#   BUSY        a script or function runs past busy-reply-threshold
+#   LOADING     the dataset is being loaded (a restart with persistence)
+#   MASTERDOWN  a replica whose link to its master is down (replica-serve-stale-data no)
+#   TRYAGAIN    Cluster: a multi-key command's slot migrates
+#   CLUSTERDOWN Cluster: a slot not served, or the cluster state is fail
+# (A ``CLIENT PAUSE ... WRITE`` refuses nothing: the write waits, and the caller's socket
+# timeout ends it, a TimeoutError, also an outage.)
+UNAVAILABLE_REPLIES = frozenset(
+    {
+        "OOM",
+        "READONLY",
+        "NOREPLICAS",
+        "MISCONF",
+        "BUSY",
+        "LOADING",
+        "MASTERDOWN",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+    }
+)
 
 
 def unavailable_reply(exc: BaseException) -> bool:
-    """Whether ``exc`` is a Redis reply that means the server cannot serve writes right now."""
-    if isinstance(exc, (OutOfMemoryError, ReadOnlyError)):
+    """Whether ``exc`` is a Redis reply that means the server cannot serve writes right now.
+
+    By its error code: redis-py maps some codes to classes of their own and strips the code
+    from the message (``status_code`` keeps it, from redis-py 7 on); the others arrive as plain
+    ResponseError whose message starts with the code."""
+    if isinstance(exc, (OutOfMemoryError, ReadOnlyError, ClusterDownError, TryAgainError)):
         return True
     if not isinstance(exc, ResponseError):
         return False
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code in UNAVAILABLE_REPLIES:
+        return True
     words = str(exc).split(None, 1)
     return bool(words) and words[0] in UNAVAILABLE_REPLIES
 

@@ -100,9 +100,15 @@ def prune_argv(epoch: int, idle_after_ms: int) -> list[Any]:
     return [epoch, idle_after_ms]
 
 
-def adopt_argv(lease_ids: Sequence[str], max_token: int, fence_ms: int) -> list[Any]:
-    """adopt.lua's ARGV."""
-    return [fence_ms, max_token, *lease_ids]
+def adopt_argv(
+    local_ids: Sequence[str],
+    leases: Sequence[tuple[str, int]],
+    max_token: int,
+    fence_ms: int,
+) -> list[Any]:
+    """adopt.lua's ARGV: the local ids, then the fleet leases as (id, server-ms expiry last
+    seen) pairs."""
+    return [fence_ms, max_token, len(local_ids), *local_ids, *(x for pair in leases for x in pair)]
 
 
 def inspect_argv(listed: int, defaults: GateSettings | None) -> list[Any]:

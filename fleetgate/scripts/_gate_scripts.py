@@ -37,6 +37,7 @@ from ._calls import ManyHeartbeats, ScriptCall, heartbeat_chunks, heartbeat_roun
 from ._library import GateFunction, Loader, function_missing
 from ._replies import (
     AcquireReply,
+    AdoptReply,
     HeartbeatReply,
     ResizeReply,
     Snapshot,
@@ -44,7 +45,6 @@ from ._replies import (
     as_is,
     decode_snapshot,
     first_int,
-    int_pair,
 )
 
 _R = TypeVar("_R")
@@ -372,19 +372,36 @@ class GateScripts:
         return self._call("prune", keys, prune_argv(epoch, idle_after_ms), first_int)
 
     async def adopt(
-        self, keys: GateKeys, lease_ids: list[str], max_token: int = 0, fence_ms: int = 0
-    ) -> tuple[int, int]:
-        """Count ``lease_ids`` (running work) as leases again after an outage; raise the gate's
-        token counter above ``max_token``; ``fence_ms`` as for :meth:`acquire_many`. Returns
-        (ids added, server-ms expiry: the first call's, when more than :data:`IDS_PER_CALL` ids
-        are adopted in several calls, in order)."""
-        added, expires_at = 0, None
-        for ids in in_chunks(lease_ids, IDS_PER_CALL) if lease_ids else [lease_ids]:
-            args = adopt_argv(ids, max_token, fence_ms)
-            n, expiry = await self._run(self._call("adopt", keys, args, int_pair))
-            added, expires_at = added + n, expiry if expires_at is None else expires_at
-        assert expires_at is not None
-        return added, expires_at
+        self,
+        keys: GateKeys,
+        local_ids: Sequence[str],
+        leases: Sequence[tuple[str, int]],
+        max_token: int = 0,
+        fence_ms: int = 0,
+    ) -> AdoptReply:
+        """After an outage, count ``local_ids`` (permits granted under the fallback) as leases
+        and keep counting ``leases`` ((id, server-ms expiry last seen): running fleet work),
+        except those that lapsed (``adopt.lua``); raise the gate's token counter above
+        ``max_token``; ``fence_ms`` as for :meth:`acquire_many`. More than
+        :data:`IDS_PER_CALL` of either go in several calls, in order: the reply sums them (its
+        expiry is the first call's)."""
+        parts: list[tuple[Sequence[str], Sequence[tuple[str, int]]]] = [
+            *((ids, ()) for ids in in_chunks(local_ids, IDS_PER_CALL)),
+            *(((), pairs) for pairs in in_chunks(leases, IDS_PER_CALL)),
+        ] or [((), ())]
+        replies = [
+            await self._run(
+                self._call(
+                    "adopt", keys, adopt_argv(ids, pairs, max_token, fence_ms), AdoptReply.decode
+                )
+            )
+            for ids, pairs in parts
+        ]
+        return AdoptReply(
+            sum(r.added for r in replies),
+            replies[0].expires_at,
+            [i for r in replies for i in r.lapsed],
+        )
 
     async def snapshot(
         self, keys: GateKeys, listed: int = 10, defaults: GateSettings | None = None

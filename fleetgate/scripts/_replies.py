@@ -394,9 +394,20 @@ def accepted(r: Any) -> bool:
     return int(r[0]) == 1
 
 
-def int_pair(r: Any) -> tuple[int, int]:
-    """The reply's two integers (adopt: ids added, server-ms expiry)."""
-    return int(r[0]), int(r[1])
+class AdoptReply(msgspec.Struct, frozen=True):
+    """``adopt.lua``'s reply: ``added`` (ids counted again or anew), ``expires_at`` (the
+    server-ms expiry of every id adopted) and ``lapsed`` (fleet lease ids not counted again:
+    their renewal time passed and Redis no longer held them, so their units may have gone to
+    another pod; their holders are told)."""
+
+    added: int
+    expires_at: int
+    lapsed: list[str]
+
+    @classmethod
+    def decode(cls, r: Any) -> AdoptReply:
+        """The reply as the script returns it."""
+        return cls(int(r[0]), int(r[1]), [_s(x) for x in r[2]])
 
 
 def decode_snapshot(raw: Any) -> Snapshot:

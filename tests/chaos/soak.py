@@ -18,6 +18,9 @@ Faults, one every ``--every`` seconds (uniform in [every/2, 3·every/2]), chosen
 * ``kill_leader``: SIGKILL the coordinator leader, start a new standby;
 * ``redis_restart`` (only with ``--redis-restarts``): SIGKILL Redis, start it empty 1-2 s later
   and wait until every worker is back in fleet mode;
+* ``oom``, ``write_pause`` (only with ``--refusals``): Redis keeps answering but refuses or
+  holds writes for 1-3 s -- ``maxmemory`` set below its use (OOM), ``CLIENT PAUSE ms WRITE`` --
+  and the fleet serves from its fallback, under the same allowance as a restart;
 * ``wipe`` (only with ``--redis-restarts``): a fresh worker process is started (it leaves by
   itself 8-15 s later), then Redis loses every key -- a restart as above, or a ``FLUSHALL``
   under the running fleet -- and the fresh worker opens its fleet the moment Redis answers (new
@@ -88,6 +91,7 @@ class SoakConfig:
     coordinators: int = 2
     logdir: str = ""
     redis_restarts: bool = False
+    refusals: bool = False
     mixed: bool = False
     token_limit: int = 300  # the token budget of --mixed
     weights: dict[str, float] = field(
@@ -218,6 +222,9 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
     if cfg.redis_restarts:
         cfg.weights.setdefault("redis_restart", 0.15)
         cfg.weights.setdefault("wipe", 0.15)
+    if cfg.refusals:
+        cfg.weights.setdefault("oom", 0.1)
+        cfg.weights.setdefault("write_pause", 0.1)
     logdir = Path(cfg.logdir or tempfile.mkdtemp(prefix="fleetgate-soak-"))
     logdir.mkdir(parents=True, exist_ok=True)
     prefix, gate = "fg", "soak"
@@ -285,11 +292,23 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                     win.textra = max(win.textra, held)
                     win.end = time.monotonic() + 2.0
 
+                def refuse(kind: str) -> None:
+                    """Redis refuses (OOM) or holds (CLIENT PAUSE WRITE) writes for 1-3 s."""
+                    seconds = rng.uniform(1.0, 3.0)
+                    if kind == "oom":
+                        r.config_set("maxmemory", 1)
+                        time.sleep(seconds)
+                        r.config_set("maxmemory", 0)
+                    else:
+                        r.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "WRITE")
+                        time.sleep(seconds)
+
                 def restart_redis(
-                    now: float, answered: Callable[[], None] = lambda: None
+                    now: float, answered: Callable[[], None] = lambda: None, refusal: str = ""
                 ) -> Window:
                     """Kill Redis, start it empty (then ``answered()``), wait for every live pod
-                    to be back."""
+                    to be back. ``refusal``: Redis refuses writes instead (see :func:`refuse`),
+                    under the same allowance."""
                     pods = [w for w in live if w.alive() and not w.paused]
                     st = control.statuses([w.pod for w in pods])
                     total = tokens = 0
@@ -299,10 +318,13 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                         tokens += max(held_by(w.pod, True), -(-cfg.token_limit // n))
                     win = Window(now, float("inf"), max(0, total - cfg.limit), "redis", "*")
                     win.textra = max(0, tokens - cfg.token_limit) if cfg.mixed else 0
-                    red.kill()
-                    time.sleep(rng.uniform(1.0, 2.0))
-                    red.start()
-                    answered()
+                    if refusal:
+                        refuse(refusal)
+                    else:
+                        red.kill()
+                        time.sleep(rng.uniform(1.0, 2.0))
+                        red.start()
+                        answered()
                     with contextlib.suppress(TimeoutError):
                         poll(
                             lambda: all(
@@ -374,6 +396,8 @@ def run_soak(cfg: SoakConfig, log: Callable[[str], None] = print) -> dict[str, A
                             pending_resume.append((now + ttl + rng.uniform(0.5, 1.5), w, win))
                         elif kind == "redis_restart":
                             windows.append(restart_redis(now))
+                        elif kind in ("oom", "write_pause"):
+                            windows.append(restart_redis(now, refusal=kind))
                         elif kind == "wipe":
                             windows.append(wipe(time.monotonic()))
                         else:
@@ -482,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
         "--redis-restarts", action="store_true", help="also kill and restart Redis (empty)"
     )
     p.add_argument(
+        "--refusals",
+        action="store_true",
+        help="also make Redis refuse writes for 1-3 s (OOM, CLIENT PAUSE WRITE)",
+    )
+    p.add_argument(
         "--mixed",
         action="store_true",
         help=(
@@ -493,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = ns.minutes * 60 if ns.minutes else (ns.seconds or 60.0)
     cfg = SoakConfig(
         seconds=seconds, seed=ns.seed, workers=ns.workers, limit=ns.limit, every=ns.every,
-        logdir=ns.logdir, redis_restarts=ns.redis_restarts, mixed=ns.mixed,
+        logdir=ns.logdir, redis_restarts=ns.redis_restarts, refusals=ns.refusals, mixed=ns.mixed,
     )  # fmt: skip
     summary = run_soak(cfg)
     print(json.dumps(summary, indent=2))

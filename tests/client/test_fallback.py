@@ -329,3 +329,19 @@ async def test_local_permit_given_back_after_adoption_is_retried(
         assert armed
         assert await _holders_until_empty(fleet, gate.keys.holders, 2.0) == []
         assert refusals == 1
+
+
+async def test_a_broken_registry_does_not_keep_the_pod_in_fallback(own_redis: RedisProcess) -> None:
+    """The probe's write (an SADD to the registry) meets a key of the wrong type: an answer,
+    not a refusal, so the pod adopts and resumes fleet mode (the heartbeat never lets a broken
+    registry stop renewals either)."""
+    async with Fleet(own_redis.url, registry=CollectorRegistry(), heartbeat_interval=0.2) as fleet:
+        gate = fleet.gate("broken-registry", floor=2, lease_ms=30_000)
+        lease = await gate.acquire()
+        await fleet.redis.delete(f"{fleet.prefix}:gates")
+        await fleet.redis.set(f"{fleet.prefix}:gates", "not a set")
+        fleet.runtime.redis_failed(ConnectionError("a cut link"))
+        assert fleet.fallback_active
+        await _wait(lambda: not fleet.fallback_active, 5, "fleet mode resumes")
+        assert await fleet.redis.zscore(gate.keys.holders, lease.id) is not None  # adopted
+        await lease.release()
