@@ -173,10 +173,10 @@ def test_out_of_memory_is_one_outage(
     workers: Callable[..., Workers],
     record_property: Callable[[str, object], None],
 ) -> None:
-    """maxmemory reached (noeviction): acquire and adopt are refused (OOM) while release and
-    cancel still run, so memory can be freed. Every pod falls back within a heartbeat -- also
-    one whose callers are all parked or running, which calls no acquire -- and none is handed
-    the units another pod's fallback no longer counts."""
+    """maxmemory reached (noeviction): every script that writes is refused (OOM), acquire,
+    adopt, the heartbeats, release and cancel alike. Every pod falls back within a heartbeat --
+    also one whose callers are all parked or running, which calls no acquire -- and none is
+    handed the units another pod's fallback no longer counts."""
     limit, pods = 4, 2
     share = -(-limit // pods)
     prefix, gate = "fg", "oom"
