@@ -4,8 +4,9 @@
 The parent passes the listening socket as file descriptor ``FD`` (inherited) and writes one JSON
 object to the worker's stdin (the configuration: the Redis URL may hold a password, which the
 command line would show to every user of the machine): ``config``, ``via_name``, ``workers``,
-``metrics_dir``, ``log_level``, ``log_config``, ``index``, ``parent`` (the parent's pid). ``PROMETHEUS_MULTIPROC_DIR`` is
-already in the environment (prometheus-client reads it when imported). The worker serves as a
+``metrics_dir``, ``log_level``, ``log_config``, ``index``, ``parent`` (the parent's
+pid). ``PROMETHEUS_MULTIPROC_DIR`` is already in the environment (prometheus-client reads it
+when imported). The worker serves as a
 single proxy does, with :class:`~._shared.WorkerContext`; once it accepts it writes ``ready`` to
 stdout, then points its stdout at stderr (nobody reads the pipe after that line). SIGINT is
 ignored (a Ctrl-C reaches the whole process group: the parent turns it into one SIGTERM per
