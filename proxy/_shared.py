@@ -91,7 +91,8 @@ class WorkerContext:
     metrics_dir: str
     #: the signals that start the drain (a second one stops at once)
     signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)
-    #: the parent's pid: a worker whose parent is gone drains and exits
+    #: the parent's pid (the parent sends it: a worker's own ``os.getppid()`` reads 1 when
+    #: the parent died first): a worker whose parent is gone drains and exits
     parent: int = field(default_factory=os.getppid)
 
     def shared(self) -> SharedMetrics:

@@ -4,8 +4,9 @@
 The parent passes the listening socket as file descriptor ``FD`` (inherited) and writes one JSON
 object to the worker's stdin (the configuration: the Redis URL may hold a password, which the
 command line would show to every user of the machine): ``config``, ``via_name``, ``workers``,
-``metrics_dir``, ``log_level``, ``log_config``, ``index``. ``PROMETHEUS_MULTIPROC_DIR`` is
-already in the environment (prometheus-client reads it when imported). The worker serves as a
+``metrics_dir``, ``log_level``, ``log_config``, ``index``, ``parent`` (the parent's
+pid). ``PROMETHEUS_MULTIPROC_DIR`` is already in the environment (prometheus-client reads it
+when imported). The worker serves as a
 single proxy does, with :class:`~._shared.WorkerContext`; once it accepts it writes ``ready`` to
 stdout, then points its stdout at stderr (nobody reads the pipe after that line). SIGINT is
 ignored (a Ctrl-C reaches the whole process group: the parent turns it into one SIGTERM per
@@ -35,7 +36,8 @@ __all__ = ["main"]
 
 async def _orphaned(parent: int, stop: asyncio.Event) -> None:
     """Set ``stop`` once this process's parent is no longer ``parent`` (it died: the worker
-    is re-parented), checked twice a second."""
+    is re-parented, to 1 or a subreaper), checked twice a second; a ``parent`` that was already
+    gone when the worker started is seen at the first check."""
     while os.getppid() == parent:  # noqa: ASYNC110 - no event says a parent died
         await asyncio.sleep(0.5)
     logging.getLogger("fleetgate.proxy").warning("fleetgate proxy worker: the parent is gone")
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         via_name=str(brief["via_name"]),
         workers=int(brief["workers"]),
         metrics_dir=str(brief["metrics_dir"]),
+        parent=int(brief["parent"]),
     )
     sock = socket.socket(fileno=int(args[0]))
     sock.setblocking(False)

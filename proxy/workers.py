@@ -110,6 +110,7 @@ class Supervisor:
             "metrics_dir": metrics_dir,
             "log_level": logging.getLogger().getEffectiveLevel(),
             "log_config": log_config,
+            "parent": os.getpid(),  # not the worker's getppid(): it reads 1 if we died first
         }
 
     @property
